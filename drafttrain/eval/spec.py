@@ -1,0 +1,136 @@
+"""Greedy chain speculative decoding, one sequence at a time (the in-training evaluation).
+
+Each step: the drafter proposes K + 1 tokens in one forward pass (ParallelSpec Algorithm 1 with a
+chain instead of a tree), the target verifies ``[last token, d_1..d_{K+1}]`` in one forward pass, the
+longest prefix of drafts equal to the target's own argmax is accepted, and the target's argmax after
+it is the bonus token. Greedy acceptance makes the output identical to plain greedy decoding of the
+target (checked by :func:`evaluate_prompts` on every prompt). Rejected positions are cropped from
+both KV caches. The bundled batched tree verifier is a separate component (DESIGN.md section 4).
+
+τ (acceptance length) = tokens emitted by verification steps / verification forwards; the prefill
+forward (which emits the first token in both plain and speculative decoding) is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    target_forwards: int  # verification forwards (prefill excluded)
+    emitted: int  # tokens emitted by verification forwards
+    accept_lengths: list[int] = field(default_factory=list)  # drafts accepted per step (0..K+1)
+    seconds: float = 0.0
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, stop: int | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if stop is not None and stop in tokens:
+        tokens = tokens[: tokens.index(stop) + 1]
+    return tokens
+
+
+@torch.no_grad()
+def plain_greedy(target, prompt: list[int], max_new_tokens: int, stop: int | None = None) -> tuple[list[int], float]:
+    """Plain greedy decoding with the target's KV cache. Returns (generated tokens, seconds)."""
+    t0 = time.perf_counter()
+    r = target.generate_greedy([prompt], max_new_tokens, stop_token_id=stop, return_features=False)[0]
+    return r["tokens"][len(prompt) :], time.perf_counter() - t0
+
+
+@torch.no_grad()
+def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, stop: int | None = None) -> SpecResult:
+    """Greedy chain speculative decoding of one prompt with a ParallelSpec-style drafter.
+
+    Args:
+        target: :class:`drafttrain.target.Target`.
+        drafter: a drafter with ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, K+1, v]``.
+        prompt: prompt token ids.
+        max_new_tokens: generation cap; ``stop``: end-of-turn id (default the target's eos).
+
+    Returns:
+        :class:`SpecResult`.
+    """
+    from transformers import DynamicCache
+
+    stop = target.eos_token_id if stop is None else stop
+    device = target.device
+    t0 = time.perf_counter()
+    tcache, dcache = DynamicCache(), DynamicCache()
+    ids = torch.tensor([prompt], device=device)
+    out = target.forward(ids, past_key_values=tcache, use_cache=True)
+    last = int(out.logits[0, -1].argmax())
+    generated = [last]
+    # drafter items for the prompt: (x_{i+1}, f_i), i = 0..n-1, with x_n = the first generated token
+    item_ids = torch.tensor([prompt[1:] + [last]], device=device)
+    item_feats = out.hidden
+    res = SpecResult(tokens=[], target_forwards=0, emitted=0)
+    while len(generated) < max_new_tokens and generated[-1] != stop:
+        draft = drafter.propose(item_ids, item_feats, dcache)[0].argmax(-1)  # [K+1]
+        k1 = draft.numel()
+        cache_len = tcache.get_seq_length()
+        verify = torch.cat([torch.tensor([last], device=device), draft])[None]  # [1, K+2]
+        pos = torch.arange(cache_len, cache_len + k1 + 1, device=device)[None]
+        tout = target.forward(verify, position_ids=pos, past_key_values=tcache, use_cache=True)
+        preds = tout.logits[0].argmax(-1)  # [K+2] target's next token after each verify input
+        match = (draft == preds[:k1]).long()
+        m = int(torch.cumprod(match, 0).sum())  # accepted drafts
+        bonus = int(preds[m])
+        new = draft[:m].tolist() + [bonus]
+        tcache.crop(-(k1 - m))  # keep last + accepted drafts; drop the rejected ones
+        res.target_forwards += 1
+        res.emitted += len(new)
+        res.accept_lengths.append(m)
+        generated.extend(new)
+        item_ids = torch.tensor([new], device=device)
+        item_feats = tout.hidden[:, : m + 1]
+        last = bonus
+    res.tokens = _truncate(generated, max_new_tokens, stop)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def evaluate_prompts(target, drafter, prompts: list[list[int]], max_new_tokens: int, progress: bool = True) -> dict:
+    """Speculative vs plain greedy decoding on each prompt.
+
+    Returns:
+        dict with ``tau`` (emitted / verification forwards over all prompts), ``greedy_equal`` (bool:
+        every prompt's speculative output equals plain greedy token for token), ``mismatches`` (prompt
+        indices that differ), ``accept_hist`` (count of steps per accepted-draft count),
+        ``plain_tokens_per_s``, ``spec_tokens_per_s``, ``speedup`` (wall-clock, same machine/run),
+        ``num_prompts``, ``generated_tokens``.
+    """
+    emitted = forwards = 0
+    plain_s = spec_s = 0.0
+    n_tokens = 0
+    mismatches = []
+    hist: dict[int, int] = {}
+    for i, p in enumerate(tqdm(prompts, desc="spec-eval", disable=not progress, leave=False)):
+        ref, dt = plain_greedy(target, p, max_new_tokens)
+        plain_s += dt
+        r = speculative_greedy(target, drafter, p, max_new_tokens)
+        spec_s += r.seconds
+        emitted += r.emitted
+        forwards += r.target_forwards
+        n_tokens += len(ref)
+        for a in r.accept_lengths:
+            hist[a] = hist.get(a, 0) + 1
+        if r.tokens != ref:
+            mismatches.append(i)
+    return {
+        "tau": emitted / max(forwards, 1),
+        "greedy_equal": not mismatches,
+        "mismatches": mismatches,
+        "accept_hist": dict(sorted(hist.items())),
+        "plain_tokens_per_s": n_tokens / max(plain_s, 1e-9),
+        "spec_tokens_per_s": n_tokens / max(spec_s, 1e-9),
+        "speedup": plain_s / max(spec_s, 1e-9),
+        "num_prompts": len(prompts),
+        "generated_tokens": n_tokens,
+    }

@@ -1,0 +1,274 @@
+"""ParallelSpec's group-wise parallel layout and its attention masks, as pure functions.
+
+Source: ParallelSpec (Xiao et al.), section 4.1 "Group-wise Parallel Training", Figures 2-3; the layout
+is defined in DESIGN.md section 3. A parallel group is an anchor item followed by K [MASK] slots.
+The paper interleaves ``[x_t, MASK_1..MASK_K]`` groups and masks out "[MASK] tokens from previous
+parallel groups"; here the T context items come first and the mask slots of every anchor follow, so
+the context is computed once and only the K * |A| slots are extra:
+
+    slot:      0   1   2   3 | 4     5     6     7     8     9     10    11
+    input:     u0  u1  u2  u3| m1@0  m2@0  m1@1  m2@1  m1@2  m2@2  m1@3  m2@3
+    position:  0   1   2   3 | 1     2     2     3     3     4     4     5
+    label:     y0  y1  y2  y3| y1    y2    y2    y3    y3    y4    y4    y5
+
+(T = 4, K = 2, every position an anchor; ``m_j@a`` is mask slot j of anchor a.)
+
+- item i has position id i and attends causally to items <= i;
+- mask slot j of anchor a has position id a + j, attends to items <= a and to mask slots 1..j of the
+  same anchor, never to another anchor's slots;
+- labels: item i -> y_i; mask slot j of anchor a -> y_{a+j}; -100 past the end.
+
+Invariant (tested): the drafter's outputs at the mask slots of anchor a equal its outputs when run at
+inference on items <= a followed by the K mask inputs at positions a+1..a+K.
+
+Shape letters: b batch, t context items, k mask tokens (K), n anchors, s = t + n*k layout slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GroupLayout:
+    """One sequence's group-wise layout (all tensors on the same device).
+
+    Attributes:
+        anchors: [n] int64, anchor item indices in increasing order.
+        slot_kind: [s] int64, 0 for a context item, j in 1..K for mask slot j.
+        slot_anchor: [s] int64, the item index for items; the anchor for mask slots.
+        position_ids: [s] int64, i for item i; a + j for mask slot j of anchor a.
+        labels: [s] int64, y_i for items; y_{a+j} for mask slots; -100 where unavailable.
+        allowed: [s, s] bool, True where query slot (row) may attend to key slot (column).
+    """
+
+    anchors: torch.Tensor
+    slot_kind: torch.Tensor
+    slot_anchor: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    allowed: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_kind.numel())
+
+
+def select_anchors(
+    labels: torch.Tensor,
+    num_mask_tokens: int,
+    ratio: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Choose the anchors of the parallel groups.
+
+    Candidates are the items a whose group has at least one mask-slot label (some y_{a+j} != -100,
+    j in 1..K); groups without one add nothing to the loss. ``ratio`` = 1 keeps every candidate; a
+    smaller ratio keeps ``ceil(ratio * #candidates)`` of them at random (the DESIGN.md anchor
+    subsampling that trades coverage for compute).
+
+    Args:
+        labels: [t] int64 item labels y_0..y_{t-1} (-100 = no label).
+        num_mask_tokens: K >= 0.
+        ratio: fraction of candidates kept, in (0, 1].
+        generator: torch RNG for the subsample (deterministic given its seed).
+
+    Returns:
+        [n] int64 sorted anchor indices.
+
+    Raises:
+        ValueError: ratio outside (0, 1] or K < 0.
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"anchor ratio must be in (0, 1], got {ratio}")
+    if num_mask_tokens < 0:
+        raise ValueError(f"num_mask_tokens must be >= 0, got {num_mask_tokens}")
+    t = labels.numel()
+    if num_mask_tokens == 0 or t == 0:
+        return torch.zeros(0, dtype=torch.long, device=labels.device)
+    valid = labels != IGNORE_INDEX  # [t]
+    has_label = torch.zeros(t, dtype=torch.bool, device=labels.device)
+    for j in range(1, num_mask_tokens + 1):
+        has_label[: t - j] |= valid[j:]  # anchor a sees y_{a+j}
+    candidates = torch.nonzero(has_label).flatten()
+    if ratio < 1.0 and candidates.numel() > 0:
+        keep = max(1, int(-(-ratio * candidates.numel() // 1)))  # ceil
+        perm = torch.randperm(candidates.numel(), generator=generator, device="cpu")[:keep]
+        candidates = candidates[perm.to(candidates.device)].sort().values
+    return candidates
+
+
+def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tokens: int) -> GroupLayout:
+    """Build the group-wise layout of one sequence of t items (DESIGN.md section 3).
+
+    Args:
+        labels: [t] int64 item labels y_i (-100 where there is none).
+        anchors: [n] int64 anchor indices (each in [0, t)), e.g. from :func:`select_anchors`.
+        num_mask_tokens: K.
+
+    Returns:
+        :class:`GroupLayout` with s = t + n*K slots.
+
+    Example (T = 3, K = 1, anchors [0, 1]); rows are queries, 1 = may attend::
+
+        slots  u0 u1 u2 m1@0 m1@1
+        u0      1  0  0   0    0
+        u1      1  1  0   0    0
+        u2      1  1  1   0    0
+        m1@0    1  0  0   1    0
+        m1@1    1  1  0   0    1
+    """
+    device = labels.device
+    t = labels.numel()
+    k = num_mask_tokens
+    n = anchors.numel()
+    if n and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
+        raise ValueError(f"anchors must lie in [0, {t}), got {anchors.tolist()}")
+    items = torch.arange(t, device=device)
+    j = torch.arange(1, k + 1, device=device)  # [k]
+    mask_anchor = anchors[:, None].expand(n, k).reshape(-1)  # [n*k]
+    mask_kind = j[None, :].expand(n, k).reshape(-1)  # [n*k]
+    slot_kind = torch.cat([torch.zeros(t, dtype=torch.long, device=device), mask_kind])  # [s]
+    slot_anchor = torch.cat([items, mask_anchor])  # [s]
+    position_ids = slot_anchor + slot_kind  # [s]: i for items, a + j for mask slots
+
+    target_index = slot_anchor + slot_kind  # y index: i for items, a + j for mask slots
+    padded = torch.cat([labels, torch.full((k + 1,), IGNORE_INDEX, dtype=labels.dtype, device=device)])
+    slot_labels = padded[target_index]
+
+    is_item = slot_kind == 0
+    q_kind, k_kind = slot_kind[:, None], slot_kind[None, :]
+    q_anchor, k_anchor = slot_anchor[:, None], slot_anchor[None, :]
+    # every slot sees items up to its anchor (items: causal; masks: items <= a)
+    see_items = is_item[None, :] & (k_anchor <= q_anchor)
+    # a mask slot sees mask slots 1..j of its own anchor (and never another anchor's)
+    slot_group = torch.cat([torch.full((t,), -1, device=device), torch.arange(n, device=device).repeat_interleave(k)])
+    same_group = (slot_group[:, None] == slot_group[None, :]) & (slot_group[:, None] >= 0)
+    see_masks = same_group & (k_kind <= q_kind) & (q_kind > 0) & (k_kind > 0)
+    allowed = see_items | see_masks
+    return GroupLayout(anchors, slot_kind, slot_anchor, position_ids, slot_labels, allowed)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a boolean allowed matrix into the additive float mask transformers expects.
+
+    Args:
+        allowed: [..., q, kv] bool.
+        dtype: the model's floating dtype (build the mask in it: a float32 min cast to bf16 is -inf).
+
+    Returns:
+        [..., q, kv] ``dtype``: 0 where allowed, ``torch.finfo(dtype).min`` elsewhere. (Boolean masks
+        are silently wrong with eager attention: PLATFORM.md.)
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+@dataclass
+class BatchLayout:
+    """A batch of group layouts right-padded to the longest (tensors [b, ...]).
+
+    Attributes:
+        slot_kind, slot_anchor, position_ids, labels: [b, s] int64 (padding: kind -1, label -100).
+        attention_mask: [b, 1, s, s] additive float mask.
+        num_items: [b] int64 t per sequence.
+    """
+
+    slot_kind: torch.Tensor
+    slot_anchor: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    num_items: torch.Tensor
+
+
+def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype) -> BatchLayout:
+    """Right-pad per-sequence layouts to one batch.
+
+    Padding slots attend only to themselves (no fully masked row, which would give NaN under eager),
+    are never attended to by real slots, and carry label -100 and kind -1.
+
+    Args:
+        layouts: one :class:`GroupLayout` per sequence.
+        dtype: dtype of the additive mask (the drafter's compute dtype).
+
+    Returns:
+        :class:`BatchLayout` with s = max slots over the batch.
+    """
+    b = len(layouts)
+    s = max(lay.num_slots for lay in layouts)
+    device = layouts[0].labels.device
+    kind = torch.full((b, s), -1, dtype=torch.long, device=device)
+    anchor = torch.zeros((b, s), dtype=torch.long, device=device)
+    pos = torch.zeros((b, s), dtype=torch.long, device=device)
+    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long, device=device)
+    allowed = torch.eye(s, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    num_items = torch.zeros(b, dtype=torch.long, device=device)
+    for i, lay in enumerate(layouts):
+        n = lay.num_slots
+        kind[i, :n] = lay.slot_kind
+        anchor[i, :n] = lay.slot_anchor
+        pos[i, :n] = lay.position_ids
+        labels[i, :n] = lay.labels
+        allowed[i, :n, :n] = lay.allowed
+        num_items[i] = int((lay.slot_kind == 0).sum())
+    return BatchLayout(kind, anchor, pos, labels, additive_mask(allowed, dtype)[:, None], num_items)
+
+
+def item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Labels of the drafter items of one sequence: y_i = x_{i+2} where the loss mask is on.
+
+    Item i combines the target feature f_i with the embedding of x_{i+1} (DESIGN.md section 3), so a
+    sequence of L tokens has t = L - 1 items and item i must guess x_{i+2}.
+
+    Args:
+        input_ids: [L] int64 token ids x_0..x_{L-1}.
+        loss_mask: [L] int (1 = the token is one the drafter should learn to propose).
+
+    Returns:
+        [L - 1] int64: x_{i+2} where ``loss_mask[i+2]`` is 1, else -100 (always -100 for the last item).
+
+    Example::
+
+        x = [5, 6, 7, 8], mask = [0, 0, 1, 1]  ->  labels = [7, 8, -100]
+    """
+    L = input_ids.numel()
+    labels = torch.full((max(L - 1, 0),), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    if L >= 3:
+        nxt = input_ids[2:].long()
+        labels[: L - 2] = torch.where(loss_mask[2:].bool(), nxt, torch.full_like(nxt, IGNORE_INDEX))
+    return labels
+
+
+def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, past: int = 0):
+    """Position ids and additive mask of one inference drafting step (ParallelSpec Fig. 2 left).
+
+    The drafter sees ``num_items`` new context items (after ``past`` cached ones) followed by the K
+    mask inputs; items are causal, mask slot j sees all items and mask slots 1..j, so every row equals
+    the corresponding row of the training layout for the last item as anchor.
+
+    Args:
+        num_items: new items in this call (>= 1).
+        num_mask_tokens: K.
+        dtype: mask dtype.
+        past: items already in the drafter's KV cache.
+
+    Returns:
+        (position_ids [1, q] int64, attention_mask [1, 1, q, past + q] additive float), q = num_items + K.
+    """
+    q = num_items + num_mask_tokens
+    last = past + num_items - 1  # anchor position
+    item_pos = torch.arange(past, past + num_items)
+    mask_pos = last + torch.arange(1, num_mask_tokens + 1)
+    position_ids = torch.cat([item_pos, mask_pos])[None]
+    kv = past + q
+    allowed = torch.zeros(q, kv, dtype=torch.bool)
+    allowed[:, :past] = True
+    allowed[:num_items, past : past + num_items] = torch.tril(torch.ones(num_items, num_items, dtype=torch.bool))
+    allowed[num_items:, past : past + num_items] = True
+    allowed[num_items:, past + num_items :] = torch.tril(torch.ones(num_mask_tokens, num_mask_tokens, dtype=torch.bool))
+    return position_ids, additive_mask(allowed, dtype)[None, None]

