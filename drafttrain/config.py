@@ -44,6 +44,7 @@ class DataConfig:
     # self-distillation: the target regenerates every answer (greedy) before training
     self_distill: bool = True
     max_new_tokens: int = 192
+    max_prompt_length: int | None = 256  # longer prompts are skipped (counted) by self-distillation
     distill_batch_size: int = 16
     heldout: int = 16  # sequences held out for eval/tau_sim
     cache_dir: str | None = None  # default: <cache_root>/data
@@ -59,6 +60,7 @@ class DrafterConfig:
     anchor_ratio: float = 0.25  # fraction of candidate anchors kept per sequence
     init_from_target_layer: bool = True  # copy the target's last decoder layer into the drafter layer
     fc_bias: bool = True
+    draft_vocab_size: int = 0  # 0 = full target vocabulary; N = the N most frequent answer tokens
 
 
 @dataclass
@@ -77,6 +79,7 @@ class TrainerConfig:
     max_minutes: float | None = None  # stop (and checkpoint) once this much training time has passed
     micro_batch_size: int = 4  # sequences per process per forward
     grad_accum_steps: int = 1
+    length_group_steps: int = 8  # sort each run of this many steps' samples by length (less padding); 1 = off
     mixed_precision: str = "no"  # no | bf16
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
@@ -84,6 +87,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
     # in-training speculative evaluation (greedy chain) on held-out prompts
+    spec_eval_every: int = 0  # also run it every N steps (0 = only at the end)
     spec_eval_prompts: str = "mt_bench"
     spec_eval_num_prompts: int = 10
     spec_eval_offset: int = 0

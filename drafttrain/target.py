@@ -164,37 +164,48 @@ class Target:
         pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [b, s] positions of the real tokens
         cache = DynamicCache(config=self.config)
         out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
-        feats = [out.hidden.cpu()] if return_features else []  # [b, s, d]
-        next_tok = out.logits[:, -1].argmax(-1)  # [b]
+        feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        if return_features:
+            hid = out.hidden.cpu()
+            for i, p in enumerate(prompts):
+                feats[i].append(hid[i, s - len(p) :])  # [len(p), d]
+        next_tok = out.logits[:, -1].argmax(-1)  # [a] for the active rows
         cur_pos = pos[:, -1]
+        active = list(range(b))  # batch row j of the running tensors is prompt active[j]
         generated: list[list[int]] = [[] for _ in range(b)]
-        finished = [False] * b
         finish_reason = ["length"] * b
         for step in range(max_new_tokens):
-            for i in range(b):
-                if not finished[i]:
-                    tok = int(next_tok[i])
-                    generated[i].append(tok)
-                    if stop is not None and tok == stop:
-                        finished[i], finish_reason[i] = True, "stop"
-            if all(finished) or step == max_new_tokens - 1:
+            keep = []
+            for j, i in enumerate(active):
+                tok = int(next_tok[j])
+                generated[i].append(tok)
+                if stop is not None and tok == stop:
+                    finish_reason[i] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or step == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+            if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
+                sel = torch.tensor(keep, device=device)
+                cache.batch_select_indices(sel)
+                attn, cur_pos, next_tok = attn[sel], cur_pos[sel], next_tok[sel]
+                active = [active[j] for j in keep]
+            attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
             cur_pos = cur_pos + 1
             out = self.forward(
                 next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache, use_cache=True
             )
             if return_features:
-                feats.append(out.hidden.cpu())
+                hid = out.hidden[:, -1].cpu()
+                for j, i in enumerate(active):
+                    feats[i].append(hid[j : j + 1])
             next_tok = out.logits[:, -1].argmax(-1)
-        all_feats = torch.cat(feats, dim=1) if return_features else None  # [b, s + steps, d]
         results = []
         for i, p in enumerate(prompts):
             tokens = list(p) + generated[i]
             r = {"tokens": tokens, "num_prompt": len(p), "finish_reason": finish_reason[i]}
             if return_features:
-                start = s - len(p)
-                r["features"] = all_feats[i, start : start + len(tokens) - 1].clone()
+                r["features"] = torch.cat(feats[i], dim=0)[: len(tokens) - 1]
             results.append(r)
         return results
 

@@ -79,7 +79,7 @@ def prepare_data(c: TrainConfig, target, accelerator):
             name = Path(str(getattr(target.model, "name_or_path", "") or c.target.name)).name
             if c.target.random_init:
                 name = f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
-            key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length)
+            key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length)
             ds, report = self_distill(
                 target,
                 convs,
@@ -87,6 +87,7 @@ def prepare_data(c: TrainConfig, target, accelerator):
                 max_new_tokens=c.data.max_new_tokens,
                 max_length=c.data.max_length,
                 batch_size=c.data.distill_batch_size,
+                max_prompt_length=c.data.max_prompt_length,
                 progress=c.trainer.progress and accelerator.is_main_process,
             )
         else:
@@ -125,18 +126,32 @@ def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
     return batch
 
 
-def sample_indices(global_start: int, count: int, n: int, seed: int) -> list[int]:
+def epoch_order(n: int, seed: int, epoch: int, lengths: list[int] | None = None, group: int = 0) -> list[int]:
+    """Row order of one epoch: a permutation drawn from ``seed`` and ``epoch``.
+
+    With ``lengths`` and ``group`` > 1, every run of ``group`` consecutive rows of the permutation is
+    sorted by length, so consecutive micro-batches hold sequences of similar length (less padding)
+    while the epoch stays a random order at the scale of groups.
+    """
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch)).tolist()
+    if lengths is not None and group > 1:
+        perm = [i for g in range(0, n, group) for i in sorted(perm[g : g + group], key=lambda r: (lengths[r], r))]
+    return perm
+
+
+def sample_indices(
+    global_start: int, count: int, n: int, seed: int, lengths: list[int] | None = None, group: int = 0
+) -> list[int]:
     """Dataset rows for global sample positions [global_start, global_start + count).
 
-    Epoch e is a permutation of the n rows drawn from ``seed + e``: the data position of a run is
-    just its sample counter, so resume needs nothing but the step.
+    The data position of a run is just its sample counter, so resume needs nothing but the step.
     """
-    out, perms = [], {}
+    out, orders = [], {}
     for g in range(global_start, global_start + count):
         e = g // n
-        if e not in perms:
-            perms[e] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1000003 * e)).tolist()
-        out.append(perms[e][g % n])
+        if e not in orders:
+            orders[e] = epoch_order(n, seed, e, lengths, group)
+        out.append(orders[e][g % n])
     return out
 
 
@@ -313,6 +328,12 @@ def run(cfg) -> dict[str, Any]:
     # -- drafter, optimizer, schedule ------------------------------------------------------------
     dcfg = {k: v for k, v in to_dict(c)["drafter"].items() if k != "name"}
     drafter = build_drafter(c.drafter.name, dcfg, target)
+    if c.drafter.draft_vocab_size:
+        from drafttrain.data.vocab import frequent_tokens
+
+        ids, coverage = frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])
+        drafter.set_draft_vocab(ids)
+        log.info("draft vocabulary: %d tokens cover %.1f%% of training answer tokens", ids.numel(), 100 * coverage)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     opt = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad],
@@ -353,6 +374,8 @@ def run(cfg) -> dict[str, Any]:
     # -- steps -----------------------------------------------------------------------------------
     world, mbs, accum = accelerator.num_processes, c.trainer.micro_batch_size, c.trainer.grad_accum_steps
     per_step = world * mbs * accum
+    lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
+    group = per_step * c.trainer.length_group_steps if c.trainer.length_group_steps > 1 else 0
     bar = tqdm(total=c.trainer.max_steps, initial=state.step, desc="train", disable=not (main and c.trainer.progress))
     window_sums, window_tokens, window_t0 = None, 0, time.time()
     window_loss, window_n = 0.0, 0
@@ -366,7 +389,7 @@ def run(cfg) -> dict[str, Any]:
             break
         for m in range(accum):
             start = state.samples + m * world * mbs + accelerator.process_index * mbs
-            idx = sample_indices(start, mbs, len(train_ds), c.seed)
+            idx = sample_indices(start, mbs, len(train_ds), c.seed, lengths, group)
             batch = get_batch(train_ds, target, idx, accelerator.device)
             gen = torch.Generator().manual_seed(c.seed * 1_000_003 + state.step * 1009 + m * 31 + accelerator.process_index)
             ctx = accelerator.no_sync(drafter) if (m < accum - 1 and world > 1) else _null()
@@ -405,6 +428,13 @@ def run(cfg) -> dict[str, Any]:
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
+        if c.trainer.spec_eval_every and state.step % c.trainer.spec_eval_every == 0 and state.step < c.trainer.max_steps:
+            if main:
+                r = spec_eval(c, target, accelerator.unwrap_model(drafter))
+                log_metrics({k: v for k, v in r.items() if isinstance(v, (int, float))}, state.step)
+                accelerator.unwrap_model(drafter).train()
+            accelerator.wait_for_everyone()
+            seg_start, base_seconds = time.time(), state.train_seconds  # eval time is not training time
         if c.trainer.save_every and state.step % c.trainer.save_every == 0:
             save_checkpoint(accelerator, drafter, c, state, out_dir)
     bar.close()

@@ -27,16 +27,18 @@ from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-def distill_key(conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int) -> str:
+def distill_key(
+    conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None
+) -> str:
     """Fingerprint of a self-distillation job (inputs + generation settings)."""
     h = hashlib.sha256()
     for c in conversations:
         h.update(c["id"].encode())
         h.update(json.dumps(c["messages"], sort_keys=True).encode())
-    h.update(f"{target_name}|{max_new_tokens}|{max_length}|v{FORMAT_VERSION}".encode())
+    h.update(f"{target_name}|{max_new_tokens}|{max_length}|{max_prompt_length}|v{FORMAT_VERSION}".encode())
     return h.hexdigest()[:16]
 
 
@@ -56,6 +58,7 @@ def self_distill(
     max_length: int,
     batch_size: int = 16,
     progress: bool = True,
+    max_prompt_length: int | None = None,
 ):
     """Regenerate the first assistant turn of every conversation with the target and store the rows.
 
@@ -65,6 +68,8 @@ def self_distill(
         out_dir: job folder; shards and ``manifest.json`` live here; reused when complete.
         max_new_tokens: answer length cap (tokens).
         max_length: cap on prompt + answer; prompts longer than ``max_length - 8`` are skipped.
+        max_prompt_length: optional tighter cap on prompt tokens (long prompts make batched
+            generation slow and teach the drafter little about answers); longer prompts are skipped.
         batch_size: prompts per generation batch (also the shard size).
 
     Returns:
@@ -92,14 +97,16 @@ def self_distill(
         except Exception as e:  # a template that cannot render this conversation
             skipped[f"template error: {type(e).__name__}"] += 1
             continue
-        if len(ids) > max_length - 8:
-            skipped["prompt longer than max_length"] += 1
+        if len(ids) > min(max_length - 8, max_prompt_length or max_length):
+            skipped["prompt too long"] += 1
             continue
         todo.append((conv["id"], ids))
 
     manifest_path = out_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"shards": {}}
-    shards = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+    # shards group prompts of similar length (little left padding); the input order is restored at the end
+    by_length = sorted(range(len(todo)), key=lambda i: (len(todo[i][1]), i))
+    shards = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -108,6 +115,7 @@ def self_distill(
             "features": datasets.Array2D(shape=(None, d), dtype="float16"),
             "finish_reason": datasets.Value("string"),
             "num_prompt": datasets.Value("int32"),
+            "order": datasets.Value("int32"),
         }
     )
     pending = [i for i in range(len(shards)) if str(i) not in manifest["shards"]]
@@ -115,10 +123,11 @@ def self_distill(
                initial=sum(len(shards[i]) for i in range(len(shards)) if str(i) in manifest["shards"]))
     t0, new_tokens = time.time(), 0
     for i in pending:
-        batch = shards[i]
+        batch = [todo[j] for j in shards[i]]
         results = target.generate_greedy([ids for _, ids in batch], max_new_tokens=max_new_tokens)
         rows = {k: [] for k in features}
-        for (cid, _), r in zip(batch, results):
+        for j, (cid, _), r in zip(shards[i], batch, results):
+            rows["order"].append(j)
             tokens = r["tokens"][:max_length]
             n_prompt = r["num_prompt"]
             new_tokens += len(r["tokens"]) - n_prompt
@@ -140,7 +149,11 @@ def self_distill(
         bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
     parts = [datasets.load_from_disk(str(out_dir / f"shard_{i:05d}")) for i in range(len(shards))]
-    ds = datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+    if parts:
+        ds = datasets.concatenate_datasets(parts)
+        ds = ds.select(_argsort(ds["order"]))  # back to input order
+    else:
+        ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
     report = {
         "input": len(conversations),
         "generated": len(todo),
@@ -152,6 +165,11 @@ def self_distill(
     _atomic_write(out_dir / "report.json", json.dumps(report, indent=1))
     log.info("self-distillation: %s", report)
     return ds, report
+
+
+def _argsort(values) -> list[int]:
+    values = list(values)
+    return sorted(range(len(values)), key=values.__getitem__)
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -28,7 +28,9 @@ class ParallelSpecDrafter(Drafter):
 
     Config keys: ``num_mask_tokens`` (K, default 4), ``loss_decay`` (lambda_k = decay**k, default 0.8),
     ``anchor_ratio`` (training anchor subsample, default 1.0), ``init_from_target_layer`` (copy the
-    target's last decoder layer as the starting point), ``fc_bias``.
+    target's last decoder layer as the starting point), ``fc_bias``, ``draft_vocab_size`` (0 = the
+    target's full vocabulary; N > 0 = the drafter only proposes the N token ids in buffer ``d2t``, a
+    row subset of the frozen LM head, as in EAGLE-3; set them with :meth:`set_draft_vocab`).
 
     Trainable parameters: fc (2d x d [+ d]), one decoder layer, K mask vectors [K, d].
     """
@@ -42,6 +44,7 @@ class ParallelSpecDrafter(Drafter):
             "anchor_ratio": 1.0,
             "init_from_target_layer": True,
             "fc_bias": True,
+            "draft_vocab_size": 0,
             **config,
         }
         super().__init__(config, shared)
@@ -56,10 +59,35 @@ class ParallelSpecDrafter(Drafter):
         self.rotary = type(shared.rotary_emb)(config=mcfg)
         self.mask_embed = nn.Parameter(torch.zeros(self.num_mask_tokens, d))  # [k, d]
         self.weights = group_position_weights(self.num_mask_tokens, float(config["loss_decay"]))
+        v = shared.lm_head.weight.shape[0]
+        n_draft = int(config["draft_vocab_size"]) or v
+        if n_draft > v:
+            raise ValueError(f"draft_vocab_size {n_draft} exceeds the target vocabulary {v}")
+        self.register_buffer("d2t", torch.arange(n_draft), persistent=True)  # draft id -> target id
         if init_weights:
             self.reset_parameters(from_target=bool(config["init_from_target_layer"]))
         dtype = shared.embed_tokens.weight.dtype
         self.to(dtype=dtype, device=shared.embed_tokens.weight.device)
+
+    @property
+    def restricted_vocab(self) -> bool:
+        return self.d2t.numel() < self.shared.lm_head.weight.shape[0]
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Use the given target token ids ([N] int64, distinct, N = draft_vocab_size) as the draft vocabulary."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if token_ids.numel() != self.d2t.numel() or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(f"need {self.d2t.numel()} distinct token ids, got {token_ids.numel()}")
+        self.d2t.copy_(token_ids.to(self.d2t.device))
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map target token ids [...] to draft ids (-1 where the id is outside the draft vocabulary)."""
+        if not self.restricted_vocab:
+            return ids
+        t2d = torch.full((self.shared.lm_head.weight.shape[0],), -1, dtype=torch.long, device=ids.device)
+        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=ids.device)
+        return t2d[ids.clamp_min(0)].masked_fill(ids < 0, -1)
 
     @torch.no_grad()
     def reset_parameters(self, from_target: bool) -> None:
@@ -106,8 +134,23 @@ class ParallelSpecDrafter(Drafter):
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shared frozen final norm + LM head: [..., d] -> [..., v] float32."""
-        return self.shared.lm_head(self.shared.final_norm(hidden)).float()
+        """Shared frozen final norm + LM head rows of the draft vocabulary: [..., d] -> [..., N] float32."""
+        h = self.shared.final_norm(hidden)
+        if not self.restricted_vocab:
+            return self.shared.lm_head(h).float()
+        head = self.shared.lm_head
+        w = head.weight[self.d2t]  # [N, d] frozen rows (gather is cheap next to the matmul)
+        b = head.bias[self.d2t] if getattr(head, "bias", None) is not None else None
+        return torch.nn.functional.linear(h, w.to(h.dtype), None if b is None else b.to(h.dtype)).float()
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocabulary logits [..., N] into the target vocabulary [..., v] (-inf elsewhere)."""
+        if not self.restricted_vocab:
+            return logits
+        v = self.shared.lm_head.weight.shape[0]
+        full = logits.new_full((*logits.shape[:-1], v), float("-inf"))
+        full[..., self.d2t] = logits
+        return full
 
     # -- training -------------------------------------------------------------------------------
     def layouts(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> L.BatchLayout:
@@ -148,15 +191,18 @@ class ParallelSpecDrafter(Drafter):
         items = self.items(ids[:, 1:], feats[:, :t])  # [b, t, d]
         lay = self.layouts(batch, generator)
         hidden = self.forward_layout(items, lay)  # [b, s, d]
-        sel = lay.labels != L.IGNORE_INDEX  # [b, s]
-        logits = self.logits(hidden[sel])  # [m, v]
-        labels = lay.labels[sel]
+        valid = lay.labels != L.IGNORE_INDEX  # [b, s] slots with a label
+        draft_labels = self.target_to_draft(lay.labels)  # -1: label outside the draft vocabulary
+        sel = valid & (draft_labels >= 0)  # slots that enter the loss
+        logits = self.logits(hidden[sel])  # [m, N]
+        labels = draft_labels[sel]
         kind = lay.slot_kind[sel]
         loss, ce_sum, ce_count = parallel_group_loss(logits, labels, kind, self.weights)
         sums = {"ce_sum": ce_sum, "ce_count": ce_count}
+        # out-of-vocabulary labels stay valid for the metrics: the drafter can never propose them
         correct = torch.zeros_like(lay.labels, dtype=torch.bool)
         correct[sel] = logits.argmax(-1) == labels
-        sums.update(self._group_sums(lay, correct, sel))
+        sums.update(self._group_sums(lay, correct, valid))
         return LossOutput(loss=loss, sums=sums, num_tokens=int((lay.slot_kind >= 0).sum()))
 
     def _group_sums(self, lay: L.BatchLayout, correct: torch.Tensor, valid: torch.Tensor) -> dict:
@@ -194,8 +240,9 @@ class ParallelSpecDrafter(Drafter):
             cache: a transformers ``DynamicCache`` holding the drafter's past items (updated in place).
 
         Returns:
-            [1, K + 1, v] float32 logits: position 0 guesses the token after the last item's x_{i+1},
-            position j the j-th token after that.
+            [1, K + 1, v] float32 logits over the target vocabulary (-inf outside a restricted draft
+            vocabulary): position 0 guesses the token after the last item's x_{i+1}, position j the
+            j-th token after that.
         """
         n = next_ids.shape[1]
         past = cache.get_seq_length()
@@ -204,4 +251,4 @@ class ParallelSpecDrafter(Drafter):
         pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=u.dtype, past=past)
         h = self.decode(x, mask.to(u.device), pos.to(u.device), past_key_values=cache, use_cache=True)
         cache.crop(-self.num_mask_tokens)  # transformers 5: negative = tokens to remove
-        return self.logits(h[:, n - 1 :])
+        return self.full_vocab_logits(self.logits(h[:, n - 1 :]))

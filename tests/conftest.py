@@ -1,0 +1,46 @@
+"""Shared fixtures: one tiny random target per test session (loading it costs a few seconds).
+
+The tiny target (2 layers, d = 64) shares the real SmolLM2 tokenizer (vocab 49152) from the
+converted model folder in the default cache; ``DRAFTTRAIN_CACHE`` is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+# The models here are tiny: one intra-op thread is fastest, and on a shared 2-core machine the default
+# (one thread per core) spins against other processes and is ~40x slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """The frozen tiny random target (deterministic from TargetConfig.seed)."""
+    from drafttrain import assets
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+
+    try:
+        return load_target(TargetConfig(random_init=True))
+    except assets.MissingAssetError as err:  # the tokenizer comes from the packaged model
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def make_drafter(tiny_target):
+    """Factory: ``make_drafter(seed=0, **config)`` -> a fresh ParallelSpec drafter on the tiny target.
+
+    Default config: K = 3, every candidate an anchor, fresh layer init (not a copy of the target's).
+    """
+    from drafttrain.drafters import build_drafter
+
+    def make(seed: int = 0, **config):
+        cfg = {"num_mask_tokens": 3, "anchor_ratio": 1.0, "init_from_target_layer": False, **config}
+        torch.manual_seed(seed)
+        return build_drafter("parallelspec", cfg, tiny_target)
+
+    return make

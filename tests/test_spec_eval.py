@@ -1,0 +1,198 @@
+"""Tests of drafttrain.eval.spec: greedy chain speculative decoding is lossless and counts τ right (< 30 s).
+
+Two targets: the tiny random target as loaded (its greedy output repeats one token, so it cannot
+catch an off-by-one in the token bookkeeping) and a "varied" copy whose 2-D weights are redrawn with
+std 0.3, whose greedy continuations change at every step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from drafttrain.eval.spec import evaluate_prompts, plain_greedy, speculative_greedy
+from drafttrain.target import Target
+
+K = 3
+PROMPT_LENGTHS = (3, 11, 30)
+
+
+@pytest.fixture(scope="module")
+def varied_target(tiny_target):
+    model = copy.deepcopy(tiny_target.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:  # embeddings (tied LM head) and linear weights; norms stay 1
+                p.normal_(0.0, 0.3, generator=g)
+    return Target(model, tiny_target.tokenizer)
+
+
+@pytest.fixture(scope="module", params=["tiny", "varied"])
+def target(request, tiny_target, varied_target):
+    return tiny_target if request.param == "tiny" else varied_target
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(make_drafter):
+    return make_drafter(seed=0).eval()
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation of each prompt and drafts from it (no model).
+
+    ``correct(step)`` says how many leading drafts of a step are right (the rest are true token + 1, so
+    surely wrong). It also checks the items it is given: next_ids must be x_{N-n+1..N} and the features
+    the target's f_{N-n..N-1} of the true sequence, N = items seen so far in this prompt.
+    """
+
+    def __init__(self, target: Target, prompts: list[list[int]], horizon: int, correct=lambda step: K + 1):
+        self.vocab = target.config.vocab_size
+        self.correct = correct
+        self.seqs = []
+        for p in prompts:
+            full = target.generate_greedy([p], horizon + K + 2, stop_token_id=-1, return_features=False)[0]["tokens"]
+            feats = target.features(torch.tensor([full]))[0]  # [len, d]
+            self.seqs.append((full, feats))
+        self._cache = None
+        self.chosen: list[int] = []
+
+    def propose(self, next_ids: torch.Tensor, features: torch.Tensor, cache) -> torch.Tensor:
+        n = next_ids.shape[1]
+        if cache is not self._cache:  # a new prompt: find it from its items x_1..x_n
+            self._cache, self.n_items, self.step = cache, 0, 0
+            match = [s for s in self.seqs if s[0][1 : n + 1] == next_ids[0].tolist()]
+            assert match, "first items are not prompt[1:] + first token"
+            self.full, self.feats = match[0]
+        lo, self.n_items = self.n_items, self.n_items + n
+        N = self.n_items
+        assert next_ids[0].tolist() == self.full[lo + 1 : N + 1], "items carry the wrong tokens"
+        torch.testing.assert_close(features[0].float(), self.feats[lo:N].float(), atol=1e-4, rtol=1e-4)
+        r = self.correct(self.step)
+        self.chosen.append(r)
+        self.step += 1
+        true = self.full[N + 1 : N + K + 2]  # x_{N+1} .. x_{N+K+1}
+        draft = [tok if j < r else (tok + 1) % self.vocab for j, tok in enumerate(true)]
+        logits = torch.full((1, K + 1, self.vocab), -10.0)
+        logits[0, torch.arange(K + 1), torch.tensor(draft)] = 10.0  # one-hot
+        return logits
+
+
+# ---------------------------------------------------------------- losslessness
+
+
+def test_speculative_equals_plain_greedy_and_hf_generate(target, random_drafter, prompts):
+    """Greedy acceptance must make speculative decoding output exactly the target's greedy output."""
+    for p in prompts:
+        ref, _ = plain_greedy(target, p, 40)
+        assert len(ref) == 40 or ref[-1] == target.eos_token_id
+        r = speculative_greedy(target, random_drafter, p, 40)
+        assert r.tokens == ref, f"prompt length {len(p)}"
+        ids = torch.tensor([p])
+        hf = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+            eos_token_id=target.eos_token_id, pad_token_id=target.eos_token_id,
+        )[0, len(p):].tolist()  # fmt: skip
+        assert hf == ref, f"prompt length {len(p)}"
+        assert r.target_forwards == len(r.accept_lengths) >= 1
+        assert r.emitted == sum(m + 1 for m in r.accept_lengths)
+
+
+def test_oracle_drafter_accepts_everything(varied_target, prompts):
+    """A drafter that is always right gets all K + 1 drafts + the bonus token accepted at every step
+    (τ = K + 2): the acceptance rule is not too strict. The oracle also checks the (token, feature)
+    items the loop hands the drafter after every verification step."""
+    oracle = OracleDrafter(varied_target, prompts, horizon=60)
+    for p in prompts:
+        ref, _ = plain_greedy(varied_target, p, 60)
+        r = speculative_greedy(varied_target, oracle, p, 60)
+        assert r.tokens == ref
+        assert r.accept_lengths == [K + 1] * r.target_forwards
+        assert r.emitted / r.target_forwards > K + 1.5
+        assert r.target_forwards == -(-(60 - 1) // (K + 2))  # ceil(59 / 5) = 12 steps after the prefill
+
+
+def test_wrong_drafter_accepts_nothing(varied_target, prompts):
+    """A drafter that is always wrong gets nothing accepted (τ = 1, one bonus token per step): the rule
+    is not too lenient, and the output is still plain greedy."""
+    wrong = OracleDrafter(varied_target, prompts, horizon=40, correct=lambda step: 0)
+    for p in prompts:
+        ref, _ = plain_greedy(varied_target, p, 40)
+        r = speculative_greedy(varied_target, wrong, p, 40)
+        assert r.tokens == ref
+        assert r.emitted / r.target_forwards == 1.0
+        assert set(r.accept_lengths) == {0} and r.target_forwards == 39
+
+
+def test_partially_right_drafter_accepts_its_correct_prefix(varied_target, prompts):
+    """Steps whose first r drafts are right (r cycling 0..K+1) accept exactly r: every accept length,
+    and so every cache crop, is exercised, and the output stays plain greedy."""
+    cycle = [2, 0, 4, 1, 3, 4, 0, 2]
+    drafter = OracleDrafter(varied_target, prompts, horizon=60, correct=lambda step: cycle[step % len(cycle)])
+    for p in prompts:
+        ref, _ = plain_greedy(varied_target, p, 60)
+        start = len(drafter.chosen)
+        r = speculative_greedy(varied_target, drafter, p, 60)
+        assert r.tokens == ref
+        assert r.accept_lengths == drafter.chosen[start:]
+        assert set(r.accept_lengths) == {0, 1, 2, 3, 4}
+
+
+def test_stop_token_ends_output(varied_target, random_drafter, prompts):
+    """A stop token in the continuation ends the output right after it, as in plain greedy."""
+    p = prompts[1]
+    cont, _ = plain_greedy(varied_target, p, 40, stop=-1)
+    stop = cont[17]
+    ref, _ = plain_greedy(varied_target, p, 40, stop=stop)
+    assert ref[-1] == stop and len(ref) == cont.index(stop) + 1
+    assert speculative_greedy(varied_target, random_drafter, p, 40, stop=stop).tokens == ref
+    oracle = OracleDrafter(varied_target, [p], horizon=40)
+    assert speculative_greedy(varied_target, oracle, p, 40, stop=stop).tokens == ref
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG drafttrain/eval/spec.py speculative_greedy: the loop only stops when the LAST emitted token "
+    "is the stop token (`generated[-1] != stop`); a stop token accepted as a non-final draft is missed, so "
+    "decoding goes on past the end of the answer up to max_new_tokens and those extra target forwards and "
+    "tokens are counted in target_forwards/emitted (τ, speedup). The returned tokens are still truncated right.",
+)
+def test_stop_inside_accepted_drafts_ends_decoding(varied_target, prompts):
+    """With an oracle drafter and the stop token at generated index 2 (inside the first step's accepted
+    drafts), decoding must end after that first verification step."""
+    p = prompts[1]
+    cont, _ = plain_greedy(varied_target, p, 40, stop=-1)
+    stop = cont[2]
+    assert stop not in cont[:2]
+    oracle = OracleDrafter(varied_target, [p], horizon=40)
+    r = speculative_greedy(varied_target, oracle, p, 40, stop=stop)
+    assert r.tokens == cont[:3]
+    assert r.target_forwards == 1
+
+
+# ---------------------------------------------------------------- evaluate_prompts
+
+
+def test_evaluate_prompts(varied_target, random_drafter, prompts):
+    """The in-training evaluation: greedy_equal holds and the accept histogram has one entry per
+    verification step."""
+    steps = sum(speculative_greedy(varied_target, random_drafter, p, 24).target_forwards for p in prompts)
+    out = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
+    assert out["greedy_equal"] is True and out["mismatches"] == []
+    assert sum(out["accept_hist"].values()) == steps
+    assert out["num_prompts"] == 3 and out["generated_tokens"] == 3 * 24
+    emitted = sum((m + 1) * c for m, c in out["accept_hist"].items())
+    assert out["tau"] == pytest.approx(emitted / steps)
+
+    oracle = OracleDrafter(varied_target, prompts, horizon=24)
+    out = evaluate_prompts(varied_target, oracle, prompts, 24, progress=False)
+    assert out["greedy_equal"] is True
+    assert list(out["accept_hist"]) == [K + 1] and out["tau"] == K + 2

@@ -1,0 +1,198 @@
+"""Runs of the real training CLI (`accelerate launch train.py +recipe=parallelspec target=tiny ...`).
+
+Slow (subprocesses, ~2-3 min in all): run with `pytest -m slow`. Four short training runs share one
+self-distilled data cache; each assertion reuses them through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = [
+    "data.max_conversations=24",
+    "data.max_new_tokens=16",
+    "data.heldout=4",
+    "trainer.spec_eval_num_prompts=2",
+    "trainer.spec_eval_max_new_tokens=16",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "trainer.num_threads=1",  # tiny model: one thread is fastest on a shared machine
+]
+# train/loss of steps 1..3 of the runs below, computed once (2026-11-22) against the working tree with
+# data.max_prompt_length=256, length-sorted self-distillation shards and trainer.length_group_steps=8.
+# The loss, data, batch order or init must not change by accident; refresh these on a deliberate change.
+GOLDEN_LOSSES = [35.293800354003906, 35.222633361816406, 35.114078521728516]
+
+
+def launch(*overrides: str, timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the CLI from the repo root; returns (completed process, seconds)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml",
+           "train.py", "+recipe=parallelspec", "target=tiny", *overrides]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.time() - t0
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> dict[int, dict]:
+    """step -> the logged training metrics of that step (the final eval line has no train/loss)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    proc, _ = launch(*FAST, f"data.cache_dir={data_cache}", f"output_dir={run_dir}", *overrides)
+    assert proc.returncode == 0, output(proc)[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory, data_cache):
+    run_dir = tmp_path_factory.mktemp("run3") / "run"
+    proc = train(run_dir, data_cache, "trainer.max_steps=3")
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, data_cache):
+    """Run A (6 steps, checkpoint every 3); run B identical, then 'killed' after step 3 and relaunched."""
+    root = tmp_path_factory.mktemp("resume")
+    a, b = root / "A", root / "B"
+    six = ("trainer.max_steps=6", "trainer.save_every=3")
+    train(a, data_cache, *six)
+    train(b, data_cache, *six)
+    shutil.rmtree(b / "checkpoints" / "step_0000006")
+    assert (b / "checkpoints" / "step_0000003" / "COMPLETE").is_file()
+    lines = [line for line in (b / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
+    (b / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    relaunch = train(b, data_cache, *six, "resume=true")
+    return a, b, relaunch
+
+
+# ---------------------------------------------------------------- a short run
+
+
+def test_short_run_logs_metrics(run3):
+    run_dir, _ = run3
+    rows = train_rows(run_dir)
+    assert sorted(rows) == [1, 2, 3]
+    for step, r in rows.items():
+        for key in ("train/loss", "train/tau_sim", "train/acc_0", "train/lr", "train/samples"):
+            assert key in r, (step, key)
+        assert r["train/samples"] == 4 * step  # micro batch 4, one process
+    assert [rows[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    assert final["step"] == 3
+    assert final["eval/tau"] >= 1
+    assert final["eval/greedy_equal"] is True
+    assert "eval/tau_sim" in final
+
+
+def test_short_run_checkpoint_and_wandb(run3):
+    run_dir, _ = run3
+    ck = run_dir / "checkpoints" / "step_0000003"
+    assert (ck / "COMPLETE").is_file()
+    assert (ck / "drafter" / "drafter.safetensors").is_file()
+    assert (ck / "config.json").is_file()
+    saved_cfg = json.loads((ck / "config.json").read_text())
+    assert saved_cfg["drafter"]["name"] == "parallelspec" and saved_cfg["trainer"]["max_steps"] == 3
+    meta = json.loads((ck / "meta.json").read_text())
+    assert meta["git_sha"] and meta["step"] == 3 and meta["samples"] == 12
+    if (REPO / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["git_sha"]), meta["git_sha"]
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run"
+
+
+def test_short_run_trained_the_drafter_only(run3):
+    """The drafter's weights moved away from their initial values (rebuilt here: the tiny target and the
+    drafter init are deterministic from seed 0), by no more than a few warm-up Adam steps; the
+    checkpoints hold no target tensor (the shared embedding / norm / LM head are never saved)."""
+    from safetensors.torch import load_file
+
+    from drafttrain.config import TargetConfig
+    from drafttrain.drafters import build_drafter
+    from drafttrain.target import load_target
+
+    run_dir, _ = run3
+    ck = run_dir / "checkpoints" / "step_0000003"
+    trained = load_file(str(ck / "drafter" / "drafter.safetensors"))
+    for f in (ck / "drafter" / "drafter.safetensors", ck / "model.safetensors"):
+        keys = list(load_file(str(f)))
+        assert not [k for k in keys if "embed_tokens" in k or "lm_head" in k or k.startswith(("model.", "norm"))]
+
+    cfg = json.loads((ck / "config.json").read_text())
+    target = load_target(TargetConfig(random_init=True))  # seeds itself: same weights as in the run
+    dcfg = {k: v for k, v in cfg["drafter"].items() if k != "name"}
+    drafter = build_drafter("parallelspec", dcfg, target)
+    init = drafter.state_dict()
+    assert trained.keys() == init.keys()
+    params = [name for name, p in drafter.named_parameters() if p.requires_grad]
+    assert {"fc.weight", "mask_embed"} <= set(params)
+    for k in params:
+        diff = (trained[k] - init[k]).abs().max().item()
+        # 3 warm-up steps at lr <= 1e-4: Adam moves each weight by < 3e-4; a wrong init would differ by ~1e-2
+        assert 0 < diff < 1e-3, (k, diff)
+    # the drafter layer started as a copy of the target's last layer and moved by training only
+    layer = {f"layer.{k}": v for k, v in target.last_layer.state_dict().items()}
+    assert max((trained[k] - v).abs().max().item() for k, v in layer.items()) < 1e-3
+    assert torch.equal(init["layer.self_attn.q_proj.weight"], layer["layer.self_attn.q_proj.weight"])
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_replays_the_uninterrupted_run(resume_runs):
+    """A killed run resumes at the right step, learning rate and data position: its steps 4..6 log the
+    same loss, lr and sample count as the run that was never interrupted."""
+    a, b, relaunch = resume_runs
+    ra, rb = train_rows(a), train_rows(b)
+    assert sorted(ra) == sorted(rb) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("train/loss", "train/lr", "train/samples"):
+            assert rb[step][key] == pytest.approx(ra[step][key], rel=1e-6), (step, key)
+    assert [ra[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
+    log = output(relaunch)
+    assert re.search(r"resumed from \S*step_0000003 at step 3", log), log[-3000:]
+    assert json.loads((b / "final_metrics.json").read_text())["step"] == 6
+
+
+# ---------------------------------------------------------------- config errors fail fast
+
+
+@pytest.mark.parametrize("override", ["drafter.num_mask_tokes=3", "+drafter.num_mask_tokes=3"])
+def test_typo_fails_before_loading_anything(override, tmp_path):
+    """A typo'd key (plain override: Hydra refuses it; '+' append: our schema refuses it) exits non-zero
+    naming the key, within seconds, before any model or data is loaded."""
+    proc, seconds = launch(f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", override)
+    text = output(proc)
+    assert proc.returncode != 0
+    assert "num_mask_tokes" in text
+    assert "Loading weights" not in text
+    assert "self-distill" not in text.lower()
+    assert not (tmp_path / "cache").exists()
+    assert seconds < 60, seconds
