@@ -26,6 +26,7 @@ Shape letters: b batch, t context items, k mask tokens (K), n anchors, s = t + n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,11 +93,11 @@ def select_anchors(
         return torch.zeros(0, dtype=torch.long, device=labels.device)
     valid = labels != IGNORE_INDEX  # [t]
     has_label = torch.zeros(t, dtype=torch.bool, device=labels.device)
-    for j in range(1, num_mask_tokens + 1):
+    for j in range(1, min(num_mask_tokens, t - 1) + 1):
         has_label[: t - j] |= valid[j:]  # anchor a sees y_{a+j}
     candidates = torch.nonzero(has_label).flatten()
     if ratio < 1.0 and candidates.numel() > 0:
-        keep = max(1, int(-(-ratio * candidates.numel() // 1)))  # ceil
+        keep = max(1, math.ceil(round(ratio * candidates.numel(), 6)))  # round: 0.07 * 100 is 7.000000000000001
         perm = torch.randperm(candidates.numel(), generator=generator, device="cpu")[:keep]
         candidates = candidates[perm.to(candidates.device)].sort().values
     return candidates

@@ -145,14 +145,12 @@ def _random_labels(rng: random.Random, t: int) -> torch.Tensor:
 
 def test_select_anchors_ratio_one_is_exactly_the_candidates():
     """ratio 1 keeps every anchor whose group has a mask-slot label and nothing else (groups without
-    one would only cost compute). Sequences with 2 <= T < K are excluded here: see the xfail below."""
+    one would only cost compute), including sequences shorter than the group (T < K)."""
     rng = random.Random(7)
     checked = 0
     for _ in range(80):
         t = rng.randint(1, 20)
         k = rng.randint(0, 5)
-        if 2 <= t < k:
-            continue
         labels = _random_labels(rng, t)
         got = L.select_anchors(labels, k, 1.0)
         assert got.dtype == torch.long
@@ -165,15 +163,9 @@ def test_select_anchors_ratio_one_is_exactly_the_candidates():
     assert L.select_anchors(y, 0).tolist() == []
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="BUG drafttrain/layout.py select_anchors: `has_label[: t - j] |= valid[j:]` uses a negative "
-    "slice end when j > t, so any sequence with 2 <= t < K items raises RuntimeError instead of "
-    "returning its candidates (e.g. t=2, K=3 should give [0]).",
-)
 def test_select_anchors_short_sequence_shorter_than_k():
-    """A sequence shorter than the group (t = 2 items, K = 3) still has anchor 0 (y_1 is a label)."""
+    """Regression: a sequence shorter than the group (t = 2 items, K = 3) raised RuntimeError (negative
+    slice end); it still has anchor 0 (y_1 is a label)."""
     assert L.select_anchors(torch.tensor([10, 11]), 3).tolist() == [0]
 
 

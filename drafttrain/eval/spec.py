@@ -84,6 +84,9 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
         bonus = int(preds[m])
         new = draft[:m].tolist() + [bonus]
         tcache.crop(-(k1 - m))  # keep last + accepted drafts; drop the rejected ones
+        if stop is not None and stop in new:  # an accepted draft may already end the answer
+            new = new[: new.index(stop) + 1]
+        new = new[: max_new_tokens - len(generated)]  # emitted tokens past the cap do not count
         res.target_forwards += 1
         res.emitted += len(new)
         res.accept_lengths.append(m)
