@@ -129,6 +129,7 @@ class Target:
         max_new_tokens: int,
         stop_token_id: int | None = None,
         return_features: bool = True,
+        static_cache: bool = False,
     ) -> list[dict]:
         """Batched greedy generation with the target's KV cache, keeping every last hidden state.
 
@@ -162,7 +163,12 @@ class Target:
             attn[i, s - len(p) :] = 1
         ids, attn = ids.to(device), attn.to(device)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [b, s] positions of the real tokens
-        cache = DynamicCache(config=self.config)
+        if static_cache:  # preallocated: no per-step copy of the whole cache, but no row compaction
+            from transformers import StaticCache
+
+            cache = StaticCache(config=self.config, max_cache_len=s + max_new_tokens)
+        else:
+            cache = DynamicCache(config=self.config)
         out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
         feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
         if return_features:
@@ -172,20 +178,20 @@ class Target:
         next_tok = out.logits[:, -1].argmax(-1)  # [a] for the active rows
         cur_pos = pos[:, -1]
         active = list(range(b))  # batch row j of the running tensors is prompt active[j]
+        done = [False] * b
         generated: list[list[int]] = [[] for _ in range(b)]
         finish_reason = ["length"] * b
         for step in range(max_new_tokens):
-            keep = []
             for j, i in enumerate(active):
-                tok = int(next_tok[j])
-                generated[i].append(tok)
-                if stop is not None and tok == stop:
-                    finish_reason[i] = "stop"
-                else:
-                    keep.append(j)
-            if not keep or step == max_new_tokens - 1:
+                if not done[i]:
+                    tok = int(next_tok[j])
+                    generated[i].append(tok)
+                    if stop is not None and tok == stop:
+                        done[i], finish_reason[i] = True, "stop"
+            if all(done) or step == max_new_tokens - 1:
                 break
-            if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
+            keep = [j for j, i in enumerate(active) if not done[i]]
+            if len(keep) < len(active) and not static_cache:  # drop finished rows from batch and KV cache
                 sel = torch.tensor(keep, device=device)
                 cache.batch_select_indices(sel)
                 attn, cur_pos, next_tok = attn[sel], cur_pos[sel], next_tok[sel]
@@ -198,7 +204,8 @@ class Target:
             if return_features:
                 hid = out.hidden[:, -1].cpu()
                 for j, i in enumerate(active):
-                    feats[i].append(hid[j : j + 1])
+                    if not done[i]:  # a finished row (static cache) is still fed; its output is junk
+                        feats[i].append(hid[j : j + 1])
             next_tok = out.logits[:, -1].argmax(-1)
         results = []
         for i, p in enumerate(prompts):

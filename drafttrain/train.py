@@ -478,6 +478,10 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:
         log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
+    with (Path(c.output_dir) / "eval_outputs.jsonl").open("w") as f:
+        for row, o in zip(rows, r["outputs"]):
+            text = target.tokenizer.decode(o["tokens"])
+            f.write(json.dumps({"id": row["id"], "tau": o["tau"], "equal_to_plain_greedy": o["equal"], "text": text}) + "\n")
     return {
         "eval/tau": r["tau"],
         "eval/greedy_equal": r["greedy_equal"],

@@ -30,6 +30,8 @@ FAST = [
     "trainer.log_every=1",
     "trainer.progress=false",
     "trainer.num_threads=1",  # tiny model: one thread is fastest on a shared machine
+    "trainer.mixed_precision=no",  # fp32: stored losses must not depend on the CPU's bf16 support
+    "trainer.micro_batch_size=4",
 ]
 # train/loss of steps 1..3 of the runs below, computed once (2026-11-22) against the working tree with
 # data.max_prompt_length=256, length-sorted self-distillation shards and trainer.length_group_steps=8.

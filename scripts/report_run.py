@@ -1,0 +1,119 @@
+"""Write a finished training run's numbers to docs/benchmarks/ (JSON + a markdown table).
+
+    python -m scripts.report_run outputs/parallelspec-smollm2-135m-instruct --name main_job \
+        --command "bash scripts/bootstrap.sh && .venv/bin/accelerate launch ... +recipe=parallelspec" \
+        --wall-seconds 1650
+
+It reads the run folder's ``final_metrics.json``, ``metrics.jsonl`` and ``config.json`` and the
+self-distillation ``report.json`` of the data it trained on, so the table shows exactly what the run
+measured (τ_sim on training batches and on held-out sequences, eval τ on MT-bench, greedy equality,
+tokens/s, wall time) next to the command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def summarize(run_dir: Path) -> dict:
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    last = train_rows[-1] if train_rows else {}
+    tok_s = [r["train/tokens_per_s"] for r in train_rows[1:]] or [last.get("train/tokens_per_s", 0.0)]
+    curve = [
+        {k: r[k] for k in ("step", "eval/tau_sim", "eval/acc_0", "eval/tau") if k in r}
+        for r in rows
+        if "eval/tau_sim" in r or "eval/tau" in r
+    ]
+    return {
+        "run_dir": str(run_dir),
+        "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "config": {
+            "target": config["target"]["name"],
+            "data": {k: config["data"][k] for k in ("source", "max_conversations", "max_new_tokens", "self_distill")},
+            "drafter": config["drafter"],
+            "optim_lr": config["optim"]["lr"],
+            "micro_batch_size": config["trainer"]["micro_batch_size"],
+            "mixed_precision": config["trainer"]["mixed_precision"],
+        },
+        "steps": final["step"],
+        "train_seconds": final["train_seconds"],
+        "run_wall_seconds": final.get("wall_seconds"),
+        "trainable_params": final["trainable_params"],
+        "train_tau_sim_last": last.get("train/tau_sim"),
+        "train_acc_last": {k: v for k, v in last.items() if k.startswith("train/acc_")},
+        "train_drafter_slots_per_s_mean": sum(tok_s) / len(tok_s),
+        "eval_tau_sim_heldout": final.get("eval/tau_sim"),
+        "eval_acc_heldout": {k: v for k, v in final.items() if k.startswith("eval/acc_")},
+        "eval_tau_mt_bench": final.get("eval/tau"),
+        "eval_prompts": final.get("eval/prompts"),
+        "eval_greedy_equal": final.get("eval/greedy_equal"),
+        "eval_accept_hist": final.get("eval/accept_hist"),
+        "eval_plain_tokens_per_s": final.get("eval/plain_tokens_per_s"),
+        "eval_spec_tokens_per_s": final.get("eval/spec_tokens_per_s"),
+        "eval_speedup": final.get("eval/speedup"),
+        "curve": curve,
+    }
+
+
+def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str:
+    lines = [f"# {name}", ""]
+    if command:
+        lines += ["Reproduce:", "", "```bash", command, "```", ""]
+    lines += ["| quantity | value |", "|---|---|"]
+    table = [
+        ("target", s["config"]["target"]),
+        ("data", json.dumps(s["config"]["data"])),
+        ("drafter", f"{s['config']['drafter']['name']}, K={s['config']['drafter']['num_mask_tokens']}, "
+                    f"draft vocab {s['config']['drafter'].get('draft_vocab_size')}, {s['trainable_params']:,} trainable params"),
+        ("optimizer steps (micro-batch)", f"{s['steps']} ({s['config']['micro_batch_size']}), {s['config']['mixed_precision']}"),
+        ("training time", f"{s['train_seconds']:.0f} s"),
+        ("whole run (target load, self-distillation, training, eval)", f"{s['run_wall_seconds']} s"),
+        ("end-to-end wall time of the command", f"{wall:.0f} s" if wall else "n/a"),
+        ("training throughput (drafter layout slots/s)", f"{s['train_drafter_slots_per_s_mean']:.0f}"),
+        ("τ_sim, last training window", _f(s["train_tau_sim_last"])),
+        ("τ_sim, held-out self-distilled sequences", _f(s["eval_tau_sim_heldout"])),
+        ("held-out acc_k", ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in s["eval_acc_heldout"].items())),
+        (f"**eval τ, greedy chain, {s['eval_prompts']}**", f"**{_f(s['eval_tau_mt_bench'])}**"),
+        ("speculative output == plain greedy (every prompt)", str(s["eval_greedy_equal"])),
+        ("accepted drafts per step (histogram)", json.dumps(s["eval_accept_hist"])),
+        ("plain / speculative tokens/s (1 sequence, same run)",
+         f"{_f(s['eval_plain_tokens_per_s'], 1)} / {_f(s['eval_spec_tokens_per_s'], 1)} (speedup {_f(s['eval_speedup'], 2)})"),
+    ]
+    lines += [f"| {k} | {v} |" for k, v in table]
+    if s["curve"]:
+        lines += ["", "Held-out curve:", "", "| step | τ_sim held-out | acc_0 held-out | eval τ |", "|---|---|---|---|"]
+        for r in s["curve"]:
+            lines.append(f"| {r['step']} | {_f(r.get('eval/tau_sim'))} | {_f(r.get('eval/acc_0'))} | {_f(r.get('eval/tau'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(x, nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--name", required=True, help="file stem under docs/benchmarks/")
+    ap.add_argument("--command", default=None, help="the command that produced the run")
+    ap.add_argument("--wall-seconds", type=float, default=None, help="measured wall time of the whole command")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = ap.parse_args()
+    s = summarize(args.run_dir)
+    s["command"], s["command_wall_seconds"] = args.command, args.wall_seconds
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(s, indent=1))
+    (args.out / f"{args.name}.md").write_text(markdown(args.name, s, args.command, args.wall_seconds))
+    print(f"wrote {args.out / args.name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
