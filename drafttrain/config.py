@@ -61,6 +61,7 @@ class DrafterConfig:
     init_from_target_layer: bool = True  # copy the target's last decoder layer into the drafter layer
     fc_bias: bool = True
     draft_vocab_size: int = 0  # 0 = full target vocabulary; N = the N most frequent answer tokens
+    kd_weight: float = 0.0  # weight of the soft target-distribution term in the loss (0 = Eq. 3's hard CE)
 
 
 @dataclass

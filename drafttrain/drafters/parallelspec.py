@@ -30,7 +30,10 @@ class ParallelSpecDrafter(Drafter):
     ``anchor_ratio`` (training anchor subsample, default 1.0), ``init_from_target_layer`` (copy the
     target's last decoder layer as the starting point), ``fc_bias``, ``draft_vocab_size`` (0 = the
     target's full vocabulary; N > 0 = the drafter only proposes the N token ids in buffer ``d2t``, a
-    row subset of the frozen LM head, as in EAGLE-3; set them with :meth:`set_draft_vocab`).
+    row subset of the frozen LM head, as in EAGLE-3; set them with :meth:`set_draft_vocab`),
+    ``kd_weight`` (mix of the target's soft distribution into Eq. 3's CE; the target's logits for the
+    token at position t are LM head(f_{t-1}), read from the batch's features, so they cost no target
+    forward).
 
     Trainable parameters: fc (2d x d [+ d]), one decoder layer, K mask vectors [K, d].
     """
@@ -45,6 +48,7 @@ class ParallelSpecDrafter(Drafter):
             "init_from_target_layer": True,
             "fc_bias": True,
             "draft_vocab_size": 0,
+            "kd_weight": 0.0,
             **config,
         }
         super().__init__(config, shared)
@@ -143,6 +147,16 @@ class ParallelSpecDrafter(Drafter):
         b = head.bias[self.d2t] if getattr(head, "bias", None) is not None else None
         return torch.nn.functional.linear(h, w.to(h.dtype), None if b is None else b.to(h.dtype)).float()
 
+    @torch.no_grad()
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the draft vocabulary from its (post-norm) features: [m, d] -> [m, N]."""
+        head = self.shared.lm_head
+        w = head.weight if not self.restricted_vocab else head.weight[self.d2t]
+        b = getattr(head, "bias", None)
+        if b is not None and self.restricted_vocab:
+            b = b[self.d2t]
+        return torch.nn.functional.linear(features.to(w.dtype), w, b).float()
+
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocabulary logits [..., N] into the target vocabulary [..., v] (-inf elsewhere)."""
         if not self.restricted_vocab:
@@ -197,7 +211,14 @@ class ParallelSpecDrafter(Drafter):
         logits = self.logits(hidden[sel])  # [m, N]
         labels = draft_labels[sel]
         kind = lay.slot_kind[sel]
-        loss, ce_sum, ce_count = parallel_group_loss(logits, labels, kind, self.weights)
+        kd = float(self.config["kd_weight"])
+        t_logits = None
+        if kd > 0:
+            # slot guessing x_{a+j+2} (item: j = 0) <- the target's distribution LM head(f_{a+j+1})
+            fidx = (lay.slot_anchor + lay.slot_kind.clamp_min(0) + 1)[sel]  # [m]
+            bidx = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)[sel]  # [m]
+            t_logits = self.target_logits(feats[bidx, fidx])
+        loss, ce_sum, ce_count = parallel_group_loss(logits, labels, kind, self.weights, t_logits, kd)
         sums = {"ce_sum": ce_sum, "ce_count": ce_count}
         # out-of-vocabulary labels stay valid for the metrics: the drafter can never propose them
         correct = torch.zeros_like(lay.labels, dtype=torch.bool)
