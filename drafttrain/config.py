@@ -81,7 +81,7 @@ class TrainerConfig:
     micro_batch_size: int = 4  # sequences per process per forward
     grad_accum_steps: int = 1
     length_group_steps: int = 8  # sort each run of this many steps' samples by length (less padding); 1 = off
-    mixed_precision: str = "no"  # no | bf16
+    mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the hardware runs it fast, else no)
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 100
@@ -148,14 +148,33 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("drafter.num_mask_tokens must be >= 0")
     if not 0 < c.drafter.anchor_ratio <= 1:
         problems.append("drafter.anchor_ratio must be in (0, 1]")
-    if c.trainer.mixed_precision not in ("no", "bf16", "fp16"):
-        problems.append("trainer.mixed_precision must be one of no|bf16|fp16")
+    if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
+        problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
         problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def resolve_mixed_precision(setting: str) -> str:
+    """``auto`` -> ``bf16`` where bf16 matmuls are fast (a CUDA GPU with bf16, or a CPU whose oneDNN
+    has bf16 kernels: AVX-512 / AMX), else ``no``. Other settings are returned as they are.
+
+    Measured on a 2-core AVX2-only EPYC (no bf16 kernels): a [2048, 576] x [576, 1536] bf16 matmul
+    took 2835 ms against 35 ms in fp32, so bf16 there would make training ~80x slower.
+    """
+    if setting != "auto":
+        return setting
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    try:
+        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    except (AttributeError, RuntimeError):
+        return "no"
 
 
 def to_dict(c: TrainConfig) -> dict[str, Any]:

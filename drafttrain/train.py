@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.config import TrainConfig, to_dict, validate
+from drafttrain.config import TrainConfig, resolve_mixed_precision, to_dict, validate
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +294,7 @@ def run(cfg) -> dict[str, Any]:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
