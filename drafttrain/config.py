@@ -92,6 +92,7 @@ class TrainerConfig:
     spec_eval_prompts: str = "mt_bench"
     spec_eval_num_prompts: int = 10
     spec_eval_offset: int = 0
+    spec_eval_stride: int = 1  # every N-th prompt from the offset (MT-bench: 5 = 2 questions per category)
     spec_eval_max_new_tokens: int = 128
     progress: bool = True
 

@@ -473,7 +473,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
 
     drafter.eval()
     rows = load_eval_prompts(c.trainer.spec_eval_prompts, limit=c.trainer.spec_eval_num_prompts,
-                             offset=c.trainer.spec_eval_offset)
+                             offset=c.trainer.spec_eval_offset, stride=c.trainer.spec_eval_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     with torch.autocast("cpu", enabled=False):
         r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
@@ -490,7 +490,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         "eval/spec_tokens_per_s": r["spec_tokens_per_s"],
         "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
         "eval/accept_hist": r["accept_hist"],
-        "eval/prompts": f"{c.trainer.spec_eval_prompts}[{c.trainer.spec_eval_offset}:{c.trainer.spec_eval_offset + len(prompts)}]",
+        "eval/prompts": f"{c.trainer.spec_eval_prompts} ids {','.join(r['id'] for r in rows)}",
     }
 
 

@@ -226,6 +226,10 @@ def test_eval_sets(tmp_path):
     prompts = load_eval_prompts("gsm8k", limit=5, offset=10)
     assert [p["id"] for p in prompts] == ["10", "11", "12", "13", "14"]
     assert prompts[0]["messages"] == [{"role": "user", "content": gsm[10]["question"]}]
+    # the main job's in-training eval sample: every 5th question = 2 from each of the 8 categories
+    sample = load_eval_prompts("mt_bench", limit=16, stride=5)
+    category = {q["id"]: q["category"] for q in mt}
+    assert sorted(collections.Counter(category[p["id"]] for p in sample).values()) == [2] * 8
 
 
 def test_eval_prompts_from_jsonl(tmp_path):
@@ -244,6 +248,9 @@ def test_eval_prompts_from_jsonl(tmp_path):
         {"id": "2", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"}]},
     ]
     assert load_eval_prompts(str(path), limit=1, offset=1) == prompts[1:2]
+    assert load_eval_prompts(str(path), stride=2) == prompts[::2]
+    with pytest.raises(ValueError, match="stride"):
+        load_eval_prompts(str(path), stride=0)
     with pytest.raises(ValueError, match="mt_bench"):
         load_eval_prompts("no_such_set")
 

@@ -327,7 +327,7 @@ def _first_turn_messages(row: object, path: Path, index: int) -> list[dict]:
     )
 
 
-def load_eval_prompts(name: str, limit: int | None = None, offset: int = 0) -> list[dict]:
+def load_eval_prompts(name: str, limit: int | None = None, offset: int = 0, stride: int = 1) -> list[dict]:
     """First-turn prompts of an evaluation set.
 
     Args:
@@ -337,14 +337,16 @@ def load_eval_prompts(name: str, limit: int | None = None, offset: int = 0) -> l
             ``"question_id"``, else the line index.
         limit: keep at most this many prompts (after ``offset``); None keeps all.
         offset: skip this many prompts first.
+        stride: keep every ``stride``-th prompt from ``offset`` on (MT-bench lists its 8 categories in
+            blocks of 10, so ``stride=5`` samples 2 questions from every category).
 
     Returns:
         ``[{"id": str, "messages": [{"role": "user", "content": str}]}, ...]`` (a jsonl
         ``"messages"`` row may also keep its leading system turns).
 
     Raises:
-        ValueError: unknown name that is not an existing file (the message lists the choices), or a
-            malformed jsonl row.
+        ValueError: unknown name that is not an existing file (the message lists the choices), a
+            malformed jsonl row, or ``stride`` < 1.
         assets.MissingAssetError: a packaged set is not installed.
     """
     if name == "mt_bench":
@@ -360,5 +362,7 @@ def load_eval_prompts(name: str, limit: int | None = None, offset: int = 0) -> l
             rows.append({"id": str(rid), "messages": messages})
     else:
         raise ValueError(f"unknown eval prompt set {name!r}: choose one of {list(EVAL_SETS)} or give a path to a .jsonl file")
-    end = None if limit is None else offset + limit
-    return rows[offset:end]
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    rows = rows[offset::stride]
+    return rows if limit is None else rows[:limit]
