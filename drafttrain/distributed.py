@@ -223,6 +223,16 @@ def full_drafter(accelerator, drafter) -> nn.Module | None:
     return copy
 
 
+def close_file_logs() -> None:
+    """Remove the root logger's file handlers (Hydra's ``train.log`` in the run folder): called on
+    ranks other than 0, so that only rank 0 writes into the run folder. Their console output stays."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler):
+            root.removeHandler(h)
+            h.close()
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """This process's peak memory in MiB: CUDA max allocated on a GPU, else peak resident set size
     (``ru_maxrss``, which on Linux counts the whole process: Python, torch, the target and the data)."""

@@ -313,6 +313,7 @@ def run(cfg) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from drafttrain.distributed import (
+        close_file_logs,
         frozen_target_context,
         full_drafter,
         launch_info,
@@ -332,6 +333,8 @@ def run(cfg) -> dict[str, Any]:
     out_dir = Path(c.output_dir)
     accelerator = make_accelerator(c, str(out_dir))  # CPU/GPU, DDP or DeepSpeed: see drafttrain/distributed.py
     main = accelerator.is_main_process
+    if not main:
+        close_file_logs()  # Hydra's train.log: rank 0's only
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(c), indent=1))
