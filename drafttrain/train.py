@@ -447,6 +447,7 @@ def run(cfg) -> dict[str, Any]:
                 "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                 "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),
+                "train/seconds_per_step": (time.time() - window_t0) / window_n,
                 "train/samples": state.samples,
                 "train/peak_mem_mb": max(per_rank(accelerator, peak_memory_mb(accelerator.device))),
                 **finalize(sums, "train"),

@@ -182,3 +182,34 @@ def test_plots_draw_from_a_run_folder(tmp_path):
     assert [p.stat().st_size > 1000 for p in paths] == [True] * 5
     with pytest.raises(FileNotFoundError):
         plots.load_run(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------- the SLURM job script
+
+
+def test_slurm_script_launches_one_accelerate_per_node_with_its_rank(tmp_path):
+    """scripts/slurm/train_multinode.sbatch with stand-ins for srun (runs the task once per node with
+    SLURM_NODEID), scontrol (the node list) and accelerate (records its arguments)."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls.txt"
+    stubs = {
+        "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nfor i in 0 1; do SLURM_NODEID=$i "$@"; done\n',
+        "scontrol": "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n",
+        "fake-accelerate": f'#!/bin/bash\necho "$*" >> {record}\n',
+    }
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_GPUS_ON_NODE": "4", "SLURM_SUBMIT_DIR": str(REPO), "ACCELERATE": str(bin_dir / "fake-accelerate")}  # fmt: skip
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "train_multinode.sbatch"), "+recipe=parallelspec",
+                           "output_dir=/shared/run one"], env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    common = ("launch --config_file conf/accelerate/multinode_zero3.yaml --num_machines 2 --num_processes 8 "
+              "--machine_rank {} --main_process_ip node-a --main_process_port 29500 train.py +recipe=parallelspec "
+              "output_dir=/shared/run one")  # fmt: skip
+    assert record.read_text().splitlines() == [common.format(0), common.format(1)]
