@@ -322,10 +322,10 @@ def run(cfg) -> dict[str, Any]:
         peak_memory_mb,
         prepare,
     )
-    from drafttrain.tracking import log_eval_table
     from drafttrain.drafters import build_drafter
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target
+    from drafttrain.tracking import log_eval_table
 
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
@@ -530,4 +530,3 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         "eval/accept_hist": r["accept_hist"],
         "eval/prompts": f"{c.trainer.spec_eval_prompts}[{c.trainer.spec_eval_offset}:{c.trainer.spec_eval_offset + len(prompts)}]",
     }
-
