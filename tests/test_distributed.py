@@ -213,3 +213,17 @@ def test_slurm_script_launches_one_accelerate_per_node_with_its_rank(tmp_path):
               "--machine_rank {} --main_process_ip node-a --main_process_port 29500 train.py +recipe=parallelspec "
               "output_dir=/shared/run one")  # fmt: skip
     assert record.read_text().splitlines() == [common.format(0), common.format(1)]
+
+
+def test_notebook_defines_no_logic_of_its_own():
+    """The notebook only imports drafttrain (+ os/pathlib for its settings) and calls it: no function,
+    class or loop of its own that tests would not cover."""
+    import nbformat
+
+    nb = nbformat.read(REPO / "notebooks" / "acceptance_length.ipynb", as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    for word in ("def ", "class ", "lambda", "while ", "\nfor "):
+        assert word not in code, word
+    imports = [line.split()[1] for line in code.splitlines() if line.startswith(("import ", "from "))]
+    assert sorted(set(imports)) == ["drafttrain.eval", "os", "pathlib"], imports
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")  # committed without outputs
