@@ -1,12 +1,12 @@
 """Training throughput and peak memory of the ParallelSpec recipe across launch presets.
 
     DRAFTTRAIN_CACHE=/tmp/dtcache_base flock /tmp/drafttrain-heavy.lock nice -n 10 \\
-        python -m scripts.bench_scaling --steps 20 --presets cpu,cpu_ddp,zero2,zero3
+        python -m scripts.bench_scaling --steps 20 --presets cpu,cpu@1,cpu_ddp,zero2,zero3
 
 Each preset runs ``accelerate launch --config_file conf/accelerate/PRESET.yaml train.py
 +recipe=parallelspec`` on the real target for ``--steps`` optimizer steps with the same global batch
 (``--global-batch`` sequences per step, split evenly over the processes) and the same number of CPU
-threads in total (``--threads``, split evenly), with evaluation and intermediate checkpoints off. The
+threads in total (``--threads``, split evenly; ``PRESET@N`` runs a preset with N threads in total), with evaluation and intermediate checkpoints off. The
 self-distilled data must already be in the cache (default ``data.*`` settings, so that the cache key
 matches): this script never generates data. It reads back each run's ``metrics.jsonl`` and
 ``final_metrics.json`` and writes ``docs/benchmarks/scaling.json`` and ``scaling.md``:
@@ -44,12 +44,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_preset(preset: str, steps: int, global_batch: int, threads: int, log_every: int, out_root: Path,
+def run_preset(spec: str, steps: int, global_batch: int, threads: int, log_every: int, out_root: Path,
                extra: list[str]) -> dict:  # fmt: skip
+    """Run one preset; ``spec`` is ``NAME`` or ``NAME@THREADS`` (total threads for this run)."""
+    preset, _, t = spec.partition("@")
+    threads = int(t) if t else threads
     world = WORLD[preset]
     if global_batch % world or threads % world:
         raise SystemExit(f"--global-batch {global_batch} and --threads {threads} must divide by {world} processes")
-    run_dir = out_root / preset
+    run_dir = out_root / spec.replace("@", "_t")
     launcher = ["--main_process_port", str(free_port())] if world > 1 else []
     overrides = [
         "+recipe=parallelspec", f"output_dir={run_dir}", f"trainer.max_steps={steps}", "trainer.max_minutes=null",
@@ -59,6 +62,7 @@ def run_preset(preset: str, steps: int, global_batch: int, threads: int, log_eve
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"conf/accelerate/{preset}.yaml",
            *launcher, "train.py", *overrides]  # fmt: skip
+    load_before = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
     wall = time.time() - t0
@@ -70,8 +74,11 @@ def run_preset(preset: str, steps: int, global_batch: int, threads: int, log_eve
     windows = [r for r in rows if "train/tokens_per_s" in r][1:]  # drop the first window (start-up)
     final = json.loads((run_dir / "final_metrics.json").read_text())
     sps = sum(r["train/seconds_per_step"] for r in windows) / len(windows)
+    config = json.loads((run_dir / "config.json").read_text())
     return {
         "preset": preset,
+        "spec": spec,
+        "target": config["target"]["name"],
         "processes": world,
         "micro_batch_size": global_batch // world,
         "threads_per_process": threads // world,
@@ -82,6 +89,7 @@ def run_preset(preset: str, steps: int, global_batch: int, threads: int, log_eve
         "final_train_loss": [r["train/loss"] for r in rows if "train/loss" in r][-1],
         "launch": {k: v for k, v in final["launch"].items() if k != "deepspeed_config"},
         "command_seconds": round(wall, 1),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # other processes on the machine
         "command": " ".join(["accelerate launch", "--config_file", f"conf/accelerate/{preset}.yaml", "train.py", *overrides[:1],
                              *[o for o in overrides[1:] if not o.startswith("output_dir=")]]),  # fmt: skip
     }
@@ -97,25 +105,27 @@ def markdown(result: dict) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Real target (SmolLM2-135M-Instruct), recipe `parallelspec`, "
+        f"Machine: {result['machine']}. Target `{result['runs'][0]['target']}`, recipe `parallelspec`, "
         f"{result['steps']} optimizer steps per preset, global batch {result['global_batch']} sequences, "
-        f"{result['threads']} CPU threads in total, mixed precision `{result['mixed_precision']}`. "
-        "Throughput is averaged over the logging windows after the first.",
+        f"{result['threads']} CPU threads in total unless the preset says `@N`, mixed precision `{result['mixed_precision']}`. "
+        "Throughput is averaged over the logging windows after the first. The last column is the machine's "
+        "1-minute load average before/after each run (other jobs shared the cores when it exceeds the threads used).",
         "",
-        "| preset | processes x micro-batch | threads/process | drafter tokens/s | s/step | sequences/s | peak memory per rank (MiB) | loss at last step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| preset | processes x micro-batch | threads/process | drafter tokens/s | s/step | sequences/s | peak memory per rank (MiB) | loss at last step | load avg |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
+        r = {**r, "preset": r["spec"]}
         mem = ", ".join(f"{m:.0f}" for m in r["peak_mem_mb_per_rank"])
         lines.append(f"| `{r['preset']}` | {r['processes']} x {r['micro_batch_size']} | {r['threads_per_process']} | "
                      f"{r['drafter_tokens_per_s']:.0f} | {r['seconds_per_step']:.2f} | {r['sequences_per_s']:.2f} | "
-                     f"{mem} | {r['final_train_loss']:.4f} |")  # fmt: skip
+                     f"{mem} | {r['final_train_loss']:.4f} | {r['load_average_1min'][0]:.1f} / {r['load_average_1min'][1]:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="cpu,cpu_ddp,zero2,zero3")
+    ap.add_argument("--presets", default="cpu,cpu@1,cpu_ddp,zero2,zero3", help="NAME or NAME@THREADS, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
