@@ -8,7 +8,7 @@ which is what accumulation over 2 micro-batches of 2 optimises. The loop feeds m
 m x world + rank the same samples and anchors in both layouts, so the runs must agree to float
 round-off of the gradient all-reduce (tolerance 1e-5 relative; measured: equal to ~1e-8).
 
-Slow (subprocesses, ~3-4 min in all on 2 cores): `pytest -m slow tests/test_scaling.py`. The runs
+Slow (subprocesses: 7 launches, ~3-5 min in all on 2 shared cores): `pytest -m slow tests/test_scaling.py`. The runs
 share one self-distilled data cache and are reused through module-scoped fixtures.
 """
 
