@@ -262,11 +262,14 @@ def plot_batch_sizes(rows: list[dict[str, Any]]):
         bs = [r["batch_size"] for r in rs]
         ax_tau.plot(bs, [r["tau"] for r in rs], "o-", label=label)
         ax_speed.plot(bs, [r["speedup"] for r in rs], "o-", label=label)
+    sizes = sorted({r["batch_size"] for r in rows})
     for ax, name in ((ax_tau, "τ (tokens per target forward)"), (ax_speed, "speedup over plain decoding")):
         ax.set_xlabel("batch size")
         ax.set_ylabel(name)
         if rows:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(b) for b in sizes])
+            ax.minorticks_off()
             ax.legend(fontsize=7)
     ax_speed.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax_tau.set_title("acceptance length by batch size")
