@@ -68,8 +68,9 @@ def run_preset(spec: str, steps: int, global_batch: int, threads: int, log_every
     wall = time.time() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{preset} failed:\n{(proc.stdout + proc.stderr)[-5000:]}")
-    if "self-distill" in proc.stderr and "generated_tokens_this_run': 0" not in proc.stderr:
-        print(f"warning: {preset} generated data (the cache did not match)", file=sys.stderr)
+    log = proc.stdout + proc.stderr
+    if "self-distillation:" in log and "'generated_tokens_this_run': 0," not in log:
+        print(f"warning: {spec} generated data (the cache did not match); its timing includes none of it", file=sys.stderr)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     windows = [r for r in rows if "train/tokens_per_s" in r][1:]  # drop the first window (start-up)
     final = json.loads((run_dir / "final_metrics.json").read_text())
