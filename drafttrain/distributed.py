@@ -99,13 +99,27 @@ def zero_stage(accelerator) -> int | None:
     return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
 
 
+@contextlib.contextmanager
 def frozen_target_context(accelerator):
-    """Context in which to load the frozen target: turns off ZeRO-3's ``zero.Init`` (which would
-    otherwise partition a transformers model as it is built) so every rank holds the whole target."""
+    """Context in which to load the frozen target so that every rank holds all of it.
+
+    Under a DeepSpeed launch accelerate registers its DeepSpeed config with transformers, and
+    ``from_pretrained`` then builds the model inside ZeRO-3's ``zero.Init`` (partitioned) whenever
+    the config is ZeRO-3, whatever ``zero3_init_flag`` says (seen: the real target's LM head came
+    out with 0 rows). The registration is lifted while the target loads and restored after.
+    """
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.is_zero3_init_enabled():
-        return plugin.zero3_init_context_manager(enable=False)
-    return contextlib.nullcontext()
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if getattr(plugin, "dschf", None) is not None:
+            set_hf_deepspeed_config(plugin.dschf)
 
 
 def configure_deepspeed(accelerator, c: TrainConfig, hidden_size: int) -> dict[str, Any] | None:

@@ -227,3 +227,26 @@ def test_notebook_defines_no_logic_of_its_own():
     imports = [line.split()[1] for line in code.splitlines() if line.startswith(("import ", "from "))]
     assert sorted(set(imports)) == ["drafttrain.eval", "os", "pathlib"], imports
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")  # committed without outputs
+
+
+def test_frozen_target_is_loaded_outside_zero3_init():
+    """transformers builds models inside ZeRO-3's zero.Init whenever a ZeRO-3 DeepSpeed config is
+    registered (accelerate registers it): the frozen target must load with none registered."""
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    hf = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    acc = fake_accelerator({"zero_optimization": {"stage": 3}})
+    acc.state.deepspeed_plugin.dschf = hf
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with frozen_target_context(acc):
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()  # restored for the rest of the run
+    finally:
+        unset_hf_deepspeed_config()
+    with frozen_target_context(fake_accelerator(None)):
+        assert not is_deepspeed_zero3_enabled()
