@@ -106,7 +106,7 @@ def markdown(result: dict) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Target `{result['runs'][0]['target']}`, recipe `parallelspec`, "
+        f"Machine: {result['machine']}. Target `{next((r['target'] for r in result['runs'] if 'target' in r), '?')}`, recipe `parallelspec`, "
         f"{result['steps']} optimizer steps per preset, global batch {result['global_batch']} sequences, "
         f"{result['threads']} CPU threads in total unless the preset says `@N`, mixed precision `{result['mixed_precision']}`. "
         "Throughput is averaged over the logging windows after the first. The last column is the machine's "
@@ -116,6 +116,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"| `{r['spec']}` | failed: see `error` in the JSON | | | | | | | |")
+            continue
         r = {**r, "preset": r["spec"]}
         mem = ", ".join(f"{m:.0f}" for m in r["peak_mem_mb_per_rank"])
         lines.append(f"| `{r['preset']}` | {r['processes']} x {r['micro_batch_size']} | {r['threads_per_process']} | "
@@ -141,8 +144,13 @@ def main() -> None:
         runs = []
         for preset in args.presets.split(","):
             print(f"[bench_scaling] {preset} ...", flush=True)
-            runs.append(run_preset(preset, args.steps, args.global_batch, args.threads, args.log_every, Path(tmp),
-                                   args.overrides))  # fmt: skip
+            try:
+                runs.append(run_preset(preset, args.steps, args.global_batch, args.threads, args.log_every, Path(tmp),
+                                       args.overrides))  # fmt: skip
+            except SystemExit as e:  # keep the other presets' numbers; the table says which one failed
+                print(e, file=sys.stderr)
+                runs.append({"spec": preset, "error": str(e)[-2000:]})
+                continue
             print(json.dumps({k: runs[-1][k] for k in ("drafter_tokens_per_s", "seconds_per_step", "peak_mem_mb_per_rank")}))
     result = {
         "command": "DRAFTTRAIN_CACHE=... python -m scripts.bench_scaling " + " ".join(sys.argv[1:]),
