@@ -6,8 +6,9 @@ target -> data (self-distilled by default) -> drafter, AdamW, warm-up + cosine -
 held-out eval/tau_sim -> speculative eval on MT-bench (eval/tau, greedy equality) -> final save.
 
 Data order is a pure function of (seed, global sample index), and anchor subsampling draws from a
-generator seeded by (seed, step, micro-step, rank), so a run resumed from a checkpoint replays the
-same batches as an uninterrupted one (tested).
+generator seeded by (seed, step, global micro-batch index = micro-step x world + rank), so a run
+resumed from a checkpoint replays the same batches as an uninterrupted one, and 2 processes x 1
+micro-batch see exactly the samples and anchors of 1 process x 2 accumulated micro-batches (tested).
 """
 
 from __future__ import annotations
@@ -214,11 +215,14 @@ def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out
     A checkpoint counts only once its COMPLETE marker exists (written last), so a run killed while
     saving resumes from the previous one. Old checkpoints beyond ``keep_checkpoints`` are removed.
     """
+    from drafttrain.distributed import full_drafter
+
     path = out_dir / CHECKPOINTS / f"step_{state.step:07d}"
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))
+    accelerator.save_state(str(path))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
+    model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if accelerator.is_main_process:
-        accelerator.unwrap_model(drafter).save_pretrained(path / "drafter")
+        model.save_pretrained(path / "drafter")
         (path / "config.json").write_text(json.dumps(to_dict(c), indent=1))
         (path / "meta.json").write_text(json.dumps({"git_sha": git_sha(), **state.state_dict()}, indent=1))
         (path / COMPLETE).write_text("ok")
@@ -247,25 +251,35 @@ def reduce_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 @torch.no_grad()
 def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, torch.Tensor] | None:
-    """Metric sums of the drafter on this rank's share of the held-out split (all anchors)."""
+    """Metric sums of the drafter on this rank's share of the held-out split (all anchors).
+
+    Runs the prepared (wrapped) drafter, so that DeepSpeed ZeRO-3 gathers its sharded weights, and
+    every rank runs the same number of forward passes (ZeRO-3's gathers are collective): a rank whose
+    share is used up runs a padding batch whose sums are dropped.
+    """
     from drafttrain.metrics import merge_sums
 
     if ds is None:
         return None
     model = accelerator.unwrap_model(drafter)
-    model.eval()
+    drafter.eval()
     ratio = model.config.get("anchor_ratio", 1.0)
     model.config["anchor_ratio"] = 1.0
     sums = None
-    idx = list(range(accelerator.process_index, len(ds), accelerator.num_processes))
-    mbs = c.trainer.micro_batch_size
-    for i in range(0, len(idx), mbs):
-        batch = get_batch(ds, target, idx[i : i + mbs], accelerator.device)
+    world, mbs = accelerator.num_processes, c.trainer.micro_batch_size
+    idx = list(range(accelerator.process_index, len(ds), world))
+    n_batches = math.ceil(math.ceil(len(ds) / world) / mbs)
+    for i in range(n_batches):
+        rows = idx[i * mbs : (i + 1) * mbs]
+        batch = get_batch(ds, target, rows or [0], accelerator.device)
         with accelerator.autocast():
-            out = model.training_loss(batch)
-        sums = merge_sums(sums, out.sums)
+            out = drafter(batch)
+        if rows:
+            sums = merge_sums(sums, out.sums)
+    if sums is None:  # this rank had no held-out rows: contribute zeros to the all-reduce
+        sums = {k: torch.zeros_like(v) for k, v in out.sums.items()}
     model.config["anchor_ratio"] = ratio
-    model.train()
+    drafter.train()
     return sums
 
 
@@ -295,26 +309,32 @@ def run(cfg) -> dict[str, Any]:
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    from drafttrain.distributed import (
+        close_file_logs,
+        frozen_target_context,
+        full_drafter,
+        launch_info,
+        make_accelerator,
+        per_rank,
+        peak_memory_mb,
+        prepare,
+    )
     from drafttrain.drafters import build_drafter
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target
+    from drafttrain.tracking import log_eval_table
 
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     os.environ.setdefault("WANDB_MODE", c.logging.wandb_mode)
     out_dir = Path(c.output_dir)
-    use_cpu = not torch.cuda.is_available()
-    accelerator = Accelerator(
-        cpu=use_cpu,
-        mixed_precision=c.trainer.mixed_precision,
-        log_with="wandb" if c.logging.wandb else None,
-        project_dir=str(out_dir),
-    )
+    accelerator = make_accelerator(c, str(out_dir))  # CPU/GPU, DDP or DeepSpeed: see drafttrain/distributed.py
     main = accelerator.is_main_process
+    if not main:
+        close_file_logs()  # Hydra's train.log: rank 0's only
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(c), indent=1))
@@ -322,7 +342,8 @@ def run(cfg) -> dict[str, Any]:
     t_start = time.time()
 
     # -- target and data -------------------------------------------------------------------------
-    target = load_target(c.target, device=accelerator.device)
+    with frozen_target_context(accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
+        target = load_target(c.target, device=accelerator.device)
     train_ds, held_ds = prepare_data(c, target, accelerator)
     log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
 
@@ -345,7 +366,7 @@ def run(cfg) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, c.optim.warmup_steps, c.trainer.max_steps, c.optim.min_lr_ratio)
     )
-    drafter, opt, sched = accelerator.prepare(drafter, opt, sched)
+    drafter, opt, sched = prepare(accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
 
@@ -359,10 +380,13 @@ def run(cfg) -> dict[str, Any]:
     elif main and (out_dir / CHECKPOINTS).exists():
         log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
 
+    launch = launch_info(accelerator)
+    if main:
+        (out_dir / "launch.json").write_text(json.dumps(launch, indent=1))
     if c.logging.wandb:
         accelerator.init_trackers(
             c.logging.wandb_project,
-            config={**to_dict(c), "git_sha": git_sha(), "trainable_params": n_params},
+            config={**to_dict(c), "git_sha": git_sha(), "trainable_params": n_params, "launch": launch},
             init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name}},
         )
     mlog = MetricsLog(out_dir / "metrics.jsonl", main)
@@ -392,11 +416,15 @@ def run(cfg) -> dict[str, Any]:
             start = state.samples + m * world * mbs + accelerator.process_index * mbs
             idx = sample_indices(start, mbs, len(train_ds), c.seed, lengths, group)
             batch = get_batch(train_ds, target, idx, accelerator.device)
-            gen = torch.Generator().manual_seed(c.seed * 1_000_003 + state.step * 1009 + m * 31 + accelerator.process_index)
-            ctx = accelerator.no_sync(drafter) if (m < accum - 1 and world > 1) else _null()
-            with ctx, accelerator.autocast():
+            # anchors drawn from (seed, step, global micro-batch index): the same samples get the same anchors
+            # whether a micro-batch runs on another rank or as another accumulation step (1 process: m)
+            micro = m * world + accelerator.process_index
+            gen = torch.Generator().manual_seed(c.seed * 1_000_003 + state.step * 1009 + micro * 31)
+            # accumulate(): no gradient sync before the last micro-step; backward() divides the loss by
+            # accum (DeepSpeed: by its gradient_accumulation_steps) and DeepSpeed steps at the boundary
+            with accelerator.accumulate(drafter), accelerator.autocast():
                 out = drafter(batch, gen)
-                accelerator.backward(out.loss / accum)
+                accelerator.backward(out.loss)
             window_sums = merge_sums(window_sums, out.sums)
             window_tokens += out.num_tokens
             window_loss += float(out.loss.detach()) / accum
@@ -419,7 +447,9 @@ def run(cfg) -> dict[str, Any]:
                 "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                 "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),
+                "train/seconds_per_step": (time.time() - window_t0) / window_n,
                 "train/samples": state.samples,
+                "train/peak_mem_mb": max(per_rank(accelerator, peak_memory_mb(accelerator.device))),
                 **finalize(sums, "train"),
             }
             log_metrics(metrics, state.step)
@@ -430,10 +460,13 @@ def run(cfg) -> dict[str, Any]:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
         if c.trainer.spec_eval_every and state.step % c.trainer.spec_eval_every == 0 and state.step < c.trainer.max_steps:
+            model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
-                r = spec_eval(c, target, accelerator.unwrap_model(drafter))
-                log_metrics({k: v for k, v in r.items() if isinstance(v, (int, float))}, state.step)
-                accelerator.unwrap_model(drafter).train()
+                r = spec_eval(c, target, model)
+                log_metrics(r, state.step)
+                if c.logging.wandb:
+                    log_eval_table(accelerator, r, state.step)
+                model.train()
             accelerator.wait_for_everyone()
             seg_start, base_seconds = time.time(), state.train_seconds  # eval time is not training time
         if c.trainer.save_every and state.step % c.trainer.save_every == 0:
@@ -451,12 +484,17 @@ def run(cfg) -> dict[str, Any]:
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))
     save_checkpoint(accelerator, drafter, c, state, out_dir)
+    final["peak_mem_mb_per_rank"] = [round(x, 1) for x in per_rank(accelerator, peak_memory_mb(accelerator.device))]
+    final["launch"] = launch
+    model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if main:
-        accelerator.unwrap_model(drafter).save_pretrained(out_dir / "drafter")
+        model.save_pretrained(out_dir / "drafter")
         if c.trainer.spec_eval_num_prompts > 0:
-            final.update(spec_eval(c, target, accelerator.unwrap_model(drafter)))
+            final.update(spec_eval(c, target, model))
         final["wall_seconds"] = round(time.time() - t_start, 1)
         log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
+        if c.logging.wandb and "eval/tau" in final:
+            log_eval_table(accelerator, final, state.step)
         (out_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
         summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
         print(f"[drafttrain] done: {summary}", flush=True)
@@ -492,11 +530,3 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         "eval/accept_hist": r["accept_hist"],
         "eval/prompts": f"{c.trainer.spec_eval_prompts} ids {','.join(r['id'] for r in rows)}",
     }
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
