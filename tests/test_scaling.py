@@ -288,6 +288,6 @@ def test_notebook_executes_on_a_tiny_run(runs, tmp_path, monkeypatch):
     assert "'source': 'wandb'" in summary and "parallelspec" in summary
     table = [o["data"]["text/plain"] for o in code[-2].outputs if o.output_type == "execute_result"][0]
     assert "('parallelspec', 'mt_bench', 8, 1.3, 1.02)" in table  # harness rows, batch 8
-    assert "('parallelspec', 'mt_bench[0:2]', 1," in table  # the run's own batch-1 evaluation
+    assert "('parallelspec', 'mt_bench ids " in table  # the run's own batch-1 evaluation (prompt ids named)
     assert sorted(p.name for p in figs.glob("*.png")) == [
         "accept_hist.png", "position_acceptance.png", "tau_over_steps.png", "tau_speedup_by_batch.png"]
