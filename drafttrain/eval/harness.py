@@ -124,6 +124,7 @@ def _run_record(run, method: str, mode: str, batch_size: int) -> dict[str, Any]:
         "padding_ratio": st.padding_ratio,
         "input_padding_ratio": st.input_padding_ratio,
         "kv_padding_ratio": st.kv_padding_ratio,
+        "window_padding_ratio": st.window_padding_ratio,
         "input_padding": st.input_padding,
         "kv_padding": st.kv_padding,
         "input_tokens": st.input_tokens,

@@ -96,6 +96,8 @@ class EngineStats:
     kv_padding: int = 0
     prefill_tokens: int = 0
     prefill_padding: int = 0
+    window_slots: int = 0  # cache slots the verification attention reads (all rows, summed over steps)
+    window_valid: int = 0  # of which hold committed tokens (the rest is padding read for nothing)
     tree_nodes: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -125,6 +127,11 @@ class EngineStats:
         """(padded input slots + padded cache slots) / (real inputs + committed tokens) of decoding."""
         return (self.input_padding + self.kv_padding) / max(self.input_tokens + self.kv_tokens, 1)
 
+    @property
+    def window_padding_ratio(self) -> float:
+        """Padding read by the verification attention / committed tokens read (padded mode's attention waste)."""
+        return (self.window_slots - self.window_valid) / max(self.window_valid, 1)
+
     def depth_acceptance(self) -> dict[int, float]:
         """depth -> P(node at that depth accepted | depth - 1 accepted and the tree reaches it)."""
         return {d: self.depth_accepts.get(d, 0) / n for d, n in sorted(self.depth_attempts.items()) if n}
@@ -134,6 +141,7 @@ class EngineStats:
         out.update(
             tau=self.tau, tokens_per_s=self.tokens_per_s, padding_ratio=self.padding_ratio,
             input_padding_ratio=self.input_padding_ratio, kv_padding_ratio=self.kv_padding_ratio,
+            window_padding_ratio=self.window_padding_ratio,
             depth_acceptance=self.depth_acceptance(),
         )  # fmt: skip
         return out
@@ -420,11 +428,15 @@ class SpecEngine:
                 self._read_lo = 0
             cache.ensure_capacity(self._write_ptr + q_max)
             slots = [torch.arange(self._write_ptr, self._write_ptr + n, device=self.device) for n in q]
+            self.stats.window_slots += len(rows) * (self._write_ptr - self._read_lo)
+            self.stats.window_valid += int(cache.valid[rows, self._read_lo : self._write_ptr].sum())
         else:  # each row writes after its own committed tokens
             lens = [int(cache.lengths[r]) for r in rows]
             q_pad = [max(q)] * len(q) if self.mode == "unpadded_kv" else q  # batched inputs pad up to q_max
             cache.ensure_capacity(max(n + k for n, k in zip(lens, q_pad)))
             slots = [n0 + torch.arange(n, device=self.device) for n0, n in zip(lens, q)]
+            self.stats.window_slots += sum(lens)
+            self.stats.window_valid += sum(lens)
         sel = [torch.arange(n) for n in q]
         t0 = time.perf_counter()
         hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False)
