@@ -129,3 +129,15 @@ def test_cli_typo_fails_before_loading(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "batch_sizs" in proc.stderr + proc.stdout
+
+
+def test_diagnose_mismatch_finds_first_difference(tiny_target):
+    from drafttrain.eval.harness import diagnose_mismatch
+
+    prompt = [5, 17, 300, 42]
+    plain = tiny_target.generate_greedy([prompt], 6, stop_token_id=-1, return_features=False)[0]["tokens"][4:]
+    spec = plain[:3] + [(plain[3] + 1) % 49152] + plain[4:]
+    d = diagnose_mismatch(tiny_target, prompt, spec, plain)
+    logits = tiny_target.forward(torch.tensor([prompt + plain[:3]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert d == {"position": 3, "top2_gap": pytest.approx(float(top[0] - top[1]))}

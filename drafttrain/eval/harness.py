@@ -93,6 +93,18 @@ def make_proposer(c: EvalConfig, drafter):
     return ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
 
 
+def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:
+    """Where a speculative output first leaves the plain one, and the target's top-2 logit gap there.
+
+    A gap of ~1e-5 means a near-tie that float reassociation (different batch shapes, kernels) can flip;
+    a large gap means a real bug.
+    """
+    i = next((k for k, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+    logits = target.forward(torch.tensor([prompt + plain[:i]], device=target.device)).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    return {"position": i, "top2_gap": float(top[0] - top[1])}
+
+
 def _git_sha() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -200,11 +212,13 @@ def evaluate(cfg) -> dict[str, Any]:
             toks = [r.tokens for r in spec.results]
             outputs[f"parallelspec/{mode}/b{bs}"] = toks
             if sampling.greedy:
-                mism = [ids[i] for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
-                rec["greedy_equal"] = not mism
-                rec["mismatches"] = mism
-                if mism:
-                    log.error("b=%d %s: speculative output differs from plain greedy on prompts %s", bs, mode, mism)
+                bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
+                rec["greedy_equal"] = not bad
+                rec["mismatches"] = [ids[i] for i in bad]
+                rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_tokens[i]) for i in bad}
+                if bad:
+                    log.error("b=%d %s: speculative output differs from plain greedy on prompts %s: %s", bs, mode,
+                              rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
             runs.append(rec)
             log.info("b=%d %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f", bs, mode,
                      rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"], rec["padding_ratio"])

@@ -81,10 +81,16 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['input_padding_ratio']:.3f} | {r['kv_padding_ratio']:.3f} | "
                      f"{r['padding_ratio']:.3f} | {r.get('window_padding_ratio', 0.0):.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['draft_seconds']:.1f} | {r['verify_forward_seconds']:.1f} |")  # fmt: skip
-    mism = [(r["batch_size"], r["mode"], r["mismatches"]) for r in _spec_runs(results) if r.get("mismatches")]
+    mism = [r for r in _spec_runs(results) if r.get("mismatches")]
     if mism:
-        lines += ["", "## Mismatches (speculative != plain greedy)", ""]
-        lines += [f"- batch {b}, {m}: prompts {ids}" for b, m, ids in mism]
+        lines += ["", "## Mismatches (speculative != plain greedy)", "",
+                  "First differing position and the target's top-2 logit gap there (a gap near 1e-5 is a near-tie "
+                  "that float reassociation between batch shapes can flip; a large gap is a bug).", ""]  # fmt: skip
+        for r in mism:
+            diag = r.get("mismatch_diagnosis", {})
+            lines.append(f"- batch {r['batch_size']}, {r['mode']}: " + ", ".join(
+                f"prompt {pid} (position {d['position']}, gap {d['top2_gap']:.2e})" if (d := diag.get(pid)) else f"prompt {pid}"
+                for pid in r["mismatches"]))  # fmt: skip
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
