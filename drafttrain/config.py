@@ -206,6 +206,9 @@ class EvalConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     checkpoint: str | None = None  # a training run folder (drafter/ + config.json) or a drafter/ folder
     untrained_drafter: bool = False  # no checkpoint: time a fresh ParallelSpec drafter (τ is meaningless)
+    proposer: str = "parallelspec"  # parallelspec | replay (verifier benchmark: drafts = plain output, right w.p. replay_accept_prob)
+    replay_accept_prob: float = 0.7
+    replay_depth: int = 5
     prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
     num_prompts: int | None = 16
     prompt_offset: int = 0
@@ -253,7 +256,11 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
         problems.append("max_new_tokens must be >= 1")
     if c.temperature < 0 or not 0 < c.top_p <= 1:
         problems.append("temperature must be >= 0 and top_p in (0, 1]")
-    if c.checkpoint is None and not c.untrained_drafter:
+    if c.proposer not in ("parallelspec", "replay"):
+        problems.append("proposer must be parallelspec or replay")
+    if c.proposer == "replay" and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
+        problems.append("proposer=replay needs temperature=0, replay_accept_prob in [0, 1] and replay_depth >= 1")
+    if c.checkpoint is None and not c.untrained_drafter and c.proposer == "parallelspec":
         problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
     if c.tree.widths is not None and (not c.tree.widths or min(c.tree.widths) < 1):
         problems.append("tree.widths must be positive ints")

@@ -27,6 +27,8 @@ ANALYSIS = re.compile(r"<!-- analysis -->.*?<!-- /analysis -->", re.S)
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=None, help="training run folder; default: an untrained drafter")
+    ap.add_argument("--replay", type=float, default=None, metavar="P",
+                    help="instead of a drafter: the replay proposer, each draft right with probability P")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
@@ -51,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
             f"modes=[{','.join(args.modes)}]", f"num_threads={args.threads}", f"output_dir={args.work_dir}/{prompts}",
             "progress=false", *args.tree,
         ]  # fmt: skip
-        overrides += [f"checkpoint={args.checkpoint}"] if args.checkpoint else ["untrained_drafter=true"]
+        if args.replay is not None:
+            overrides += ["proposer=replay", f"replay_accept_prob={args.replay}"]
+        else:
+            overrides += [f"checkpoint={args.checkpoint}"] if args.checkpoint else ["untrained_drafter=true"]
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
             cfg = OmegaConf.to_container(compose("evaluate", overrides=overrides), resolve=True)
         cfg.pop("hydra", None)

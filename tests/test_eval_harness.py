@@ -141,3 +141,19 @@ def test_diagnose_mismatch_finds_first_difference(tiny_target):
     logits = tiny_target.forward(torch.tensor([prompt + plain[:3]])).logits[0, -1]
     top = torch.topk(logits, 2).values
     assert d == {"position": 3, "top2_gap": pytest.approx(float(top[0] - top[1]))}
+
+
+def test_harness_replay_proposer(tmp_path):
+    """proposer=replay needs no checkpoint; its drafts are the plain output, so greedy equality holds and
+    a p = 1 replay accepts every draft."""
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    res = evaluate(compose_eval([
+        "target=tiny", "proposer=replay", "replay_accept_prob=1.0", "replay_depth=3", "num_prompts=3",
+        "max_new_tokens=9", "batch_sizes=[2]", f"output_dir={tmp_path}", "progress=false", "warmup=false", "plots=false",
+    ]))  # fmt: skip
+    assert res["greedy_equal"] is True and res["drafter"]["proposer"] == "replay"
+    spec = [r for r in res["runs"] if r["method"] == "replay"]
+    assert len(spec) == 2 and all(r["tau"] == pytest.approx(4.0) for r in spec)  # 8 verified tokens in 2 steps of 4
+    assert "replay proposer" in (tmp_path / "report.md").read_text()

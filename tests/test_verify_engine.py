@@ -351,3 +351,22 @@ def test_bad_arguments(target):
         SpecEngine(target, PlainProposer(), mode="nope")
     with pytest.raises(ValueError, match="empty"):
         SpecEngine(target, PlainProposer()).run([[1, 2], []])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_replay_proposer_controls_acceptance(target, prompts, mode):
+    """The benchmark proposer: p = 1 accepts the whole chain every step, p = 0 nothing, p = 0.6 in between;
+    the output is plain greedy in every case, and only the padded mode pads its cache."""
+    from drafttrain.verify.proposers import ReplayProposer
+
+    ref = _plain_reference(target, prompts, stop_ids=[-1])
+    refs = {tuple(p): r for p, r in zip(prompts, ref)}
+    taus = {}
+    for p_right in (1.0, 0.0, 0.6):
+        run = SpecEngine(target, ReplayProposer(refs, depth=4, accept_prob=p_right), batch_size=3,
+                         max_new_tokens=NEW, mode=mode, stop_token_ids=[-1]).run(prompts)  # fmt: skip
+        assert [r.tokens for r in run.results] == ref
+        taus[p_right] = run.stats.tau
+        if p_right == 0.6:
+            assert (run.stats.kv_padding > 0) == (mode == "padded")
+    assert taus[0.0] == 1.0 and taus[1.0] > 4.5 and 1.3 < taus[0.6] < 3.5

@@ -168,14 +168,16 @@ def evaluate(cfg) -> dict[str, Any]:
     from drafttrain.target import load_target
     from drafttrain.verify.acceptance import SamplingParams
     from drafttrain.verify.engine import SpecEngine
-    from drafttrain.verify.proposers import PlainProposer
+    from drafttrain.verify.proposers import PlainProposer, ReplayProposer
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
     out_dir = Path(c.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(c.target)
-    if ddir is not None:
+    if c.proposer == "replay":
+        drafter = None
+    elif ddir is not None:
         drafter = Drafter.from_pretrained(ddir, target).eval()
     else:
         dcfg = {k: v for k, v in to_dict_drafter(DrafterConfig()).items() if k != "name"}
@@ -190,10 +192,17 @@ def evaluate(cfg) -> dict[str, Any]:
         return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=c.max_new_tokens, mode=mode,
                           sampling=sampling, stop_token_ids=stops, seed=c.seed)  # fmt: skip
 
+    def spec_proposer(references):
+        if c.proposer == "replay":
+            refs = {tuple(p): r for p, r in zip(prompts, references)}
+            return ReplayProposer(refs, depth=c.replay_depth, accept_prob=c.replay_accept_prob, seed=c.seed)
+        return make_proposer(c, drafter)
+
     if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
+        few = prompts[:2] if len(prompts) > 1 else prompts * 2
         for mode in sorted(set(c.modes) | {c.plain_mode}):
-            engine(make_proposer(c, drafter), 2, mode).run(prompts[:2] if len(prompts) > 1 else prompts * 2)
-            engine(PlainProposer(), 2, mode).run(prompts[:2] if len(prompts) > 1 else prompts * 2)
+            warm = engine(PlainProposer(), 2, mode).run(few)
+            engine(spec_proposer([r.tokens for r in warm.results]), 2, mode).run(few)
 
     runs: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -206,11 +215,11 @@ def evaluate(cfg) -> dict[str, Any]:
         plain_tokens = [r.tokens for r in plain.results]
         outputs[f"plain/b{bs}"] = plain_tokens
         for mode in c.modes:
-            spec = engine(make_proposer(c, drafter), bs, mode).run(prompts, progress=c.progress and f"{mode} b={bs}")
-            rec = _run_record(spec, "parallelspec", mode, bs)
+            spec = engine(spec_proposer(plain_tokens), bs, mode).run(prompts, progress=c.progress and f"{mode} b={bs}")
+            rec = _run_record(spec, c.proposer, mode, bs)
             rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
             toks = [r.tokens for r in spec.results]
-            outputs[f"parallelspec/{mode}/b{bs}"] = toks
+            outputs[f"{c.proposer}/{mode}/b{bs}"] = toks
             if sampling.greedy:
                 bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
                 rec["greedy_equal"] = not bad
@@ -229,8 +238,10 @@ def evaluate(cfg) -> dict[str, Any]:
             "device": str(target.device), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
         },  # fmt: skip
-        "drafter": {"checkpoint": str(ddir) if ddir else None, "untrained": ddir is None,
-                    "num_mask_tokens": drafter.num_mask_tokens},  # fmt: skip
+        "drafter": {"proposer": c.proposer, "checkpoint": str(ddir) if ddir else None,
+                    "untrained": ddir is None and c.proposer == "parallelspec",
+                    "num_mask_tokens": drafter.num_mask_tokens if drafter is not None else None,
+                    "replay_accept_prob": c.replay_accept_prob if c.proposer == "replay" else None},  # fmt: skip
         "prompts": {"set": c.prompts, "ids": ids, "num": len(ids), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)},
         "greedy": sampling.greedy,
         "greedy_equal": all(r.get("greedy_equal", True) for r in runs) if sampling.greedy else None,

@@ -30,6 +30,14 @@ def _get(results: dict, bs: int, mode: str) -> dict | None:
     return next((r for r in _spec_runs(results) if r["batch_size"] == bs and r["mode"] == mode), None)
 
 
+def _drafter_line(d: dict) -> str:
+    if d.get("proposer") == "replay":
+        return (f"none: replay proposer (a chain of the plain output's next tokens, each right with probability "
+                f"{d['replay_accept_prob']}; drafting costs nothing, so this measures the verifier alone)")  # fmt: skip
+    name = f"`{d['checkpoint']}`" if d["checkpoint"] else "untrained ParallelSpec drafter (real drafting costs; τ is meaningless)"
+    return f"{name} (K = {d['num_mask_tokens']})"
+
+
 def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
     """The report as markdown: setup, throughput/speedup by batch size and mode, acceptance, padding."""
     cfg = results["command_config"]
@@ -37,9 +45,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
     lines = [
         f"# Verifier evaluation: {results['prompts']['set']} ({results['prompts']['num']} prompts)",
         "",
-        f"- target: `{cfg['target']['name']}`; drafter: "
-        + (f"`{results['drafter']['checkpoint']}`" if results["drafter"]["checkpoint"] else "untrained ParallelSpec drafter (timing only; τ is meaningless)")
-        + f" (K = {results['drafter']['num_mask_tokens']})",
+        f"- target: `{cfg['target']['name']}`; drafter: " + _drafter_line(results["drafter"]),
         f"- decoding: {'greedy' if results['greedy'] else 'temperature %s, top-p %s' % (cfg['temperature'], cfg['top_p'])}, "
         f"max_new_tokens {cfg['max_new_tokens']}, mean prompt {results['prompts']['mean_prompt_tokens']:.0f} tokens; "
         f"tree: widths {cfg['tree']['widths']}, budget {cfg['tree']['budget']}, choices {cfg['tree']['choices'] if not isinstance(cfg['tree']['choices'], list) else 'custom'}",

@@ -80,6 +80,53 @@ class PlainProposer:
         pass
 
 
+class ReplayProposer:
+    """Benchmark proposer: drafts a chain from known greedy outputs, each depth right with probability ``p``.
+
+    It measures what the *verifier* does with a drafter of a given quality, independent of any drafter's
+    cost (drafting is free): acceptance lengths follow EMS-SD Appendix B's geometric model
+    (P(τ = k) = p^(k-1) (1 - p), capped at ``depth`` + 1), so padding in the vanilla mode is realistic.
+    Greedy only: its drafts are not draws from a distribution.
+
+    Args:
+        references: prompt ids (tuple) -> the target's greedy output for it (e.g. a plain run's tokens).
+        depth: chain length.
+        accept_prob: probability that each draft is the right token.
+        seed: RNG of the right/wrong choices.
+    """
+
+    name = "replay"
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], depth: int = 5, accept_prob: float = 0.7, seed: int = 0):
+        self.refs, self.depth, self.p = references, int(depth), float(accept_prob)
+        self.rng = torch.Generator().manual_seed(seed)
+        self._state: dict[int, dict] = {}
+
+    def start(self, slot, prompt_ids, hidden, first_token) -> None:
+        self._state[slot] = {"ref": self.refs[tuple(prompt_ids)], "generated": 1}
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        if not sampling.greedy:
+            raise ValueError("ReplayProposer drafts known greedy outputs: use it with greedy decoding only")
+        trees = []
+        for slot in slots:
+            st = self._state[slot]
+            ref, g = st["ref"], st["generated"]
+            right = (torch.rand(self.depth, generator=self.rng) < self.p).tolist()
+            toks = []
+            for t in range(self.depth):
+                true = ref[g + t] if g + t < len(ref) else 0
+                toks.append(true if right[t] and g + t < len(ref) else true + 1)
+            trees.append(DraftTree.chain(toks))
+        return trees
+
+    def commit(self, slot, tokens, hidden) -> None:
+        self._state[slot]["generated"] += len(tokens)
+
+    def release(self, slot) -> None:
+        self._state.pop(slot, None)
+
+
 class ParallelSpecProposer:
     """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, K + 1, v]``
     (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`): one drafter forward per sequence
