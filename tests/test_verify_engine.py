@@ -370,3 +370,23 @@ def test_replay_proposer_controls_acceptance(target, prompts, mode):
         if p_right == 0.6:
             assert (run.stats.kv_padding > 0) == (mode == "padded")
     assert taus[0.0] == 1.0 and taus[1.0] > 4.5 and 1.3 < taus[0.6] < 3.5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_initial_capacity_grows_and_shifts(target, prompts, continuations, mode):
+    """A cache that starts with 4 slots per row must grow (and, padded, shift its common leading padding
+    out) many times; every step's cache and the outputs stay exact."""
+    shifts = []
+    engine = SpecEngine(target, OracleProposer(continuations, correct=lambda s: [2, 0, 1][s % 3]), batch_size=2,
+                        max_new_tokens=16, mode=mode, initial_capacity=4, stop_token_ids=[-1])  # fmt: skip
+    original = engine.cache.shift_left
+    engine.cache.shift_left = lambda offset: (shifts.append(offset), original(offset))
+    engine.submit(prompts)
+    while not engine.done:
+        engine.admit()
+        if engine.live():
+            engine.step()
+            _assert_cache_matches_fresh_forward(engine, target)
+    assert [engine.results[i].tokens for i in range(5)] == _plain_reference(target, prompts, [], n=16)
+    assert engine.cache.capacity > 4
+    assert (len(shifts) > 0) == (mode == "padded")

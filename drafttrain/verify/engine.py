@@ -190,6 +190,8 @@ class SpecEngine:
         stop_token_ids: ids that end a sequence (default: the target's eos).
         seed: RNG seed of sampling (acceptance and the proposer's draws).
         replacement: the proposer's sibling candidates are i.i.d. draws (default: without replacement).
+        initial_capacity: cache slots per row to start with (the cache grows, and in padded mode first
+            drops common leading padding, when a step needs more).
 
     Raises:
         ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
@@ -206,6 +208,7 @@ class SpecEngine:
         stop_token_ids: Sequence[int] | int | None = None,
         seed: int = 0,
         replacement: bool = False,
+        initial_capacity: int = 256,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
@@ -226,7 +229,7 @@ class SpecEngine:
         self.device = target.device
         self.dtype = next(target.model.parameters()).dtype
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.cache = RaggedKVCache(target.config, 0, 64, self.dtype, self.device)
+        self.cache = RaggedKVCache(target.config, 0, initial_capacity, self.dtype, self.device)
         self.rows: list[_Seq | None] = []  # cache row r holds sequence rows[r] (None: free)
         self.queue: deque[tuple[int, list[int]]] = deque()
         self.results: dict[int, SequenceResult] = {}
