@@ -106,6 +106,11 @@ def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[in
 
 
 def _git_sha() -> str | None:
+    """The code's git commit (``DRAFTTRAIN_GIT_SHA`` wins: runs from an exported copy of the repository)."""
+    import os
+
+    if os.environ.get("DRAFTTRAIN_GIT_SHA"):
+        return os.environ["DRAFTTRAIN_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
