@@ -390,3 +390,33 @@ def test_tiny_initial_capacity_grows_and_shifts(target, prompts, continuations, 
     assert [engine.results[i].tokens for i in range(5)] == _plain_reference(target, prompts, [], n=16)
     assert engine.cache.capacity > 4
     assert (len(shifts) > 0) == (mode == "padded")
+
+
+def test_batched_drafting_equals_propose_per_sequence(target, prompts, continuations, make_drafter):
+    """ParallelSpecProposer's one-forward-per-step batched path gives the drafter's per-sequence ``propose``
+    logits (each sequence at its own drafter-cache offset), over several steps of different item counts."""
+    drafter = make_drafter(seed=4, draft_vocab_size=512).eval()  # a restricted draft vocabulary as in training
+    batched, single = ParallelSpecProposer(drafter), ParallelSpecProposer(drafter, batched=False)
+    assert batched.batched and not single.batched
+    slots = [0, 1, 2]
+    for slot, p in zip(slots, prompts[:3]):
+        cont, feats = continuations[tuple(p)]
+        for prop in (batched, single):
+            prop.start(slot, p, feats[: len(p)], cont[0])
+    done = {s: 1 for s in slots}  # generated tokens per slot
+    for step, take in enumerate([[2, 0, 3], [1, 3, 0], [0, 1, 2]]):
+        order = slots if step != 1 else [2, 0]  # a step may draft only some sequences, in any order
+        lb = batched._draft_logits_batched(order)
+        ls = [single._draft_logits_one(s) for s in order]
+        for a, b in zip(lb, ls):
+            finite = torch.isfinite(b)
+            assert torch.equal(finite, torch.isfinite(a))
+            torch.testing.assert_close(a[finite], b[finite], atol=1e-4, rtol=1e-4)
+        for s in order:
+            p = prompts[s]
+            cont, feats = continuations[tuple(p)]
+            g, m = done[s], take[s] + 1
+            toks, hid = cont[g : g + m], feats[len(p) + g - 1 : len(p) + g - 1 + m]
+            for prop in (batched, single):
+                prop.commit(s, toks, hid)
+            done[s] += m

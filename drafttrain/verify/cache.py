@@ -220,6 +220,87 @@ class RaggedKVCache(Cache):
 
 
 # ---------------------------------------------------------------------------------------------
+# Batched [B, q_max] layout over a RaggedKVCache
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchedLayout:
+    """Per-row inputs laid out as ``[B, q_max]`` over a :class:`RaggedKVCache`.
+
+    Attributes:
+        real: per row, [q_i] int64 window positions of its real inputs (the rest is padding).
+        mask: [B, 1, q_max, hi - lo] additive float mask (committed slots + the inputs' own mask).
+        plan: the :class:`WritePlan` to set on the cache for the forward.
+    """
+
+    real: list[torch.Tensor]
+    mask: torch.Tensor
+    plan: WritePlan
+    q_max: int
+
+    def scatter(self, values: list[torch.Tensor], fill=0) -> torch.Tensor:
+        """Per-row values [q_i, ...] -> [B, q_max, ...] with ``fill`` at the padding."""
+        v0 = values[0]
+        out = v0.new_full((len(values), self.q_max, *v0.shape[1:]), fill)
+        for i, (v, j) in enumerate(zip(values, self.real)):
+            out[i, j.to(out.device)] = v
+        return out
+
+    def gather(self, batched: torch.Tensor) -> list[torch.Tensor]:
+        """[B, q_max, ...] -> per-row values at the real inputs."""
+        return [batched[i, j.to(batched.device)] for i, j in enumerate(self.real)]
+
+
+def batched_layout(
+    cache: "RaggedKVCache",
+    rows: list[int],
+    masks: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    dtype: torch.dtype,
+    left_pad: bool = False,
+    lo: int = 0,
+) -> BatchedLayout:
+    """Lay per-row inputs out as ``[B, q_max]`` (padding on the right, or the left for aligned prefills).
+
+    Row i's real inputs write their keys/values to ``slots[i]`` and see each other through ``masks[i]``
+    ([q_i, q_i] bool, query x key) plus the row's committed slots (``cache.valid``). Padding inputs
+    continue the row's slots on the padding side and see only themselves.
+
+    Args:
+        cache: the cache (rows, ``valid``).
+        rows: cache row of each batch row.
+        masks: [q_i, q_i] bool per row.
+        slots: [q_i] int64 per row.
+        dtype: mask dtype (the model's).
+        left_pad: pad on the left (real inputs end the window).
+        lo: first slot attention reads.
+    """
+    device = cache.valid.device
+    b = len(rows)
+    q_max = max(s.numel() for s in slots)
+    slot = torch.zeros(b, q_max, dtype=torch.long, device=device)
+    own = torch.eye(q_max, dtype=torch.bool, device=device).repeat(b, 1, 1)  # pads see only themselves
+    real = []
+    for i, (m, s) in enumerate(zip(masks, slots)):
+        k, pad = s.numel(), q_max - s.numel()
+        j = torch.arange(pad, q_max) if left_pad else torch.arange(k)  # window positions of the real inputs
+        real.append(j)
+        own[i, j[:, None], j[None, :]] = m.to(device)
+        pad_slots = s[0] - pad + torch.arange(pad, device=device) if left_pad else s[-1] + 1 + torch.arange(pad, device=device)
+        slot[i] = torch.cat([pad_slots, s]) if left_pad else torch.cat([s, pad_slots])
+    hi = int(slot.max()) + 1
+    row_t = torch.tensor(rows, dtype=torch.long, device=device)
+    allowed = cache.valid[row_t, lo:hi][:, None, :].expand(b, q_max, hi - lo).clone()  # [B, q, kv] committed
+    allowed.scatter_(2, (slot - lo)[:, None, :].expand(b, q_max, q_max), own)  # the inputs' own slots
+    mask = torch.zeros(b, 1, q_max, hi - lo, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    all_rows = list(rows) == list(range(cache.batch_size))
+    plan = WritePlan(row_t[:, None].expand(b, q_max), slot, None if all_rows else row_t, lo, hi)
+    return BatchedLayout(real, mask, plan, q_max)
+
+
+# ---------------------------------------------------------------------------------------------
 # Packed ("unpad input tokens") attention
 # ---------------------------------------------------------------------------------------------
 

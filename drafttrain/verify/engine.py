@@ -42,7 +42,14 @@ import torch
 from tqdm.auto import tqdm
 
 from drafttrain.verify.acceptance import GREEDY, Acceptance, SamplingParams, accept, process_logits
-from drafttrain.verify.cache import RAGGED_ATTENTION, RaggedKVCache, RaggedSegments, WritePlan, attention_implementation
+from drafttrain.verify.cache import (
+    RAGGED_ATTENTION,
+    RaggedKVCache,
+    RaggedSegments,
+    WritePlan,
+    attention_implementation,
+    batched_layout,
+)
 from drafttrain.verify.tree import DraftTree
 
 MODES = ("unpadded", "unpadded_kv", "padded")
@@ -554,35 +561,12 @@ class SpecEngine:
 
     def _forward_batched(self, rows, toks, pos, masks, slots, left_pad: bool):
         """[B, q_max] inputs; padding continues each row's slots on the padding side (padded mode counts it)."""
-        cache = self.cache
-        b = len(rows)
-        q = [t.numel() for t in toks]
-        q_max = max(q)
-        ids = torch.zeros(b, q_max, dtype=torch.long, device=self.device)
-        position = torch.zeros(b, q_max, dtype=torch.long, device=self.device)
-        slot = torch.zeros(b, q_max, dtype=torch.long, device=self.device)
-        anc = torch.eye(q_max, dtype=torch.bool, device=self.device).repeat(b, 1, 1)  # pads see only themselves
-        real = []
-        for i, (t, p, m, s) in enumerate(zip(toks, pos, masks, slots)):
-            k, pad = t.numel(), q_max - t.numel()
-            j = torch.arange(pad, q_max) if left_pad else torch.arange(k)  # window positions of the real inputs
-            real.append(j)
-            ids[i, j], position[i, j] = t, p
-            anc[i, j[:, None], j[None, :]] = m
-            pad_slots = s[0] - pad + torch.arange(pad) if left_pad else s[-1] + 1 + torch.arange(pad)
-            slot[i] = torch.cat([pad_slots, s]) if left_pad else torch.cat([s, pad_slots])
         lo = self._read_lo if self.mode == "padded" else 0
-        hi = int(slot.max()) + 1
-        all_rows = list(rows) == list(range(cache.batch_size))
-        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        allowed = cache.valid[row_t, lo:hi][:, None, :].expand(b, q_max, hi - lo).clone()  # [B, q, kv] committed
-        allowed.scatter_(2, (slot - lo)[:, None, :].expand(b, q_max, q_max), anc)  # the new inputs' own slots
-        mask = torch.zeros(b, 1, q_max, hi - lo, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed[:, None], self._neg())
-        cache.set_plan(WritePlan(row_t[:, None].expand(b, q_max), slot, None if all_rows else row_t, lo, hi))
+        lay = batched_layout(self.cache, rows, masks, slots, self.dtype, left_pad=left_pad, lo=lo)
+        self.cache.set_plan(lay.plan)
         try:
-            out = self.target.forward(ids, attention_mask=mask, position_ids=position, past_key_values=cache,
-                                      with_logits=False, use_cache=True)  # fmt: skip
+            out = self.target.forward(lay.scatter(toks), attention_mask=lay.mask, position_ids=lay.scatter(pos),
+                                      past_key_values=self.cache, with_logits=False, use_cache=True)  # fmt: skip
         finally:
-            cache.set_plan(None)
-        return [out.hidden[i, j.to(self.device)] for i, j in enumerate(real)]
+            self.cache.set_plan(None)
+        return lay.gather(out.hidden)

@@ -129,15 +129,23 @@ class ReplayProposer:
 
 class ParallelSpecProposer:
     """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, K + 1, v]``
-    (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`): one drafter forward per sequence
-    and step gives the K + 1 distributions after the root, turned into a tree by
-    :func:`~drafttrain.verify.tree.parallelspec_tree` (ParallelSpec Algorithm 1, Appendix A.3).
+    (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`): one drafter forward gives the K + 1
+    distributions after the root, turned into a tree by :func:`~drafttrain.verify.tree.parallelspec_tree`
+    (ParallelSpec Algorithm 1, Appendix A.3).
+
+    With a ParallelSpec drafter (it has ``items``, ``decode``, ``logits``, ``mask_embed``) and
+    ``batched=True`` the drafter runs **one forward per step for the whole batch**: every sequence's
+    new items + K mask inputs in a ``[B, q_max]`` layout over a one-layer
+    :class:`~drafttrain.verify.cache.RaggedKVCache` (each sequence at its own offset; the mask
+    slots' keys/values are written but never committed, which is ``propose``'s crop). Otherwise it
+    calls ``propose`` once per sequence, each with its own ``DynamicCache``.
 
     Args:
         drafter: the drafter (eval mode is set here).
         widths: candidates per depth (default: a chain, one per depth for all K + 1 depths).
-        budget: maximum tree nodes (default: sum of widths' chain, i.e. K + 1).
+        budget: maximum tree nodes (default: one per depth).
         choices: optional static shape (a Medusa-style choice list) instead of the best-first shape.
+        batched: use the batched path when the drafter supports it.
     """
 
     name = "parallelspec"
@@ -148,41 +156,105 @@ class ParallelSpecProposer:
         widths: Sequence[int] | None = None,
         budget: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
+        batched: bool = True,
     ):
-        from transformers import DynamicCache
-
-        self._cache_cls = DynamicCache
         self.drafter = drafter.eval() if hasattr(drafter, "eval") else drafter
-        k1 = int(getattr(drafter, "num_mask_tokens", 0)) + 1  # depths the drafter covers
-        self.widths = list(widths) if widths is not None else [1] * k1
+        self.k = int(getattr(drafter, "num_mask_tokens", 0))
+        self.widths = list(widths) if widths is not None else [1] * (self.k + 1)
         self.budget = int(budget) if budget is not None else len(self.widths)
         self.template: TreeTemplate | None = template_from_choices(choices) if choices is not None else None
+        self.batched = batched and all(hasattr(drafter, a) for a in ("items", "decode", "logits", "mask_embed"))
         self._state: dict[int, dict] = {}
+        self._cache = None  # batched path: one-layer RaggedKVCache, row = slot
 
+    # -- protocol -------------------------------------------------------------------------------
     def start(self, slot, prompt_ids, hidden, first_token) -> None:
         prompt_ids = list(prompt_ids)
-        ids = torch.tensor([prompt_ids[1:] + [int(first_token)]], dtype=torch.long, device=hidden.device)
-        self._state[slot] = {"cache": self._cache_cls(), "ids": ids, "feats": hidden[None]}  # [1, P], [1, P, d]
+        ids = torch.tensor(prompt_ids[1:] + [int(first_token)], dtype=torch.long, device=hidden.device)
+        st = {"ids": ids, "feats": hidden}  # [P], [P, d]: the prompt's items
+        if self.batched:
+            self._reset_row(slot, hidden)
+        else:
+            from transformers import DynamicCache
+
+            st["cache"] = DynamicCache()
+        self._state[slot] = st
 
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
         trees = []
-        for slot in slots:
-            st = self._state[slot]
-            logits = self.drafter.propose(st["ids"], st["feats"], st["cache"])[0]  # [K + 1, v]
-            st["ids"] = st["feats"] = None  # consumed: the drafter cache now holds these items
+        for lg in logits:  # [K + 1, v] per sequence
             if sampling.greedy:  # shape scores from the drafter's own (T = 1) confidences; top-k candidates
-                probs = torch.softmax(logits.float(), dim=-1)
+                probs = torch.softmax(lg.float(), dim=-1)
             else:  # draws from the same processed distributions the acceptance rule divides by
-                probs = process_logits(logits, sampling)
-            trees.append(
-                parallelspec_tree(probs, self.widths, self.budget, not sampling.greedy, generator, self.template)
-            )
+                probs = process_logits(lg, sampling)
+            trees.append(parallelspec_tree(probs, self.widths, self.budget, not sampling.greedy, generator, self.template))
         return trees
 
     def commit(self, slot, tokens, hidden) -> None:
         st = self._state[slot]
-        st["ids"] = torch.tensor([list(tokens)], dtype=torch.long, device=hidden.device)  # [1, m + 1]
-        st["feats"] = hidden[None]  # [1, m + 1, d]
+        st["ids"] = torch.tensor(list(tokens), dtype=torch.long, device=hidden.device)  # [m + 1]
+        st["feats"] = hidden  # [m + 1, d]
 
     def release(self, slot) -> None:
         self._state.pop(slot, None)
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _draft_logits_one(self, slot) -> torch.Tensor:
+        st = self._state[slot]
+        out = self.drafter.propose(st["ids"][None], st["feats"][None], st["cache"])[0]  # [K + 1, v]
+        st["ids"] = st["feats"] = None  # consumed: the drafter cache now holds these items
+        return out
+
+    def _reset_row(self, slot: int, like: torch.Tensor) -> None:
+        from types import SimpleNamespace
+
+        from drafttrain.verify.cache import RaggedKVCache
+
+        if self._cache is None:
+            attn = self.drafter.layer.self_attn
+            n_kv = attn.config.num_key_value_heads
+            cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
+                                  head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
+            dtype = self.drafter.fc.weight.dtype
+            self._cache = RaggedKVCache(cfg, 0, 256, dtype, like.device)
+        if slot >= self._cache.batch_size:
+            self._cache.add_rows(slot + 1 - self._cache.batch_size)
+        self._cache.valid[slot] = False
+        self._cache.lengths[slot] = 0
+
+    @torch.no_grad()
+    def _draft_logits_batched(self, slots) -> list[torch.Tensor]:
+        """One drafter forward for all ``slots``: items + K masks each, ParallelSpec's inference layout
+        (:func:`drafttrain.layout.inference_layout`) at each sequence's own cache offset."""
+        from drafttrain.layout import inference_layout
+        from drafttrain.verify.cache import batched_layout
+
+        d, cache, k = self.drafter, self._cache, self.k
+        sts = [self._state[s] for s in slots]
+        n = [st["ids"].numel() for st in sts]
+        u = d.items(torch.cat([st["ids"] for st in sts])[None], torch.cat([st["feats"] for st in sts])[None])[0]
+        xs, pos, masks, slot_ids = [], [], [], []
+        for slot, ui, ni in zip(slots, torch.split(u, n), n):
+            past = int(cache.lengths[slot])
+            p, m = inference_layout(ni, k, dtype=torch.float32, past=past)
+            xs.append(torch.cat([ui, d.mask_embed.to(ui.dtype)]))  # [n_i + K, d]
+            pos.append(p[0].to(u.device))
+            masks.append(m[0, 0, :, past:] == 0)  # [q_i, q_i] this call's own part
+            slot_ids.append(past + torch.arange(ni + k, device=u.device))
+        cache.ensure_capacity(max(int(cache.lengths[s]) for s in slots) + max(n) + k)
+        lay = batched_layout(cache, list(slots), masks, slot_ids, u.dtype)
+        cache.set_plan(lay.plan)
+        try:
+            h = d.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), past_key_values=cache, use_cache=True)
+        finally:
+            cache.set_plan(None)
+        hs = lay.gather(h)
+        last = torch.stack([hi[ni - 1 :] for hi, ni in zip(hs, n)])  # [B, K + 1, d]: anchor + K mask slots
+        logits = d.full_vocab_logits(d.logits(last))  # [B, K + 1, v]
+        for slot, st, ni in zip(slots, sts, n):  # commit the items (not the mask slots: propose's crop)
+            past = int(cache.lengths[slot])
+            cache.valid[slot, past : past + ni] = True
+            cache.lengths[slot] += ni
+            st["ids"] = st["feats"] = None
+        return list(logits)
