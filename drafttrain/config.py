@@ -216,6 +216,7 @@ class EvalConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
     plain_mode: str = "unpadded_kv"  # engine mode of the plain-decoding baseline
+    pack_inputs: str = "auto"  # unpadded mode: auto (pack only when the rows' input counts differ) | always
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -252,6 +253,8 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
     bad = [m for m in list(c.modes) + [c.plain_mode] if m not in MODES]
     if bad:
         problems.append(f"unknown engine mode(s) {bad}; choose from {list(MODES)}")
+    if c.pack_inputs not in ("auto", "always"):
+        problems.append("pack_inputs must be auto or always")
     if c.max_new_tokens < 1:
         problems.append("max_new_tokens must be >= 1")
     if c.temperature < 0 or not 0 < c.top_p <= 1:

@@ -27,6 +27,7 @@ from drafttrain.target import Target
 PROMPT_LENGTHS = (3, 11, 30, 7, 19)
 NEW = 24
 DEPTH, WIDTH = 3, 2
+ENGINES = [(m, "auto") for m in MODES] + [("unpadded", "always")]  # (mode, pack_inputs)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +141,8 @@ def _proposers(continuations, make_drafter):
 # --------------------------------------------------------------------------------- losslessness
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_greedy_equals_plain_for_every_proposer(target, prompts, continuations, stops, make_drafter, mode):
+@pytest.mark.parametrize("mode, pack", ENGINES)
+def test_greedy_equals_plain_for_every_proposer(target, prompts, continuations, stops, make_drafter, mode, pack):
     """Greedy speculative output == plain greedy output, token for token, for every proposer, with a batch
     of prompts of different lengths finishing at different steps (stop tokens, length cap) and more
     prompts than slots (continuous batching refills)."""
@@ -149,7 +150,8 @@ def test_greedy_equals_plain_for_every_proposer(target, prompts, continuations, 
     assert len({len(r) for r in ref}) >= 3  # they do finish at different steps
     for name, make in _proposers(continuations, make_drafter).items():
         for bs in (1, 3) if name in ("plain", "parallelspec") else (3,):
-            run = SpecEngine(target, make(), batch_size=bs, max_new_tokens=NEW, mode=mode, stop_token_ids=stops).run(prompts)
+            run = SpecEngine(target, make(), batch_size=bs, max_new_tokens=NEW, mode=mode, stop_token_ids=stops,
+                             pack_inputs=pack).run(prompts)  # fmt: skip
             assert [r.tokens for r in run.results] == ref, f"{name} bs={bs}"
             for r, rf in zip(run.results, ref):
                 assert r.finish_reason == ("stop" if rf[-1] in stops else "length")
@@ -214,13 +216,13 @@ def _assert_cache_matches_fresh_forward(engine, target):
             torch.testing.assert_close(v, ref.layers[layer].values[0], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cache_equals_fresh_forward_after_every_step(target, prompts, continuations, mode):
+@pytest.mark.parametrize("mode, pack", ENGINES)
+def test_cache_equals_fresh_forward_after_every_step(target, prompts, continuations, mode, pack):
     """After every step, each sequence's committed keys/values (in slot order, padding skipped) equal
     those of a fresh forward over its accepted tokens: moves of accepted nodes, overwrites of
     rejected ones, refills and row compaction all keep the cache exact."""
     proposer = OracleProposer(continuations, correct=lambda s: [1, 3, 0, 2][s % 4])
-    engine = SpecEngine(target, proposer, batch_size=3, max_new_tokens=14, mode=mode)
+    engine = SpecEngine(target, proposer, batch_size=3, max_new_tokens=14, mode=mode, pack_inputs=pack)
     engine.submit(prompts)
     steps = 0
     while not engine.done:
@@ -237,7 +239,7 @@ def test_cache_equals_fresh_forward_after_every_step(target, prompts, continuati
 def test_tree_attention_node_logits_equal_path_alone(target, prompts, mode):
     """Each node's logits in the batched tree forward equal those of running its root-to-node path alone
     after the sequence's committed tokens (random trees of different sizes per sequence)."""
-    engine = SpecEngine(target, PlainProposer(), batch_size=3, max_new_tokens=50, mode=mode)
+    engine = SpecEngine(target, PlainProposer(), batch_size=3, max_new_tokens=50, mode=mode, pack_inputs="always")
     engine.submit(prompts[:3])
     engine.admit()
     engine.step()  # one plain step so that the rows' cache lengths differ from their prompt lengths

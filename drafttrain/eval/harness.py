@@ -195,7 +195,7 @@ def evaluate(cfg) -> dict[str, Any]:
 
     def engine(proposer, bs, mode):
         return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=c.max_new_tokens, mode=mode,
-                          sampling=sampling, stop_token_ids=stops, seed=c.seed)  # fmt: skip
+                          sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
 
     def spec_proposer(references):
         if c.proposer == "replay":

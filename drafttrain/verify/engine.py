@@ -199,6 +199,10 @@ class SpecEngine:
         replacement: the proposer's sibling candidates are i.i.d. draws (default: without replacement).
         initial_capacity: cache slots per row to start with (the cache grows, and in padded mode first
             drops common leading padding, when a step needs more).
+        pack_inputs: ``"unpadded"`` mode only. ``"always"``: every forward is packed into ``[1, N]``
+            with per-sequence attention. ``"auto"`` (default): when every row has the same number of
+            inputs the packed input is exactly a ``[B, q]`` tensor, so it runs as one (a single
+            batched sdpa call instead of a per-sequence loop; nothing is padded either way).
 
     Raises:
         ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
@@ -216,9 +220,13 @@ class SpecEngine:
         seed: int = 0,
         replacement: bool = False,
         initial_capacity: int = 256,
+        pack_inputs: str = "auto",
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+        if pack_inputs not in ("auto", "always"):
+            raise ValueError(f"pack_inputs must be 'auto' or 'always', got {pack_inputs!r}")
+        self.pack_inputs = pack_inputs
         if batch_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
         self.target = target
@@ -520,7 +528,8 @@ class SpecEngine:
     def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
         (hidden [q_i, d], logits [len(sel_i), v]) for the real inputs."""
-        if self.mode == "unpadded":
+        same = len({t.numel() for t in toks}) == 1
+        if self.mode == "unpadded" and not (same and self.pack_inputs == "auto"):
             hidden = self._forward_packed(rows, toks, pos, masks, slots)
         else:
             hidden = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
