@@ -20,7 +20,10 @@ Three modes of the same engine (``mode``):
 
 - ``"unpadded"`` (EMS-SD): per-row cache offsets ("unpad KV cache") and all sequences' inputs packed
   into one ``[1, N]`` row ("unpad input tokens"), attention per sequence against its own cache row
-  (:func:`~drafttrain.verify.cache.ragged_attention`). No padding anywhere.
+  (:func:`~drafttrain.verify.cache.ragged_attention`). No padding anywhere. With ``pack_inputs="auto"``
+  a step whose rows all have the same number of inputs runs as the equivalent ``[B, q]`` tensor (one
+  batched attention call instead of a per-sequence loop; EMS-SD, too, only unpads the KV cache when
+  every sample predicts the same number of tokens).
 - ``"unpadded_kv"``: per-row cache offsets, inputs batched as ``[B, q_max]`` (right-padded only if
   tree sizes differ), the model's own attention (sdpa). EMS-SD's "unpad KV cache" ablation.
 - ``"padded"`` (EMS-SD's vanilla baseline): every row writes at one common cache offset W; after
