@@ -34,12 +34,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--modes", nargs="+", default=["unpadded", "unpadded_kv", "padded"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gsm8k", action=argparse.BooleanOptionalAction, default=True, help="also GSM8K at batch 1")
+    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench"], help="mt_bench, gsm8k (or a .jsonl path)")
+    ap.add_argument("--gsm8k", action=argparse.BooleanOptionalAction, default=False, help="also GSM8K at batch 1")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--tree", nargs="*", default=[], help="extra overrides, e.g. tree.widths=[2,1,1,1,1] tree.budget=6")
     ap.add_argument("--out", default="docs/benchmarks/verifier")
     ap.add_argument("--work-dir", default="outputs/bench_verifier")
     args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -62,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg.pop("hydra", None)
         return evaluate(cfg)
 
-    results = {"mt_bench": run("mt_bench", args.batch_sizes)}
-    if args.gsm8k:
+    results = {name: run(name, args.batch_sizes) for name in args.prompt_sets}
+    if args.gsm8k and "gsm8k" not in results:
         results["gsm8k"] = run("gsm8k", [1])
     command = "flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_verifier " + shlex.join(
         sys.argv[1:] if argv is None else argv

@@ -193,8 +193,8 @@ def evaluate(cfg) -> dict[str, Any]:
     sampling = SamplingParams(c.temperature, c.top_p)
     log.info("evaluating %d prompts of %s, batch sizes %s, modes %s", len(prompts), c.prompts, c.batch_sizes, c.modes)
 
-    def engine(proposer, bs, mode):
-        return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=c.max_new_tokens, mode=mode,
+    def engine(proposer, bs, mode, max_new_tokens=c.max_new_tokens):
+        return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
                           sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
 
     def spec_proposer(references):
@@ -206,8 +206,8 @@ def evaluate(cfg) -> dict[str, Any]:
     if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
         few = prompts[:2] if len(prompts) > 1 else prompts * 2
         for mode in sorted(set(c.modes) | {c.plain_mode}):
-            warm = engine(PlainProposer(), 2, mode).run(few)
-            engine(spec_proposer([r.tokens for r in warm.results]), 2, mode).run(few)
+            warm = engine(PlainProposer(), 2, mode, max_new_tokens=8).run(few)
+            engine(spec_proposer([r.tokens for r in warm.results]), 2, mode, max_new_tokens=8).run(few)
 
     runs: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
