@@ -181,3 +181,100 @@ def resolve_mixed_precision(setting: str) -> str:
 def to_dict(c: TrainConfig) -> dict[str, Any]:
     """Plain dict of a validated config (for saving next to checkpoints and logging)."""
     return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+
+
+# ==================================================================================================
+# Evaluation (python -m scripts.evaluate; conf/evaluate.yaml)
+# ==================================================================================================
+
+
+@dataclass
+class TreeConfig:
+    """Draft tree of the ParallelSpec proposer (DESIGN.md §4, ParallelSpec Appendix A.3).
+
+    ``widths``: candidates per depth (null = a chain over all K + 1 depths); ``budget``: maximum nodes
+    (null = one per depth); ``choices``: a static shape instead of the best-first one: ``eagle_default``,
+    ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``.
+    """
+
+    widths: list[int] | None = None
+    budget: int | None = None
+    choices: Any = None
+
+
+@dataclass
+class EvalConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    checkpoint: str | None = None  # a training run folder (drafter/ + config.json) or a drafter/ folder
+    untrained_drafter: bool = False  # no checkpoint: time a fresh ParallelSpec drafter (τ is meaningless)
+    proposer: str = "parallelspec"  # parallelspec | replay (verifier benchmark: drafts = plain output, right w.p. replay_accept_prob)
+    replay_accept_prob: float = 0.7
+    replay_depth: int = 5
+    prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
+    num_prompts: int | None = 16
+    prompt_offset: int = 0
+    max_new_tokens: int = 128
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
+    plain_mode: str = "unpadded_kv"  # engine mode of the plain-decoding baseline
+    pack_inputs: str = "auto"  # unpadded mode: auto (pack only when the rows' input counts differ) | always
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    stop_token_ids: list[int] | None = None  # default: the tokenizer's end-of-turn ids
+    num_threads: int | None = None
+    warmup: bool = True  # one short untimed run first (allocations, first-call overheads)
+    run_name: str = "eval"
+    output_dir: str = "outputs/eval/eval"
+    progress: bool = True
+    plots: bool = True
+
+
+def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
+    """Merge a composed ``conf/evaluate.yaml`` into :class:`EvalConfig` (as :func:`validate` does for training).
+
+    Raises:
+        ConfigError: unknown key, wrong type, or a bad value (before any model loads).
+    """
+    from drafttrain.verify.engine import MODES
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"invalid config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
+    c: EvalConfig = OmegaConf.to_object(merged)
+    problems = []
+    if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
+        problems.append("batch_sizes must be a non-empty list of ints >= 1")
+    bad = [m for m in list(c.modes) + [c.plain_mode] if m not in MODES]
+    if bad:
+        problems.append(f"unknown engine mode(s) {bad}; choose from {list(MODES)}")
+    if c.pack_inputs not in ("auto", "always"):
+        problems.append("pack_inputs must be auto or always")
+    if c.max_new_tokens < 1:
+        problems.append("max_new_tokens must be >= 1")
+    if c.temperature < 0 or not 0 < c.top_p <= 1:
+        problems.append("temperature must be >= 0 and top_p in (0, 1]")
+    if c.proposer not in ("parallelspec", "replay"):
+        problems.append("proposer must be parallelspec or replay")
+    if c.proposer == "replay" and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
+        problems.append("proposer=replay needs temperature=0, replay_accept_prob in [0, 1] and replay_depth >= 1")
+    if c.checkpoint is None and not c.untrained_drafter and c.proposer == "parallelspec":
+        problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
+    if c.tree.widths is not None and (not c.tree.widths or min(c.tree.widths) < 1):
+        problems.append("tree.widths must be positive ints")
+    if c.tree.budget is not None and c.tree.budget < 1:
+        problems.append("tree.budget must be >= 1")
+    ch = c.tree.choices
+    if ch is not None and not (ch in ("eagle_default", "medusa_default") or isinstance(ch, list)):
+        problems.append("tree.choices must be eagle_default, medusa_default or a list of rank lists")
+    if c.target.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append("target.dtype must be float32|bfloat16|float16")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return c

@@ -93,6 +93,7 @@ class Target:
         past_key_values=None,
         with_logits: bool = True,
         use_cache: bool = False,
+        **model_kwargs,
     ) -> TargetOutput:
         """Run the target's public forward.
 
@@ -103,6 +104,8 @@ class Target:
             past_key_values: a transformers Cache object (updated in place) or None.
             with_logits: also apply the LM head (costs d*v per token).
             use_cache: return/extend a KV cache.
+            **model_kwargs: passed on to the backbone's forward, which hands them to the attention
+                function (e.g. the verifier's packed-sequence metadata, :mod:`drafttrain.verify.cache`).
 
         Returns:
             :class:`TargetOutput` with hidden [b, s, d] (post final norm) and logits [b, s, v].
@@ -113,6 +116,7 @@ class Target:
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=use_cache,
+            **model_kwargs,
         )
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden).float() if with_logits else None

@@ -1,0 +1,277 @@
+"""The evaluation harness: what a trained drafter is worth, measured with the bundled batched verifier.
+
+For every batch size it decodes the same prompts with plain decoding (the baseline, through the same
+engine) and with speculative decoding in each engine mode (unpadded = EMS-SD, padded = vanilla), in
+one process, one after the other, and records τ, tokens/s, speedup, padding, the accepted-length
+histogram and per-depth acceptance. Under greedy decoding every speculative output is compared
+token for token with the plain output of the same batch size (``greedy_equal``).
+
+Entry point: ``python -m scripts.evaluate`` (conf/evaluate.yaml); library entry: :func:`evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttrain.config import ConfigError, EvalConfig, validate_eval
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _drafter_dir(checkpoint: Path) -> Path:
+    from drafttrain.drafters.base import DRAFTER_CONFIG
+
+    if (checkpoint / DRAFTER_CONFIG).is_file():
+        return checkpoint
+    if (checkpoint / "drafter" / DRAFTER_CONFIG).is_file():
+        return checkpoint / "drafter"
+    raise FileNotFoundError(f"no drafter checkpoint in {checkpoint} (expected drafter/{DRAFTER_CONFIG} or {DRAFTER_CONFIG})")
+
+
+def check_checkpoint(c: EvalConfig) -> Path | None:
+    """Find the drafter folder and check the checkpoint was trained for the configured target (no model loads).
+
+    Raises:
+        FileNotFoundError: no drafter in ``c.checkpoint``.
+        ConfigError: the training config names another target.
+    """
+    if c.checkpoint is None:
+        return None
+    ckpt = Path(c.checkpoint).expanduser()
+    ddir = _drafter_dir(ckpt)
+    for cfg_path in (ddir.parent / "config.json", ckpt / "config.json"):
+        if cfg_path.is_file():
+            trained = json.loads(cfg_path.read_text()).get("target", {})
+            if trained.get("name") not in (None, c.target.name):
+                raise ConfigError(
+                    f"{c.checkpoint} was trained for target '{trained.get('name')}', not '{c.target.name}': "
+                    f"pass target={trained.get('name')} (or the matching target.path)"
+                )
+            break
+    return ddir
+
+
+def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """Prompt ids (chat template applied) and their token ids."""
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.data.template import prompt_ids
+
+    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset)
+    if not rows:
+        raise ValueError(f"no prompts in {c.prompts!r} at offset {c.prompt_offset}")
+    return [r["id"] for r in rows], [prompt_ids(tokenizer, r["messages"]) for r in rows]
+
+
+def make_proposer(c: EvalConfig, drafter):
+    """The ParallelSpec proposer with the configured tree."""
+    from drafttrain.verify.proposers import ParallelSpecProposer
+    from drafttrain.verify.tree import NAMED_CHOICES
+
+    choices = c.tree.choices
+    if isinstance(choices, str):
+        choices = NAMED_CHOICES[choices]
+    widths = c.tree.widths
+    if widths is None and choices is not None:  # a static shape: as wide as it asks, as deep as the drafter
+        k1 = drafter.num_mask_tokens + 1
+        widths = [1 + max((r[t] for r in choices if len(r) > t), default=0) for t in range(k1)]
+    budget = c.tree.budget
+    if budget is None and choices is not None:
+        budget = len(choices)
+    return ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
+
+
+def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:
+    """Where a speculative output first leaves the plain one, and the target's top-2 logit gap there.
+
+    A gap of ~1e-5 means a near-tie that float reassociation (different batch shapes, kernels) can flip;
+    a large gap means a real bug.
+    """
+    i = next((k for k, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
+    logits = target.forward(torch.tensor([prompt + plain[:i]], device=target.device)).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    return {"position": i, "top2_gap": float(top[0] - top[1])}
+
+
+def _git_sha() -> str | None:
+    """The code's git commit (``DRAFTTRAIN_GIT_SHA`` wins: runs from an exported copy of the repository)."""
+    import os
+
+    if os.environ.get("DRAFTTRAIN_GIT_SHA"):
+        return os.environ["DRAFTTRAIN_GIT_SHA"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_record(run, method: str, mode: str, batch_size: int) -> dict[str, Any]:
+    st = run.stats
+    return {
+        "method": method,
+        "mode": mode,
+        "batch_size": batch_size,
+        "tokens_per_s": st.tokens_per_s,
+        "seconds": st.seconds,
+        "generated_tokens": st.generated,
+        "tau": st.tau,
+        "forwards": st.forwards,
+        "sequence_steps": st.seq_steps,
+        "mean_tree_nodes": st.tree_nodes / max(st.seq_steps, 1),
+        "draft_seconds": st.draft_seconds,
+        "verify_forward_seconds": st.forward_seconds,
+        "padding_ratio": st.padding_ratio,
+        "input_padding_ratio": st.input_padding_ratio,
+        "kv_padding_ratio": st.kv_padding_ratio,
+        "window_padding_ratio": st.window_padding_ratio,
+        "input_padding": st.input_padding,
+        "kv_padding": st.kv_padding,
+        "input_tokens": st.input_tokens,
+        "kv_tokens": st.kv_tokens,
+        "prefill_padding": st.prefill_padding,
+        "accept_hist": {int(k): v for k, v in sorted(st.accept_hist.items())},
+        "depth_acceptance": st.depth_acceptance(),
+    }
+
+
+def evaluate(cfg) -> dict[str, Any]:
+    """Run the evaluation described by ``cfg`` (a composed ``conf/evaluate.yaml``, a dict, or an
+    :class:`~drafttrain.config.EvalConfig`) and write ``results.json``, ``report.md`` and ``plots/`` to
+    ``output_dir``.
+
+    Returns:
+        The results dict (as written to ``results.json``).
+
+    Raises:
+        ConfigError: bad config or a checkpoint trained for another target (before the target loads).
+        FileNotFoundError: no drafter in the checkpoint folder.
+    """
+    c = cfg if isinstance(cfg, EvalConfig) else validate_eval(cfg)
+    ddir = check_checkpoint(c)
+    from drafttrain.drafters import Drafter, build_drafter
+    from drafttrain.config import DrafterConfig
+    from drafttrain.data.template import end_of_turn_ids
+    from drafttrain.eval.report import write_report
+    from drafttrain.target import load_target
+    from drafttrain.verify.acceptance import SamplingParams
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.proposers import PlainProposer, ReplayProposer
+
+    if c.num_threads:
+        torch.set_num_threads(c.num_threads)
+    out_dir = Path(c.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = load_target(c.target)
+    if c.proposer == "replay":
+        drafter = None
+    elif ddir is not None:
+        drafter = Drafter.from_pretrained(ddir, target).eval()
+    else:
+        dcfg = {k: v for k, v in to_dict_drafter(DrafterConfig()).items() if k != "name"}
+        torch.manual_seed(c.seed)
+        drafter = build_drafter("parallelspec", dcfg, target).eval()
+    ids, prompts = load_prompts(c, target.tokenizer)
+    stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
+    sampling = SamplingParams(c.temperature, c.top_p)
+    log.info("evaluating %d prompts of %s, batch sizes %s, modes %s", len(prompts), c.prompts, c.batch_sizes, c.modes)
+
+    def engine(proposer, bs, mode, max_new_tokens=c.max_new_tokens):
+        return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
+                          sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
+
+    def spec_proposer(references):
+        if c.proposer == "replay":
+            refs = {tuple(p): r for p, r in zip(prompts, references)}
+            return ReplayProposer(refs, depth=c.replay_depth, accept_prob=c.replay_accept_prob, seed=c.seed)
+        return make_proposer(c, drafter)
+
+    if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
+        few = prompts[:2] if len(prompts) > 1 else prompts * 2
+        for mode in sorted(set(c.modes) | {c.plain_mode}):
+            warm = engine(PlainProposer(), 2, mode, max_new_tokens=8).run(few)
+            engine(spec_proposer([r.tokens for r in warm.results]), 2, mode, max_new_tokens=8).run(few)
+
+    runs: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[int]]] = {}
+    t_all = time.perf_counter()
+    for bs in c.batch_sizes:
+        plain = engine(PlainProposer(), bs, c.plain_mode).run(prompts, progress=c.progress and f"plain b={bs}")
+        plain_rec = _run_record(plain, "plain", c.plain_mode, bs)
+        plain_rec["speedup"] = 1.0
+        runs.append(plain_rec)
+        plain_tokens = [r.tokens for r in plain.results]
+        outputs[f"plain/b{bs}"] = plain_tokens
+        for mode in c.modes:
+            spec = engine(spec_proposer(plain_tokens), bs, mode).run(prompts, progress=c.progress and f"{mode} b={bs}")
+            rec = _run_record(spec, c.proposer, mode, bs)
+            rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
+            toks = [r.tokens for r in spec.results]
+            outputs[f"{c.proposer}/{mode}/b{bs}"] = toks
+            if sampling.greedy:
+                bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
+                rec["greedy_equal"] = not bad
+                rec["mismatches"] = [ids[i] for i in bad]
+                rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_tokens[i]) for i in bad}
+                if bad:
+                    log.error("b=%d %s: speculative output differs from plain greedy on prompts %s: %s", bs, mode,
+                              rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
+            runs.append(rec)
+            log.info("b=%d %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f", bs, mode,
+                     rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"], rec["padding_ratio"])
+    results = {
+        "command_config": to_dict_eval(c),
+        "git_sha": _git_sha(),
+        "machine": {
+            "device": str(target.device), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
+        },  # fmt: skip
+        "drafter": {"proposer": c.proposer, "checkpoint": str(ddir) if ddir else None,
+                    "untrained": ddir is None and c.proposer == "parallelspec",
+                    "num_mask_tokens": drafter.num_mask_tokens if drafter is not None else None,
+                    "replay_accept_prob": c.replay_accept_prob if c.proposer == "replay" else None},  # fmt: skip
+        "prompts": {"set": c.prompts, "ids": ids, "num": len(ids), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)},
+        "greedy": sampling.greedy,
+        "greedy_equal": all(r.get("greedy_equal", True) for r in runs) if sampling.greedy else None,
+        "runs": runs,
+        "total_seconds": time.perf_counter() - t_all,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    with (out_dir / "outputs.jsonl").open("w") as f:
+        for key, toks in outputs.items():
+            for pid, t in zip(ids, toks):
+                f.write(json.dumps({"run": key, "id": pid, "tokens": t}) + "\n")
+    write_report(results, out_dir, plots=c.plots)
+    return results
+
+
+def to_dict_eval(c: EvalConfig) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+
+
+def to_dict_drafter(d) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(d), resolve=True)
+
+
+__all__ = ["evaluate", "check_checkpoint", "load_prompts", "make_proposer"]

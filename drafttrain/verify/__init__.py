@@ -1,0 +1,33 @@
+"""The bundled batched verifier (DESIGN.md §4): trees, acceptance rules, the ragged KV cache, proposers, engine."""
+
+from drafttrain.verify.acceptance import (
+    GREEDY,
+    Acceptance,
+    SamplingParams,
+    accept,
+    accept_greedy,
+    process_logits,
+    speculative_sampling_chain,
+    speculative_sampling_tree,
+)
+from drafttrain.verify.cache import RaggedKVCache
+from drafttrain.verify.engine import MODES, EngineRun, EngineStats, SequenceResult, SpecEngine
+from drafttrain.verify.proposers import ParallelSpecProposer, PlainProposer, Proposer
+from drafttrain.verify.tree import (
+    EAGLE_DEFAULT_CHOICES,
+    MEDUSA_DEFAULT_CHOICES,
+    DraftTree,
+    TreeTemplate,
+    best_first_template,
+    chain_template,
+    parallelspec_tree,
+    template_from_choices,
+)
+
+__all__ = [
+    "GREEDY", "Acceptance", "SamplingParams", "accept", "accept_greedy", "process_logits",
+    "speculative_sampling_chain", "speculative_sampling_tree", "RaggedKVCache", "MODES", "EngineRun",
+    "EngineStats", "SequenceResult", "SpecEngine", "ParallelSpecProposer", "PlainProposer", "Proposer",
+    "EAGLE_DEFAULT_CHOICES", "MEDUSA_DEFAULT_CHOICES", "DraftTree", "TreeTemplate", "best_first_template",
+    "chain_template", "parallelspec_tree", "template_from_choices",
+]  # fmt: skip

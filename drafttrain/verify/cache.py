@@ -1,0 +1,371 @@
+"""The verifier's KV cache: one preallocated buffer, each row written at its own offset (EMS-SD "unpad KV cache").
+
+:class:`RaggedKVCache` is a transformers :class:`~transformers.Cache` whose layers hold
+``keys/values: [b, h_kv, cap, hd]`` and whose rows are independent sequences. Before every target
+forward the engine gives it a :class:`WritePlan`: for each input token, the cache row and slot its
+keys/values go to (EMS-SD Section 3.2: "we specify the start location of the KV cache for each
+sample individually ... for each input token, we initially compute its KV cache and subsequently
+write it to memory based on the specified position for each sample"). ``valid [b, cap]`` marks the
+slots that hold committed tokens; masks are built from it, so slots may hold garbage (rejected
+drafts, padding) that nobody attends to.
+
+Two ways to read the cache back for attention:
+
+- **batched** (``[B, q]`` inputs): the attention gets ``keys[rows, :, lo:hi]`` and a ``[B, 1, q, hi - lo]``
+  additive mask; any transformers attention (sdpa, eager) works.
+- **packed** (``[1, N]`` inputs, EMS-SD "unpad input tokens", Appendix D Algorithm 1): all sequences'
+  tokens are concatenated; :func:`ragged_attention` (registered with transformers'
+  ``AttentionInterface`` as ``"drafttrain_ragged"``) restores each token's sequence (Appendix D
+  Algorithm 2) from :class:`RaggedSegments` and runs attention of each sequence's queries against
+  its own cache row only. Nothing is padded and no attention is spent across sequences.
+
+Shape letters: b cache rows, B batch rows of a forward, q queries per row, N packed tokens,
+h_kv key/value heads, hd head dim, cap slots per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+RAGGED_ATTENTION = "drafttrain_ragged"
+
+
+@dataclass
+class WritePlan:
+    """Where one forward's keys/values go and what attention reads back.
+
+    Attributes:
+        rows: [B, q] int64 cache row of every input token (packed: B = 1, q = N).
+        slots: [B, q] int64 slot of every input token within its row.
+        read_rows: [B] int64 cache rows the batched attention reads (None: all rows in order);
+            ignored when ``packed``.
+        lo, hi: slot range read back (``keys[..., lo:hi, :]``).
+        packed: the forward is packed ([1, N]); attention reads every row (a view, no copy).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    read_rows: torch.Tensor | None
+    lo: int
+    hi: int
+    packed: bool = False
+
+
+@dataclass
+class RaggedSegments:
+    """Packed-forward metadata (EMS-SD Appendix D): token range [start, end) of each sequence, its cache row
+    and how many cache slots (``kv_len``) its attention needs to read."""
+
+    starts: list[int]
+    ends: list[int]
+    rows: list[int]
+    kv_lens: list[int]
+
+
+class _RaggedLayer(CacheLayerMixin):
+    """One layer's buffers; writes/reads follow the parent cache's current :class:`WritePlan`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: "RaggedKVCache", keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are allocated up front
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write key/value states [B, h_kv, q, hd] at the plan's (row, slot) pairs; return what attention reads."""
+        plan = self.owner.plan
+        if plan is None:
+            raise RuntimeError("RaggedKVCache: the engine must set_plan() before each forward")
+        # buffer[row, :, slot] = state[b, :, j] for every input token (b, j)
+        self.keys[plan.rows, :, plan.slots] = key_states.transpose(1, 2).to(self.dtype)  # [B, q, h_kv, hd]
+        self.values[plan.rows, :, plan.slots] = value_states.transpose(1, 2).to(self.dtype)
+        if plan.packed or plan.read_rows is None:
+            return self.keys[:, :, plan.lo : plan.hi], self.values[:, :, plan.lo : plan.hi]  # views
+        return self.keys[plan.read_rows, :, plan.lo : plan.hi], self.values[plan.read_rows, :, plan.lo : plan.hi]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        plan = self.owner.plan
+        return (plan.hi - plan.lo, plan.lo) if plan is not None else (query_length, 0)
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lengths.max()) if self.owner.lengths.numel() else 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class RaggedKVCache(Cache):
+    """Preallocated KV cache whose rows are independent sequences with their own lengths.
+
+    Args:
+        config: the target's transformers config (num_hidden_layers, num_key_value_heads, head_dim).
+        batch_size: rows b.
+        capacity: slots per row (grown on demand by :meth:`ensure_capacity`).
+        dtype, device: of the buffers (the model's).
+
+    Attributes:
+        valid: [b, cap] bool, slots holding committed tokens.
+        lengths: [b] int64, committed tokens per row (= the position id of the row's next token).
+        plan: the current :class:`WritePlan` (set by the engine before each forward).
+    """
+
+    def __init__(self, config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        h_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers = []
+        for _ in range(config.num_hidden_layers):
+            k = torch.zeros(batch_size, h_kv, capacity, hd, dtype=dtype, device=device)  # [b, h_kv, cap, hd]
+            layers.append(_RaggedLayer(self, k, torch.zeros_like(k)))
+        super().__init__(layers=layers)
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.plan: WritePlan | None = None
+
+    # -- shape ----------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    # -- engine API -----------------------------------------------------------------------------
+    def set_plan(self, plan: WritePlan | None) -> None:
+        self.plan = plan
+
+    def ensure_capacity(self, slots: int) -> None:
+        """Grow every row to at least ``slots`` slots (copies the buffers; contents are kept)."""
+        cap = self.capacity
+        if slots <= cap:
+            return
+        new_cap = max(slots, cap + cap // 2 + 16)
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                new[:, :, :cap] = old
+                setattr(layer, name, new)
+        valid = self.valid.new_zeros(self.batch_size, new_cap)
+        valid[:, :cap] = self.valid
+        self.valid = valid
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys/values of (rows[i], src[i]) to (rows[i], dst[i]) in every layer (gather, then scatter).
+
+        This is how an accepted path's keys/values are made contiguous after verification.
+
+        Args:
+            rows, src, dst: [m] int64.
+        """
+        if rows.numel() == 0:
+            return
+        for layer in self.layers:
+            k = layer.keys[rows, :, src]  # [m, h_kv, hd] (a copy: safe if src and dst overlap)
+            v = layer.values[rows, :, src]
+            layer.keys[rows, :, dst] = k
+            layer.values[rows, :, dst] = v
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` ([b'] int64), in that order (drops finished sequences from the batch)."""
+        for layer in self.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+
+    def add_rows(self, n: int) -> None:
+        """Append ``n`` empty rows."""
+        if n <= 0:
+            return
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                setattr(layer, name, torch.cat([old, old.new_zeros(n, *old.shape[1:])], dim=0))
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.capacity)], dim=0)
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)], dim=0)
+
+    def shift_left(self, offset: int) -> None:
+        """Move every row's slots [offset, cap) to [0, cap - offset) (padded mode: drop common leading padding)."""
+        if offset <= 0:
+            return
+        cap = self.capacity
+        for layer in self.layers:
+            layer.keys[:, :, : cap - offset] = layer.keys[:, :, offset:].clone()
+            layer.values[:, :, : cap - offset] = layer.values[:, :, offset:].clone()
+        self.valid[:, : cap - offset] = self.valid[:, offset:].clone()
+        self.valid[:, cap - offset :] = False
+
+    def row_kv(self, row: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed keys/values of one row, in slot order: ([h_kv, L, hd], [h_kv, L, hd]) (tests, debugging)."""
+        idx = self.valid[row].nonzero().squeeze(-1)
+        layer = self.layers[layer_idx]
+        return layer.keys[row][:, idx], layer.values[row][:, idx]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched [B, q_max] layout over a RaggedKVCache
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchedLayout:
+    """Per-row inputs laid out as ``[B, q_max]`` over a :class:`RaggedKVCache`.
+
+    Attributes:
+        real: per row, [q_i] int64 window positions of its real inputs (the rest is padding).
+        mask: [B, 1, q_max, hi - lo] additive float mask (committed slots + the inputs' own mask).
+        plan: the :class:`WritePlan` to set on the cache for the forward.
+    """
+
+    real: list[torch.Tensor]
+    mask: torch.Tensor
+    plan: WritePlan
+    q_max: int
+
+    def scatter(self, values: list[torch.Tensor], fill=0) -> torch.Tensor:
+        """Per-row values [q_i, ...] -> [B, q_max, ...] with ``fill`` at the padding."""
+        v0 = values[0]
+        out = v0.new_full((len(values), self.q_max, *v0.shape[1:]), fill)
+        for i, (v, j) in enumerate(zip(values, self.real)):
+            out[i, j.to(out.device)] = v
+        return out
+
+    def gather(self, batched: torch.Tensor) -> list[torch.Tensor]:
+        """[B, q_max, ...] -> per-row values at the real inputs."""
+        return [batched[i, j.to(batched.device)] for i, j in enumerate(self.real)]
+
+
+def batched_layout(
+    cache: "RaggedKVCache",
+    rows: list[int],
+    masks: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    dtype: torch.dtype,
+    left_pad: bool = False,
+    lo: int = 0,
+) -> BatchedLayout:
+    """Lay per-row inputs out as ``[B, q_max]`` (padding on the right, or the left for aligned prefills).
+
+    Row i's real inputs write their keys/values to ``slots[i]`` and see each other through ``masks[i]``
+    ([q_i, q_i] bool, query x key) plus the row's committed slots (``cache.valid``). Padding inputs
+    continue the row's slots on the padding side and see only themselves.
+
+    Args:
+        cache: the cache (rows, ``valid``).
+        rows: cache row of each batch row.
+        masks: [q_i, q_i] bool per row.
+        slots: [q_i] int64 per row.
+        dtype: mask dtype (the model's).
+        left_pad: pad on the left (real inputs end the window).
+        lo: first slot attention reads.
+    """
+    device = cache.valid.device
+    b = len(rows)
+    q_max = max(s.numel() for s in slots)
+    slot = torch.zeros(b, q_max, dtype=torch.long, device=device)
+    own = torch.eye(q_max, dtype=torch.bool, device=device).repeat(b, 1, 1)  # pads see only themselves
+    real = []
+    for i, (m, s) in enumerate(zip(masks, slots)):
+        k, pad = s.numel(), q_max - s.numel()
+        j = torch.arange(pad, q_max) if left_pad else torch.arange(k)  # window positions of the real inputs
+        real.append(j)
+        own[i, j[:, None], j[None, :]] = m.to(device)
+        pad_slots = s[0] - pad + torch.arange(pad, device=device) if left_pad else s[-1] + 1 + torch.arange(pad, device=device)
+        slot[i] = torch.cat([pad_slots, s]) if left_pad else torch.cat([s, pad_slots])
+    hi = int(slot.max()) + 1
+    row_t = torch.tensor(rows, dtype=torch.long, device=device)
+    allowed = cache.valid[row_t, lo:hi][:, None, :].expand(b, q_max, hi - lo).clone()  # [B, q, kv] committed
+    allowed.scatter_(2, (slot - lo)[:, None, :].expand(b, q_max, q_max), own)  # the inputs' own slots
+    mask = torch.zeros(b, 1, q_max, hi - lo, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    all_rows = list(rows) == list(range(cache.batch_size))
+    plan = WritePlan(row_t[:, None].expand(b, q_max), slot, None if all_rows else row_t, lo, hi)
+    return BatchedLayout(real, mask, plan, q_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed ("unpad input tokens") attention
+# ---------------------------------------------------------------------------------------------
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    ragged_segments: RaggedSegments | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of packed sequences against their own cache rows (EMS-SD Appendix D, Algorithm 2).
+
+    Without ``ragged_segments`` it is transformers' sdpa attention, unchanged.
+
+    Args:
+        query: [1, h, N, hd] packed queries.
+        key, value: [b, h_kv, kv, hd] every cache row (views of the :class:`RaggedKVCache` buffers).
+        attention_mask: [1, 1, N, kv] additive float mask; token t's row is in *its own* sequence's
+            slot coordinates.
+        ragged_segments: token ranges, cache rows and read lengths of the sequences.
+
+    Returns:
+        ([1, N, h, hd] attention output, None).
+    """
+    if ragged_segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    seg = ragged_segments
+    outs = []
+    for s, e, row, kv in zip(seg.starts, seg.ends, seg.rows, seg.kv_lens):
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, s:e],  # [1, h, q_i, hd]
+                key[row : row + 1, :, :kv],  # [1, h_kv, kv_i, hd]
+                value[row : row + 1, :, :kv],
+                attn_mask=attention_mask[:, :, s:e, :kv],  # [1, 1, q_i, kv_i]
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
+    out = torch.cat(outs, dim=2)  # [1, h, N, hd]
+    return out.transpose(1, 2).contiguous(), None  # [1, N, h, hd]
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str):
+    """Run ``model`` with attention implementation ``name`` inside the block, then restore the previous one.
+
+    transformers' attention modules look ``config._attn_implementation`` up at every call, so the
+    switch is per forward and leaves the model as it was (other users of the target are unaffected).
+    """
+    config = model.config
+    old = config._attn_implementation
+    if old == name:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old

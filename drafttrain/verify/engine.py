@@ -1,0 +1,584 @@
+"""The batched speculative-decoding engine (DESIGN.md §4; EMS-SD; ParallelSpec Algorithm 1).
+
+One engine runs a queue of prompts through the frozen target, ``batch_size`` sequences at a time,
+each with its own KV-cache length. A step (:meth:`SpecEngine.step`) is::
+
+    trees  = proposer.draft(slots)                    # one DraftTree per live sequence
+    inputs = [root_i, tree_i.tokens...] per sequence  # root = the sequence's last emitted token
+    pos    = cache_len_i + depth                      # tree attention: node sees prefix + root + ancestors
+    logits = target(inputs, tree mask, pos, cache)    # ONE forward for the whole batch
+    for each sequence i:
+        path, bonus = accept(tree_i, logits_i)        # greedy: follow children equal to the argmax;
+                                                      # sampling: accept x w.p. min(1, p(x)/q(x)), else
+                                                      # p := norm((p - q)+) and try the next child
+        move K/V of [root, path] to contiguous slots  # rejected nodes' slots are simply overwritten later
+        emit path tokens + bonus; stop on a stop token or max_new_tokens
+        proposer.commit(i, path tokens + bonus, hidden at [root, path])
+    finished sequences free their slot; the next prompt in the queue is prefilled into it
+
+Three modes of the same engine (``mode``):
+
+- ``"unpadded"`` (EMS-SD): per-row cache offsets ("unpad KV cache") and all sequences' inputs packed
+  into one ``[1, N]`` row ("unpad input tokens"), attention per sequence against its own cache row
+  (:func:`~drafttrain.verify.cache.ragged_attention`). No padding anywhere. With ``pack_inputs="auto"``
+  a step whose rows all have the same number of inputs runs as the equivalent ``[B, q]`` tensor (one
+  batched attention call instead of a per-sequence loop; EMS-SD, too, only unpads the KV cache when
+  every sample predicts the same number of tokens).
+- ``"unpadded_kv"``: per-row cache offsets, inputs batched as ``[B, q_max]`` (right-padded only if
+  tree sizes differ), the model's own attention (sdpa). EMS-SD's "unpad KV cache" ablation.
+- ``"padded"`` (EMS-SD's vanilla baseline): every row writes at one common cache offset W; after
+  verification each row keeps its accepted tokens at [W, W + a_i) and the slots up to
+  W + max_j a_j are padding; inputs are padded to the longest; a refilled row's prompt is left-padded
+  to W. Padding counts are reported (EMS-SD Table 1, Fig. 4).
+
+Shape letters: b sequences, q inputs per sequence, N packed inputs, n tree nodes, d hidden, v vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from drafttrain.verify.acceptance import GREEDY, Acceptance, SamplingParams, accept, process_logits
+from drafttrain.verify.cache import (
+    RAGGED_ATTENTION,
+    RaggedKVCache,
+    RaggedSegments,
+    WritePlan,
+    attention_implementation,
+    batched_layout,
+)
+from drafttrain.verify.tree import DraftTree
+
+MODES = ("unpadded", "unpadded_kv", "padded")
+
+
+@dataclass
+class SequenceResult:
+    """One prompt's output.
+
+    Attributes:
+        index: position of the prompt in the submitted list.
+        tokens: generated token ids (prompt excluded; the stop token included when produced).
+        finish_reason: ``"stop"`` or ``"length"``.
+        steps: verification steps the sequence took part in.
+        emitted: tokens emitted by those steps (all generated tokens but the prefill's first).
+        accept_lengths: accepted drafts per step (0 .. tree depth).
+    """
+
+    index: int
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    steps: int = 0
+    emitted: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps if self.steps else float("nan")
+
+
+@dataclass
+class EngineStats:
+    """Counters of one run. Tokens are counted per sequence; ``forwards`` per batched target call.
+
+    τ = ``emitted / seq_steps`` (tokens emitted per sequence per verification forward, bonus included,
+    prefill excluded; DESIGN.md §3). Padding (EMS-SD): ``input_padding`` = padded input slots of the
+    verification forwards, ``kv_padding`` = cache slots skipped to keep rows aligned (verification
+    and refills); ratios are padded / real (``input_tokens``, ``kv_tokens`` = committed tokens).
+    """
+
+    forwards: int = 0  # verification forwards (engine steps)
+    prefill_forwards: int = 0
+    seq_steps: int = 0  # sum over steps of the sequences verified
+    emitted: int = 0
+    generated: int = 0
+    prompts: int = 0
+    input_tokens: int = 0
+    input_padding: int = 0
+    kv_tokens: int = 0
+    kv_padding: int = 0
+    prefill_tokens: int = 0
+    prefill_padding: int = 0
+    window_slots: int = 0  # cache slots the verification attention reads (all rows, summed over steps)
+    window_valid: int = 0  # of which hold committed tokens (the rest is padding read for nothing)
+    tree_nodes: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    accept_hist: dict[int, int] = field(default_factory=dict)
+    depth_attempts: dict[int, int] = field(default_factory=dict)  # depth -> steps that reached it with a node there
+    depth_accepts: dict[int, int] = field(default_factory=dict)  # depth -> steps that accepted a node there
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.seq_steps if self.seq_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def input_padding_ratio(self) -> float:
+        return self.input_padding / max(self.input_tokens, 1)
+
+    @property
+    def kv_padding_ratio(self) -> float:
+        return self.kv_padding / max(self.kv_tokens, 1)
+
+    @property
+    def padding_ratio(self) -> float:
+        """(padded input slots + padded cache slots) / (real inputs + committed tokens) of decoding."""
+        return (self.input_padding + self.kv_padding) / max(self.input_tokens + self.kv_tokens, 1)
+
+    @property
+    def window_padding_ratio(self) -> float:
+        """Padding read by the verification attention / committed tokens read (padded mode's attention waste)."""
+        return (self.window_slots - self.window_valid) / max(self.window_valid, 1)
+
+    def depth_acceptance(self) -> dict[int, float]:
+        """depth -> P(node at that depth accepted | depth - 1 accepted and the tree reaches it)."""
+        return {d: self.depth_accepts.get(d, 0) / n for d, n in sorted(self.depth_attempts.items()) if n}
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items()}
+        out.update(
+            tau=self.tau, tokens_per_s=self.tokens_per_s, padding_ratio=self.padding_ratio,
+            input_padding_ratio=self.input_padding_ratio, kv_padding_ratio=self.kv_padding_ratio,
+            window_padding_ratio=self.window_padding_ratio,
+            depth_acceptance=self.depth_acceptance(),
+        )  # fmt: skip
+        return out
+
+
+@dataclass
+class EngineRun:
+    results: list[SequenceResult]
+    stats: EngineStats
+
+
+@dataclass
+class LiveSequence:
+    """A sequence in the batch (for tests and debugging): its cache row and committed tokens."""
+
+    row: int
+    slot: int
+    index: int
+    committed: list[int]  # tokens whose keys/values are in the cache: prompt + generated[:-1]
+    pending: int  # the root of the next tree
+
+
+@dataclass
+class _Seq:
+    index: int
+    slot: int
+    prompt: list[int]
+    result: SequenceResult
+    pending: int = -1
+
+    @property
+    def generated(self) -> list[int]:
+        return self.result.tokens
+
+
+class SpecEngine:
+    """Batched speculative decoding of a prompt queue with one proposer and one acceptance rule.
+
+    Args:
+        target: :class:`drafttrain.target.Target` (driven through ``Target.forward`` only).
+        proposer: a :class:`~drafttrain.verify.proposers.Proposer`.
+        batch_size: sequences decoded together (continuous batching refills finished slots).
+        max_new_tokens: generated tokens per prompt at most (the prefill's first token counts).
+        mode: ``"unpadded"`` | ``"unpadded_kv"`` | ``"padded"`` (module docstring).
+        sampling: temperature / top-p; greedy by default.
+        stop_token_ids: ids that end a sequence (default: the target's eos).
+        seed: RNG seed of sampling (acceptance and the proposer's draws).
+        replacement: the proposer's sibling candidates are i.i.d. draws (default: without replacement).
+        initial_capacity: cache slots per row to start with (the cache grows, and in padded mode first
+            drops common leading padding, when a step needs more).
+        pack_inputs: ``"unpadded"`` mode only. ``"always"``: every forward is packed into ``[1, N]``
+            with per-sequence attention. ``"auto"`` (default): when every row has the same number of
+            inputs the packed input is exactly a ``[B, q]`` tensor, so it runs as one (a single
+            batched sdpa call instead of a per-sequence loop; nothing is padded either way).
+
+    Raises:
+        ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
+    """
+
+    def __init__(
+        self,
+        target,
+        proposer,
+        batch_size: int = 1,
+        max_new_tokens: int = 64,
+        mode: str = "unpadded",
+        sampling: SamplingParams = GREEDY,
+        stop_token_ids: Sequence[int] | int | None = None,
+        seed: int = 0,
+        replacement: bool = False,
+        initial_capacity: int = 256,
+        pack_inputs: str = "auto",
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+        if pack_inputs not in ("auto", "always"):
+            raise ValueError(f"pack_inputs must be 'auto' or 'always', got {pack_inputs!r}")
+        self.pack_inputs = pack_inputs
+        if batch_size < 1 or max_new_tokens < 1:
+            raise ValueError("batch_size and max_new_tokens must be >= 1")
+        self.target = target
+        self.proposer = proposer
+        self.batch_size = int(batch_size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.mode = mode
+        self.sampling = sampling
+        if stop_token_ids is None:
+            stop_token_ids = [] if target.eos_token_id is None else [target.eos_token_id]
+        elif isinstance(stop_token_ids, int):
+            stop_token_ids = [stop_token_ids]
+        self.stop_ids = {int(s) for s in stop_token_ids if s is not None and s >= 0}
+        self.replacement = replacement
+        self.device = target.device
+        self.dtype = next(target.model.parameters()).dtype
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.cache = RaggedKVCache(target.config, 0, initial_capacity, self.dtype, self.device)
+        self.rows: list[_Seq | None] = []  # cache row r holds sequence rows[r] (None: free)
+        self.queue: deque[tuple[int, list[int]]] = deque()
+        self.results: dict[int, SequenceResult] = {}
+        self.stats = EngineStats()
+        self._free_slots = list(range(self.batch_size))
+        self._write_ptr = 0  # padded mode: the common cache offset W
+        self._read_lo = 0  # padded mode: common leading padding no row needs (start of the read window)
+        self._progress = None
+
+    # =============================================================================================
+    # public driving API
+    # =============================================================================================
+    def submit(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Queue prompts (token id lists, each non-empty).
+
+        Raises:
+            ValueError: an empty prompt.
+        """
+        base = self.stats.prompts
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError(f"prompt {base + i} is empty")
+            self.queue.append((base + i, p))
+        self.stats.prompts += len(prompts)
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and all(s is None for s in self.rows)
+
+    def run(self, prompts: Sequence[Sequence[int]], progress: bool | str = False) -> EngineRun:
+        """Decode every prompt; returns per-prompt results (in prompt order) and the run's counters.
+
+        Args:
+            prompts: token id lists.
+            progress: show a tqdm bar over finished prompts (a str is used as its description).
+        """
+        self.submit(prompts)
+        desc = progress if isinstance(progress, str) else f"{self.proposer.name}/{self.mode}/b{self.batch_size}"
+        t0 = time.perf_counter()
+        with tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False) as bar:
+            self._progress = bar
+            while not self.done:
+                self.admit()
+                if any(s is not None for s in self.rows):
+                    self.step()
+            self._progress = None
+        self.stats.seconds += time.perf_counter() - t0
+        return EngineRun([self.results[i] for i in sorted(self.results)], self.stats)
+
+    def live(self) -> list[LiveSequence]:
+        """The sequences in the batch now, by cache row."""
+        return [
+            LiveSequence(r, s.slot, s.index, s.prompt + s.generated[:-1], s.pending)
+            for r, s in enumerate(self.rows)
+            if s is not None
+        ]
+
+    # =============================================================================================
+    # admission: continuous batching + prefill
+    # =============================================================================================
+    def admit(self) -> None:
+        """Fill free slots from the queue (one prefill forward per wave); drop free rows once the queue is empty."""
+        while self.queue and sum(s is not None for s in self.rows) < self.batch_size:
+            free = [r for r, s in enumerate(self.rows) if s is None]
+            n_new = min(len(self.queue), self.batch_size - sum(s is not None for s in self.rows))
+            if len(free) < n_new:
+                self.cache.add_rows(n_new - len(free))
+                self.rows.extend([None] * (n_new - len(free)))
+                free = [r for r, s in enumerate(self.rows) if s is None]
+            new_rows = free[:n_new]
+            seqs = []
+            for r in new_rows:
+                index, prompt = self.queue.popleft()
+                seq = _Seq(index, self._free_slots.pop(0), prompt, SequenceResult(index, len(prompt)))
+                self.rows[r] = seq
+                seqs.append(seq)
+            self._prefill(new_rows, seqs)
+        if not self.queue:
+            keep = [r for r, s in enumerate(self.rows) if s is not None]
+            if len(keep) < len(self.rows):
+                self.cache.keep_rows(torch.tensor(keep, dtype=torch.long, device=self.device))
+                self.rows = [self.rows[r] for r in keep]
+        self._trim()
+
+    def _prefill(self, rows: list[int], seqs: list[_Seq]) -> None:
+        """Prompt forward of newly admitted sequences; samples each one's first token and starts its proposer."""
+        cache = self.cache
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cache.valid[idx] = False
+        cache.lengths[idx] = 0
+        lens = [len(s.prompt) for s in seqs]
+        p_max = max(lens)
+        if self.mode == "padded":  # left-pad every new prompt to end at the common offset W (grow W if needed)
+            w_new = max(self._write_ptr, p_max)
+            others = sum(1 for r, s in enumerate(self.rows) if s is not None and r not in rows)
+            self.stats.kv_padding += (w_new - self._write_ptr) * others
+            self._write_ptr = w_new
+            self._read_lo = min(self._read_lo, w_new - p_max)
+            slots = [torch.arange(w_new - n, w_new, device=self.device) for n in lens]
+            self.stats.prefill_padding += sum(p_max - n for n in lens)
+        else:
+            slots = [torch.arange(n, device=self.device) for n in lens]
+            if self.mode == "unpadded_kv":
+                self.stats.prefill_padding += sum(p_max - n for n in lens)
+        cache.ensure_capacity(self._write_ptr if self.mode == "padded" else p_max)
+        toks = [torch.tensor(s.prompt, dtype=torch.long, device=self.device) for s in seqs]
+        pos = [torch.arange(n, device=self.device) for n in lens]
+        causal = [torch.ones(n, n, dtype=torch.bool, device=self.device).tril() for n in lens]
+        hidden, logits = self._forward(rows, toks, pos, causal, slots, [torch.tensor([n - 1]) for n in lens],
+                                       left_pad=self.mode == "padded")  # fmt: skip
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += sum(lens)
+        for r, seq, sl, h, lg in zip(rows, seqs, slots, hidden, logits):
+            cache.valid[r, sl] = True
+            cache.lengths[r] = len(seq.prompt)
+            first = self._sample_token(lg[0])
+            seq.pending = first
+            seq.result.tokens.append(first)
+            if first in self.stop_ids or self.max_new_tokens <= 1:
+                self._finish(r, "stop" if first in self.stop_ids else "length", started=False)
+            else:
+                self.proposer.start(seq.slot, seq.prompt, h, first)
+
+    def _sample_token(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(process_logits(logits, self.sampling), 1, generator=self.generator))
+
+    def _finish(self, row: int, reason: str, started: bool = True) -> None:
+        seq = self.rows[row]
+        seq.result.finish_reason = reason
+        self.results[seq.index] = seq.result
+        self.stats.generated += len(seq.result.tokens)
+        if started:
+            self.proposer.release(seq.slot)
+        self._free_slots.append(seq.slot)
+        self._free_slots.sort()
+        self.rows[row] = None
+        self.cache.valid[row] = False
+        self.cache.lengths[row] = 0
+        if self._progress is not None:
+            self._progress.update(1)
+
+    def _trim(self) -> None:
+        """Padded mode: skip the leading slots that no live row uses (common padding)."""
+        if self.mode != "padded":
+            return
+        live = [r for r, s in enumerate(self.rows) if s is not None]
+        if not live:
+            self._write_ptr = self._read_lo = 0
+            return
+        v = self.cache.valid[live, : self._write_ptr]
+        first = v.float().argmax(dim=1)  # first committed slot of each row
+        self._read_lo = int(first.min())
+
+    # =============================================================================================
+    # one verification step
+    # =============================================================================================
+    def step(self) -> None:
+        """Draft, verify and commit once for every live sequence."""
+        live = [r for r, s in enumerate(self.rows) if s is not None]
+        seqs = [self.rows[r] for r in live]
+        t0 = time.perf_counter()
+        trees = self.proposer.draft([s.slot for s in seqs], self.sampling, self.generator)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        if len(trees) != len(seqs):
+            raise RuntimeError(f"proposer returned {len(trees)} trees for {len(seqs)} sequences")
+        logits, hidden = self.forward_trees(trees, rows=live)
+        self._commit(live, seqs, trees, logits, hidden)
+
+    def forward_trees(self, trees: list[DraftTree], rows: list[int] | None = None):
+        """Run the verification forward of one tree per live row; writes K/V but commits nothing.
+
+        Args:
+            trees: one :class:`DraftTree` per row in ``rows``.
+            rows: cache rows (default: every live row, in order).
+
+        Returns:
+            (logits, hidden): per row, [1 + n_i, v] float32 target logits and [1 + n_i, d] last hidden
+            states at [root, node 0..n_i-1].
+        """
+        if rows is None:
+            rows = [r for r, s in enumerate(self.rows) if s is not None]
+        cache = self.cache
+        toks, pos, masks, slots = [], [], [], []
+        q = [1 + t.n for t in trees]
+        for r, tree in zip(rows, trees):
+            seq = self.rows[r]
+            toks.append(torch.cat([torch.tensor([seq.pending]), tree.tokens.cpu()]).to(self.device))
+            depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()]).to(self.device)
+            pos.append(cache.lengths[r] + depth)  # position = cache length + depth
+            masks.append(tree.ancestor_mask().to(self.device))
+        if self.mode == "padded":  # every row writes at the common offset W
+            q_max = max(q)
+            if self._write_ptr + q_max > cache.capacity and self._read_lo > 0:
+                cache.shift_left(self._read_lo)
+                self._write_ptr -= self._read_lo
+                self._read_lo = 0
+            cache.ensure_capacity(self._write_ptr + q_max)
+            slots = [torch.arange(self._write_ptr, self._write_ptr + n, device=self.device) for n in q]
+            self.stats.window_slots += len(rows) * (self._write_ptr - self._read_lo)
+            self.stats.window_valid += int(cache.valid[rows, self._read_lo : self._write_ptr].sum())
+        else:  # each row writes after its own committed tokens
+            lens = [int(cache.lengths[r]) for r in rows]
+            q_pad = [max(q)] * len(q) if self.mode == "unpadded_kv" else q  # batched inputs pad up to q_max
+            cache.ensure_capacity(max(n + k for n, k in zip(lens, q_pad)))
+            slots = [n0 + torch.arange(n, device=self.device) for n0, n in zip(lens, q)]
+            self.stats.window_slots += sum(lens)
+            self.stats.window_valid += sum(lens)
+        sel = [torch.arange(n) for n in q]
+        t0 = time.perf_counter()
+        hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        return logits, hidden
+
+    def _commit(self, rows, seqs, trees, logits, hidden) -> None:
+        cache = self.cache
+        st = self.stats
+        results: list[Acceptance] = [
+            accept(t, lg, self.sampling, self.generator, self.replacement) for t, lg in zip(trees, logits)
+        ]
+        # keys/values of [root, accepted path] -> contiguous slots [base, base + 1 + m)
+        base = {r: (self._write_ptr if self.mode == "padded" else int(cache.lengths[r])) for r in rows}
+        mv_rows, mv_src, mv_dst = [], [], []
+        for r, acc in zip(rows, results):
+            for d, node in enumerate(acc.path):
+                if node != d:  # node i sits at slot base + 1 + i; depth d + 1 belongs at base + 1 + d
+                    mv_rows.append(r)
+                    mv_src.append(base[r] + 1 + node)
+                    mv_dst.append(base[r] + 1 + d)
+        if mv_rows:
+            as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+            cache.move(as_t(mv_rows), as_t(mv_src), as_t(mv_dst))
+        a_max = max(1 + len(acc.path) for acc in results)
+        q = [1 + t.n for t in trees]
+        st.forwards += 1
+        st.input_tokens += sum(q)
+        if self.mode != "unpadded":
+            st.input_padding += sum(max(q) - n for n in q)
+        for r, seq, tree, acc, h in zip(rows, seqs, trees, results, hidden):
+            m = len(acc.path)
+            cache.valid[r, base[r] : base[r] + 1 + m] = True
+            cache.lengths[r] += 1 + m
+            st.kv_tokens += 1 + m
+            if self.mode == "padded":
+                st.kv_padding += a_max - (1 + m)
+            # statistics
+            st.seq_steps += 1
+            st.tree_nodes += tree.n
+            st.accept_hist[m] = st.accept_hist.get(m, 0) + 1
+            for d in range(1, tree.max_depth + 1):
+                if m >= d - 1:
+                    st.depth_attempts[d] = st.depth_attempts.get(d, 0) + 1
+                    st.depth_accepts[d] = st.depth_accepts.get(d, 0) + int(m >= d)
+            # emit accepted drafts + bonus, up to a stop token and max_new_tokens
+            new = tree.tokens[acc.path].tolist() + [acc.bonus]
+            full = list(new)
+            stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
+            if stop_at is not None:
+                new = new[: stop_at + 1]
+            new = new[: self.max_new_tokens - len(seq.generated)]
+            seq.result.tokens.extend(new)
+            seq.result.steps += 1
+            seq.result.emitted += len(new)
+            seq.result.accept_lengths.append(m)
+            st.emitted += len(new)
+            seq.pending = acc.bonus
+            if stop_at is not None and stop_at < len(new):
+                self._finish(r, "stop")
+            elif len(seq.generated) >= self.max_new_tokens:
+                self._finish(r, "length")
+            else:
+                self.proposer.commit(seq.slot, full, h[[0] + [p + 1 for p in acc.path]])
+        if self.mode == "padded":
+            self._write_ptr += a_max
+
+    # =============================================================================================
+    # the target forward (packed or batched)
+    # =============================================================================================
+    def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
+        """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
+        (hidden [q_i, d], logits [len(sel_i), v]) for the real inputs."""
+        same = len({t.numel() for t in toks}) == 1
+        if self.mode == "unpadded" and not (same and self.pack_inputs == "auto"):
+            hidden = self._forward_packed(rows, toks, pos, masks, slots)
+        else:
+            hidden = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
+        picked = torch.cat([h[s.to(h.device)] for h, s in zip(hidden, sel)])  # [M, d]
+        logits = self.target.lm_head(picked).float()  # LM head only where logits are needed
+        return hidden, list(torch.split(logits, [s.numel() for s in sel]))
+
+    def _neg(self) -> float:
+        return torch.finfo(self.dtype).min
+
+    def _forward_packed(self, rows, toks, pos, masks, slots):
+        """EMS-SD unpad input tokens: concatenate all inputs (Appendix D, Algorithm 1) and attend per sequence."""
+        cache = self.cache
+        q = [t.numel() for t in toks]
+        n = sum(q)
+        hi = max(int(s[-1]) + 1 for s in slots)
+        allowed = torch.zeros(n, hi, dtype=torch.bool, device=self.device)  # [N, kv] in each token's own row
+        starts = [0]
+        for r, s, m in zip(rows, slots, masks):
+            a, b = starts[-1], starts[-1] + s.numel()
+            allowed[a:b] = cache.valid[r, :hi]  # committed prefix
+            allowed[a:b, s] = m  # tree / causal part over the new slots
+            starts.append(b)
+        mask = torch.zeros(1, 1, n, hi, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed[None, None], self._neg())
+        segs = RaggedSegments(starts[:-1], starts[1:], list(rows), [int(s[-1]) + 1 for s in slots])
+        row_ids = torch.cat([torch.full((k,), r, dtype=torch.long, device=self.device) for r, k in zip(rows, q)])
+        cache.set_plan(WritePlan(row_ids[None], torch.cat(slots)[None], None, 0, hi, packed=True))
+        try:
+            with attention_implementation(self.target.model, RAGGED_ATTENTION):
+                out = self.target.forward(
+                    torch.cat(toks)[None], attention_mask=mask, position_ids=torch.cat(pos)[None],
+                    past_key_values=cache, with_logits=False, use_cache=True, ragged_segments=segs,
+                )  # fmt: skip
+        finally:
+            cache.set_plan(None)
+        return list(torch.split(out.hidden[0], q))  # [q_i, d] each
+
+    def _forward_batched(self, rows, toks, pos, masks, slots, left_pad: bool):
+        """[B, q_max] inputs; padding continues each row's slots on the padding side (padded mode counts it)."""
+        lo = self._read_lo if self.mode == "padded" else 0
+        lay = batched_layout(self.cache, rows, masks, slots, self.dtype, left_pad=left_pad, lo=lo)
+        self.cache.set_plan(lay.plan)
+        try:
+            out = self.target.forward(lay.scatter(toks), attention_mask=lay.mask, position_ids=lay.scatter(pos),
+                                      past_key_values=self.cache, with_logits=False, use_cache=True)  # fmt: skip
+        finally:
+            self.cache.set_plan(None)
+        return lay.gather(out.hidden)

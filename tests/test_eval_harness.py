@@ -1,0 +1,159 @@
+"""Tests of the evaluation harness (drafttrain.eval.harness, scripts/evaluate.py, conf/evaluate.yaml) on the tiny target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from drafttrain.config import ConfigError, EvalConfig, validate_eval
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def compose_eval(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    return d
+
+
+def test_evaluate_config_composes_and_validates():
+    c = validate_eval(compose_eval(["checkpoint=/x", "prompts=gsm8k", "batch_sizes=[1,4]", "tree.widths=[2,1]"]))
+    assert isinstance(c, EvalConfig)
+    assert c.batch_sizes == [1, 4] and c.prompts == "gsm8k" and c.tree.widths == [2, 1]
+    assert c.target.name == "smollm2-135m-instruct" and c.output_dir == "outputs/eval/eval-gsm8k"
+    c = validate_eval(compose_eval(["untrained_drafter=true", "target=tiny", "tree.choices=eagle_default"]))
+    assert c.target.random_init and c.tree.choices == "eagle_default"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"batch_size": [1]}, "batch_size"),  # typo of batch_sizes
+        ({"tree": {"widht": [2]}}, "tree.widht"),
+        ({"modes": ["unpaded"]}, "unknown engine mode"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"tree": {"choices": "nonsense"}}, "tree.choices"),
+        ({"batch_sizes": "four"}, "batch_sizes"),
+    ],
+)
+def test_bad_eval_config_fails_early(change, message):
+    """validate_eval names the bad key or value (the CLI additionally rejects unknown keys at compose time)."""
+    cfg = compose_eval(["checkpoint=/x"])
+    for k, v in change.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(ConfigError, match=message):
+        validate_eval(cfg)
+
+
+def test_checkpoint_is_required(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint=PATH"):
+        validate_eval(compose_eval([]))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_target, make_drafter):
+    """A training-run-like folder: drafter/ (save_pretrained) + config.json naming the tiny target."""
+    run = tmp_path_factory.mktemp("run")
+    drafter = make_drafter(seed=0)
+    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())  # accepts a fair share of drafts
+    drafter.save_pretrained(run / "drafter")
+    (run / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
+    return run
+
+
+def test_checkpoint_for_another_target_is_rejected(checkpoint):
+    from drafttrain.eval.harness import check_checkpoint
+
+    c = validate_eval(compose_eval([f"checkpoint={checkpoint}"]))  # default target: smollm2
+    with pytest.raises(ConfigError, match="target=tiny"):
+        check_checkpoint(c)
+    c = validate_eval(compose_eval([f"checkpoint={checkpoint / 'drafter'}", "target=tiny"]))
+    assert check_checkpoint(c) == checkpoint / "drafter"
+    with pytest.raises(FileNotFoundError, match="no drafter"):
+        check_checkpoint(validate_eval(compose_eval([f"checkpoint={checkpoint.parent}", "target=tiny"])))
+
+
+def test_harness_end_to_end(checkpoint, tmp_path):
+    """Plain and speculative (unpadded, padded) runs per batch size; JSON, report, plots; greedy equality."""
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    out = tmp_path / "eval"
+    res = evaluate(compose_eval([
+        f"checkpoint={checkpoint}", "target=tiny", "num_prompts=4", "max_new_tokens=12", "batch_sizes=[1,3]",
+        "tree.widths=[2,1,1,1]", "tree.budget=5", f"output_dir={out}", "progress=false", "warmup=false",
+    ]))  # fmt: skip
+    assert res["greedy_equal"] is True
+    runs = res["runs"]
+    assert [(r["method"], r["mode"], r["batch_size"]) for r in runs] == [
+        ("plain", "unpadded_kv", 1), ("parallelspec", "unpadded", 1), ("parallelspec", "padded", 1),
+        ("plain", "unpadded_kv", 3), ("parallelspec", "unpadded", 3), ("parallelspec", "padded", 3),
+    ]  # fmt: skip
+    for r in runs:
+        assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
+        if r["method"] == "plain":
+            assert r["tau"] == 1.0
+        else:
+            assert r["greedy_equal"] and r["mismatches"] == []
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / next(
+                p["tokens_per_s"] for p in runs if p["method"] == "plain" and p["batch_size"] == r["batch_size"]))
+            assert sum(r["accept_hist"].values()) == r["sequence_steps"]
+            assert r["mode"] != "unpadded" or r["padding_ratio"] == 0.0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["runs"] == json.loads(json.dumps(runs))
+    report = (out / "report.md").read_text()
+    assert "greedy_equal" in report and "| 3 |" in report
+    for name in ("throughput_speedup", "tau", "acceptance", "padded_vs_unpadded"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+        assert f"plots/{name}.png" in report
+    lines = (out / "outputs.jsonl").read_text().splitlines()
+    assert len(lines) == 6 * 4
+
+
+@pytest.mark.slow
+def test_cli_typo_fails_before_loading(tmp_path):
+    """The real entry point: a typo'd key exits with an error naming it, before any model loads."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.evaluate", "checkpoint=/nonexistent", "batch_sizs=[1]", f"output_dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "batch_sizs" in proc.stderr + proc.stdout
+
+
+def test_diagnose_mismatch_finds_first_difference(tiny_target):
+    from drafttrain.eval.harness import diagnose_mismatch
+
+    prompt = [5, 17, 300, 42]
+    plain = tiny_target.generate_greedy([prompt], 6, stop_token_id=-1, return_features=False)[0]["tokens"][4:]
+    spec = plain[:3] + [(plain[3] + 1) % 49152] + plain[4:]
+    d = diagnose_mismatch(tiny_target, prompt, spec, plain)
+    logits = tiny_target.forward(torch.tensor([prompt + plain[:3]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert d == {"position": 3, "top2_gap": pytest.approx(float(top[0] - top[1]))}
+
+
+def test_harness_replay_proposer(tmp_path):
+    """proposer=replay needs no checkpoint; its drafts are the plain output, so greedy equality holds and
+    a p = 1 replay accepts every draft."""
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    res = evaluate(compose_eval([
+        "target=tiny", "proposer=replay", "replay_accept_prob=1.0", "replay_depth=3", "num_prompts=3",
+        "max_new_tokens=9", "batch_sizes=[2]", f"output_dir={tmp_path}", "progress=false", "warmup=false", "plots=false",
+    ]))  # fmt: skip
+    assert res["greedy_equal"] is True and res["drafter"]["proposer"] == "replay"
+    spec = [r for r in res["runs"] if r["method"] == "replay"]
+    assert len(spec) == 2 and all(r["tau"] == pytest.approx(4.0) for r in spec)  # 8 verified tokens in 2 steps of 4
+    assert "replay proposer" in (tmp_path / "report.md").read_text()
