@@ -17,6 +17,7 @@ from drafttrain.verify.datastore import (
     build_suffix_array,
     concat_documents,
     documents_from_rows,
+    first_answer_split,
 )
 
 
@@ -169,3 +170,9 @@ def test_documents_from_rows_splits_answer_runs():
     assert list(documents_from_rows(rows, answers_only=False)) == [[1, 2, 3, 4, 5, 6, 7], [8, 9]]
     with pytest.raises(ValueError, match="token ids"):
         concat_documents([[1, -3]])
+
+
+def test_first_answer_split():
+    assert first_answer_split([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1]) == ([1, 2], [3, 4])
+    assert first_answer_split([1, 2, 3], [0, 1, 1]) == ([1], [2, 3])
+    assert first_answer_split([1, 2], [0, 0]) is None and first_answer_split([1, 2], [1, 1]) is None

@@ -464,3 +464,22 @@ def documents_from_rows(rows: Iterable[dict], answers_only: bool = True) -> Iter
         edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
         for s, e in zip(edges[::2], edges[1::2]):
             yield ids[s:e].tolist()
+
+
+def first_answer_split(input_ids: Sequence[int], loss_mask: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """Split a row into (context, continuation) at its first answer: the continuation is the first
+    maximal run of ``loss_mask == 1``, the context everything before it (the prompt, template included).
+
+    Returns:
+        ``(context, continuation)`` as lists, or None when the row has no answer token or no context.
+    """
+    mask = np.asarray(loss_mask, dtype=np.int8) > 0
+    if not mask.any():
+        return None
+    start = int(np.argmax(mask))
+    if start == 0:
+        return None
+    rest = mask[start:]
+    end = start + (int(np.argmin(rest)) if not rest.all() else rest.size)
+    ids = list(map(int, input_ids))
+    return ids[:start], ids[start:end]
