@@ -36,7 +36,7 @@ class BuildDatastoreConfig:
 
     source: str = "sharegpt"  # sharegpt | path/to/conversations.jsonl | folder of tokenized rows
     max_conversations: int | None = None  # conversations read (sharegpt / jsonl); null = all
-    max_length: int = 2048  # tokens kept per conversation
+    max_length: int = 1024  # tokens kept per conversation
     answers_only: bool = True  # documents = assistant answers (loss_mask runs) rather than whole rows
     heldout: int = 200  # rows kept out of the datastore for simulated acceptance
     seed: int = 0

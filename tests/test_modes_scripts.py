@@ -19,7 +19,7 @@ from drafttrain.cliconfig import validate_into
 from drafttrain.config import ConfigError
 from drafttrain.verify.datastore import Datastore, documents_from_rows, first_answer_split
 from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
-from scripts import build_datastore, sssd_grid
+from scripts import bench_sssd_datastore, build_datastore, sssd_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -135,6 +135,21 @@ def test_sssd_grid_picks_the_best_simulated_tau(rows_dir, tmp_path):
     assert "τ_sim" in (tmp_path / "grid.md").read_text()
     held = [json.loads(line) for line in (tmp_path / "ds" / "heldout.jsonl").read_text().splitlines()]
     assert seqs[0][0] == first_answer_split(held[0]["input_ids"], held[0]["loss_mask"])[0]
+
+
+def test_bench_runs_on_tiny_data(rows_dir, tmp_path):
+    build_datastore.run({"source": str(rows_dir), "output": str(tmp_path / "ds"), "heldout": 6, "seed": 1})
+    c = bench_sssd_datastore.parse_args([f"datastore={tmp_path / 'ds'}", "grid=null", "repeats=1", "batch_sizes=[1,3]",
+                                         "budgets=[0,4]", "num_sequences=3", f"output={tmp_path / 'bench'}"])
+    assert list(c.batch_sizes) == [1, 3] and c.grid is None
+    report = bench_sssd_datastore.run(c)
+    bench_sssd_datastore.write(report, tmp_path / "bench")
+    assert [r["batch"] for r in report["latency"]] == [1, 3]
+    assert [r["source"] for r in report["acceptance"]] == ["input + datastore"] * 2 + ["input only", "datastore only"]
+    assert report["acceptance"][0]["tau"] == 1.0  # node budget 0 = plain decoding
+    assert "Simulated acceptance" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(ConfigError, match="repeat"):
+        bench_sssd_datastore.parse_args(["repeat=1"])
 
 
 @pytest.mark.slow

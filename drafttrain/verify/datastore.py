@@ -399,9 +399,9 @@ class Datastore:
         patterns: list[Sequence[int]] = []
         owners: list[tuple[int, int]] = []
         for b, ctx in enumerate(contexts):
-            ctx = list(ctx)
-            for length in range(min(max_prefix_len, len(ctx)), min_prefix_len - 1, -1):
-                patterns.append(ctx[-length:])
+            tail = list(ctx[-max_prefix_len:])  # only the last P tokens are ever matched
+            for length in range(len(tail), min_prefix_len - 1, -1):
+                patterns.append(tail[-length:])
                 owners.append((b, length))
         lo, hi = self.find_ranges(patterns)
         per_ctx: list[list[tuple[int, int, int]]] = [[] for _ in contexts]
