@@ -63,9 +63,12 @@ class SSSDGridConfig:
     command: str = "python -m scripts.sssd_grid"  # recorded in the report
 
 
-def load_sequences(path: str | Path, num: int | None, max_continuation: int) -> list[tuple[list[int], list[int]]]:
+def load_sequences(
+    path: str | Path, num: int | None, max_continuation: int, offset: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """(context, continuation) pairs from a jsonl of rows with ``input_ids`` and ``loss_mask``
-    (:func:`drafttrain.verify.datastore.first_answer_split`), continuation cut to ``max_continuation``.
+    (:func:`drafttrain.verify.datastore.first_answer_split`), continuation cut to ``max_continuation``;
+    the first ``offset`` usable rows are skipped, then at most ``num`` are returned.
 
     Raises:
         FileNotFoundError: no such file.
@@ -80,6 +83,9 @@ def load_sequences(path: str | Path, num: int | None, max_continuation: int) -> 
             row = json.loads(line)
             split = first_answer_split(row["input_ids"], row["loss_mask"])
             if split is None:
+                continue
+            if offset > 0:
+                offset -= 1
                 continue
             out.append((split[0], split[1][:max_continuation]))
             if num is not None and len(out) >= num:

@@ -135,12 +135,13 @@ def test_sssd_grid_picks_the_best_simulated_tau(rows_dir, tmp_path):
     assert "τ_sim" in (tmp_path / "grid.md").read_text()
     held = [json.loads(line) for line in (tmp_path / "ds" / "heldout.jsonl").read_text().splitlines()]
     assert seqs[0][0] == first_answer_split(held[0]["input_ids"], held[0]["loss_mask"])[0]
+    assert sssd_grid.load_sequences(tmp_path / "ds" / "heldout.jsonl", 2, 20, offset=1) == seqs[1:3]
 
 
 def test_bench_runs_on_tiny_data(rows_dir, tmp_path):
     build_datastore.run({"source": str(rows_dir), "output": str(tmp_path / "ds"), "heldout": 6, "seed": 1})
     c = bench_sssd_datastore.parse_args([f"datastore={tmp_path / 'ds'}", "grid=null", "repeats=1", "batch_sizes=[1,3]",
-                                         "budgets=[0,4]", "num_sequences=3", f"output={tmp_path / 'bench'}"])
+                                         "budgets=[0,4]", "num_sequences=3", "offset=1", f"output={tmp_path / 'bench'}"])
     assert list(c.batch_sizes) == [1, 3] and c.grid is None
     report = bench_sssd_datastore.run(c)
     bench_sssd_datastore.write(report, tmp_path / "bench")

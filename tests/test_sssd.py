@@ -261,6 +261,22 @@ def test_simulate_greedy_reconstructs_continuations_and_counts():
     assert res.emitted == total and sum(res.accept_hist) == res.steps
     assert sum((k + 1) * h for k, h in enumerate(res.accept_hist)) == total
     assert res.tau == pytest.approx(total / res.steps) and res.tau > 3  # repeated motifs are found in the input
+    # an independent reference: longest tree path equal to the continuation, found by listing every path
+    ref_steps, ref_hist = 0, [0] * len(res.accept_hist)
+    for ctx, cont in seqs:
+        state, p = d.new_state(ctx), 0
+        while p < len(cont):
+            tree = d.draft(state)
+            paths = []
+            for tok, par in zip(tree.tokens.tolist(), tree.parents.tolist()):
+                paths.append((paths[par] if par >= 0 else []) + [tok])
+            k = max([len(q) for q in paths if q == cont[p : p + len(q)]], default=0)
+            take = min(k + 1, len(cont) - p)
+            state.append(cont[p : p + take])
+            p += take
+            ref_steps += 1
+            ref_hist[take - 1] += 1
+    assert (res.steps, res.accept_hist) == (ref_steps, ref_hist)
     # with an empty tree every step emits exactly one token
     none = simulate_greedy(SSSDDrafter(SSSDConfig(node_budget=0, use_datastore=False)), seqs)
     assert none.tau == 1.0 and none.steps == total
