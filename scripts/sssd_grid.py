@@ -60,7 +60,7 @@ class SSSDGridConfig:
     sssd: SSSDConfig = field(default_factory=SSSDConfig)  # everything the grid does not vary
     grid: GridSpace = field(default_factory=GridSpace)
     output: str = "docs/benchmarks/sssd_grid"  # writes <output>.json and <output>.md
-    command: str = "python -m scripts.sssd_grid"  # recorded in the report
+    command: str = "python -m scripts.sssd_grid"  # recorded in the report (the CLI fills in its own overrides)
 
 
 def load_sequences(
@@ -185,7 +185,14 @@ def write_report(report: dict, output: Path) -> None:
 def main(cfg: DictConfig) -> None:
     from drafttrain.config import ConfigError
 
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    task = [t for t in HydraConfig.get().overrides.task if not t.startswith("command=")]
+    if not any(t.startswith("command=") for t in HydraConfig.get().overrides.task):
+        cfg.command = " ".join(["python -m scripts.sssd_grid", *map(shlex.quote, task)])
     try:
         report = run(cfg)
     except ConfigError as e:
