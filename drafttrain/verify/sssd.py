@@ -215,47 +215,67 @@ def _best_first_trie(children: dict, denom: float, weights: list[float], budget:
     return out
 
 
-def _datastore_paths(
-    match: DatastoreMatch, weights: list[float], budget: int
-) -> list[tuple[Path_, float]]:
-    """Top-``budget`` paths of the datastore continuation tree (counts summed over samples), vectorised.
+def _datastore_paths_batch(
+    matches: Sequence[DatastoreMatch], weights: Sequence[Sequence[float]], budgets: Sequence[int]
+) -> list[list[tuple[Path_, float]]]:
+    """Top paths of every sequence's datastore continuation tree, vectorised over the whole batch.
 
-    Pseudo-probability of a path = samples whose continuation starts with it / all samples.
+    The tree of sequence j merges its sampled continuations by summing counts along edges; a path's
+    pseudo-probability is (samples whose continuation starts with it) / (all samples of j), its score
+    that times ``weights[j][depth - 1]``. One ``np.unique`` per depth serves all sequences (node ids
+    are global, the root of sequence j has id j). Per sequence the ``budgets[j]`` best nodes are kept,
+    best first, ties to the shallower node: counts and weights do not grow along a path, so the
+    selection is ancestor-closed.
+
+    Returns:
+        one ``[(path, score)]`` list per sequence, parents before children.
     """
-    cont = match.continuations[:, : len(weights)]
-    m = cont.shape[0]
-    if m == 0 or budget <= 0:
-        return []
+    b = len(matches)
+    out: list[list[tuple[Path_, float]]] = [[] for _ in range(b)]
+    depth_max = len(weights[0]) if b else 0
+    conts = [m.continuations[:, :depth_max] for m in matches]
+    sizes = np.array([c.shape[0] for c in conts], dtype=np.int64)
+    if b == 0 or sizes.sum() == 0:
+        return out
+    cont = np.concatenate(conts)  # [M, D]
     base = int(max(cont.max(), 0)) + 1
-    prev = np.zeros(m, dtype=np.int64)  # node id per sample row (0 = root)
-    parent_l, token_l, count_l, depth_l = [np.zeros(1, np.int64)], [np.full(1, -1, np.int64)], [np.array([m])], [np.zeros(1, np.int64)]
-    next_id = 1
+    prev = np.repeat(np.arange(b, dtype=np.int64), sizes)  # node id per sample row (root of its sequence)
+    parent_l = [np.full(b, -1, np.int64)]
+    token_l = [np.full(b, -1, np.int64)]
+    count_l = [sizes]
+    depth_l = [np.zeros(b, np.int64)]
+    seq_l = [np.arange(b, dtype=np.int64)]
+    seq_of = seq_l[0]
+    next_id = b
     for d in range(cont.shape[1]):
         tok = cont[:, d]
         alive = (tok >= 0) & (prev >= 0)
         if not alive.any():
             break
-        keys = prev[alive] * base + tok[alive]
-        uniq, inv, cnt = np.unique(keys, return_inverse=True, return_counts=True)
-        parent_l.append(uniq // base)
+        uniq, inv, cnt = np.unique(prev[alive] * base + tok[alive], return_inverse=True, return_counts=True)
+        par = uniq // base
+        parent_l.append(par)
         token_l.append(uniq % base)
         count_l.append(cnt)
         depth_l.append(np.full(uniq.size, d + 1, np.int64))
-        new_prev = np.full(m, -1, dtype=np.int64)
+        seq_l.append(seq_of[par])
+        seq_of = np.concatenate([seq_of, seq_l[-1]])
+        new_prev = np.full(prev.size, -1, dtype=np.int64)
         new_prev[alive] = next_id + inv
         prev = new_prev
         next_id += uniq.size
-    parent = np.concatenate(parent_l)
-    token = np.concatenate(token_l)
-    count = np.concatenate(count_l)
-    depth = np.concatenate(depth_l)
-    w = np.asarray([0.0] + weights, dtype=np.float64)
-    score = count / m * w[depth]
-    order = np.lexsort((depth, -score))  # best first, parents before children on ties
-    order = order[depth[order] > 0][:budget]
-    paths: dict[int, Path_] = {0: ()}
-    out = []
-    for i in order.tolist():  # parents come first (non-increasing scores, depth tie-break)
+    parent, token, count = np.concatenate(parent_l), np.concatenate(token_l), np.concatenate(count_l)
+    depth, seq = np.concatenate(depth_l), seq_of
+    w = np.zeros((b, depth_max + 1))
+    w[:, 1:] = np.asarray(weights, dtype=np.float64)
+    score = count / np.maximum(sizes[seq], 1) * w[seq, depth]
+    nodes = np.flatnonzero(depth > 0)
+    order = nodes[np.lexsort((depth[nodes], -score[nodes], seq[nodes]))]  # by sequence, best first
+    seq_sorted = seq[order]
+    rank = np.arange(order.size) - np.searchsorted(seq_sorted, np.arange(b))[seq_sorted]
+    keep = order[rank < np.asarray(budgets, dtype=np.int64)[seq_sorted]]
+    paths: dict[int, Path_] = {j: () for j in range(b)}
+    for i in keep.tolist():  # within a sequence, parents come first
         chain = []
         j = i
         while j not in paths:
@@ -263,7 +283,7 @@ def _datastore_paths(
             j = int(parent[j])
         for k in reversed(chain):
             paths[k] = paths[int(parent[k])] + (int(token[k]),)
-        out.append((paths[i], float(score[i])))
+        out[int(seq[i])].append((paths[i], float(score[i])))
     return out
 
 
@@ -415,13 +435,18 @@ class SSSDDrafter:
             out.append(_best_first_trie(node[1], node[0] - 1, weights, budget))
         return out
 
-    def datastore_candidates(self, match: DatastoreMatch, budget: int) -> list[tuple[Path_, float]]:
-        """Scored, ancestor-closed candidates from one datastore lookup (§3.1.2)."""
+    def datastore_candidates(
+        self, matches: Sequence[DatastoreMatch], budgets: Sequence[int]
+    ) -> list[list[tuple[Path_, float]]]:
+        """Scored, ancestor-closed candidates of each datastore lookup (§3.1.2), vectorised over the batch.
+
+        The match-length damping uses each lookup's longest matched prefix."""
         c = self.config
-        if match.longest_match == 0:
-            return []
-        weights = self._weights(c.datastore_scale, c.datastore_depth_damp, c.datastore_match_damp, match.longest_match)
-        return _datastore_paths(match, weights, budget)
+        weights = [
+            self._weights(c.datastore_scale, c.datastore_depth_damp, c.datastore_match_damp, max(m.longest_match, 1))
+            for m in matches
+        ]
+        return _datastore_paths_batch(matches, weights, budgets)
 
     def draft(self, state: SSSDState, node_budget: int | None = None) -> SSSDTree:
         """Candidate tree for one sequence (see :meth:`draft_batch`)."""
@@ -452,13 +477,13 @@ class SSSDDrafter:
                 [s.tokens for s in states], c.max_prefix_len, c.max_depth, c.max_samples,
                 c.min_continuations, c.min_prefix_len,
             )
+            from_datastore = self.datastore_candidates(matches, budgets)
         else:
-            matches = [None] * len(states)
+            from_datastore = [[] for _ in states]
 
         def one(i: int) -> SSSDTree:
             sources = self.input_candidates(states[i], budgets[i]) if c.use_input else []
-            if matches[i] is not None:
-                sources.append(self.datastore_candidates(matches[i], budgets[i]))
+            sources.append(from_datastore[i])
             return SSSDTree.from_paths(fuse_candidates(sources, budgets[i], c.combine, c.min_score))
 
         if self._pool is not None and len(states) > 1:
