@@ -187,7 +187,19 @@ def write(report: dict, output: Path) -> None:
     ]
     for r in report["acceptance"]:
         lines.append(f"| {r['source']} | {r['node_budget']} | {r['tau']:.3f} | {r['mean_tree_size']:.1f} | {r['steps']} |")
-    lines.append("")
+    lines += [
+        "",
+        "## Notes",
+        "",
+        "- Latency columns: *datastore lookup* = `Datastore.lookup_batch` (binary search of all P prefix lengths, "
+        "strided sampling, continuation gather), once for the whole batch (vectorised) or once per sequence; "
+        "*full draft* = `SSSDDrafter.draft_batch` (lookup + datastore trees, vectorised over the batch, + per-sequence "
+        "input-trie walks and fusion in Python) or `draft` per sequence; *2 threads* = the per-sequence Python part "
+        "in a 2-thread pool (it holds the GIL, so threads cannot run it in parallel).",
+        "- τ_sim here predicts ShareGPT's own answers (ChatGPT text), not SmolLM2's outputs: it measures the "
+        "datastore and the drafter, and equals real greedy τ only on self-distilled data (the target's own answers).",
+        "",
+    ]
     output.with_suffix(".md").write_text("\n".join(lines))
 
 
