@@ -169,6 +169,9 @@ def write_report(report: dict, output: Path) -> None:
         f"{report['base_config']['node_budget']}, max depth {report['base_config']['max_depth']}, "
         f"P = {report['base_config']['max_prefix_len']}. Wall time {report['seconds']} s.",
         "",
+        f"τ_sim ranges from {min(r['tau'] for r in report['results']):.3f} to {report['best_tau']:.3f} over the "
+        f"{len(report['results'])} points (the 15 best are listed).",
+        "",
         "| " + " | ".join(keys) + " | τ_sim | mean nodes |",
         "|" + "---|" * (len(keys) + 2),
     ]
