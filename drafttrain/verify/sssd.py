@@ -96,12 +96,14 @@ class SSSDConfig:
     node_budget: int = 32
     max_samples: int = 100
     min_continuations: int = 20
-    input_scale: float = 0.5
-    input_depth_damp: float = 0.9
-    input_match_damp: float = 0.9
+    # weights: the best point of the ShareGPT grid (docs/benchmarks/sssd_grid.md); the grid was flat
+    # (simulated τ 2.19-2.28 over 96 points), so they are a reasonable start, not a law
+    input_scale: float = 1.0
+    input_depth_damp: float = 0.7
+    input_match_damp: float = 0.7
     datastore_scale: float = 1.0
-    datastore_depth_damp: float = 0.9
-    datastore_match_damp: float = 0.9
+    datastore_depth_damp: float = 0.7
+    datastore_match_damp: float = 1.0
     combine: str = "max"
     min_score: float = 0.0
     use_input: bool = True
