@@ -253,9 +253,7 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, 
     if ds is None:
         return None
     model = accelerator.unwrap_model(drafter)
-    model.eval()
-    ratio = model.config.get("anchor_ratio", 1.0)
-    model.config["anchor_ratio"] = 1.0
+    model.eval()  # eval mode: every group scored, no input noise (the drafter interface)
     sums = None
     idx = list(range(accelerator.process_index, len(ds), accelerator.num_processes))
     mbs = c.trainer.micro_batch_size
@@ -264,9 +262,17 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, 
         with accelerator.autocast():
             out = model.training_loss(batch)
         sums = merge_sums(sums, out.sums)
-    model.config["anchor_ratio"] = ratio
     model.train()
     return sums
+
+
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process so far, MiB: CUDA peak allocated on a GPU, else peak resident set size."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 class MetricsLog:
@@ -299,7 +305,7 @@ def run(cfg) -> dict[str, Any]:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import build_drafter, drafter_config
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target
 
@@ -327,8 +333,7 @@ def run(cfg) -> dict[str, Any]:
     log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
 
     # -- drafter, optimizer, schedule ------------------------------------------------------------
-    dcfg = {k: v for k, v in to_dict(c)["drafter"].items() if k != "name"}
-    drafter = build_drafter(c.drafter.name, dcfg, target)
+    drafter = build_drafter(c.drafter.name, drafter_config(c.drafter.name, to_dict(c)["drafter"]), target)
     if c.drafter.draft_vocab_size:
         from drafttrain.data.vocab import frequent_tokens
 
@@ -378,7 +383,7 @@ def run(cfg) -> dict[str, Any]:
     lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
     group = per_step * c.trainer.length_group_steps if c.trainer.length_group_steps > 1 else 0
     bar = tqdm(total=c.trainer.max_steps, initial=state.step, desc="train", disable=not (main and c.trainer.progress))
-    window_sums, window_tokens, window_t0 = None, 0, time.time()
+    window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
     window_loss, window_n = 0.0, 0
     seg_start = time.time()
     base_seconds = state.train_seconds
@@ -399,6 +404,7 @@ def run(cfg) -> dict[str, Any]:
                 accelerator.backward(out.loss / accum)
             window_sums = merge_sums(window_sums, out.sums)
             window_tokens += out.num_tokens
+            window_seq_tokens += int(batch["lengths"].sum())
             window_loss += float(out.loss.detach()) / accum
         window_n += 1
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), c.optim.max_grad_norm)
@@ -412,20 +418,24 @@ def run(cfg) -> dict[str, Any]:
 
         if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:
             sums = reduce_sums(accelerator, window_sums)
-            tok = float(accelerator.reduce(torch.tensor([float(window_tokens)], device=accelerator.device), "sum"))
+            tok, seq_tok = accelerator.reduce(
+                torch.tensor([float(window_tokens), float(window_seq_tokens)], device=accelerator.device), "sum"
+            ).tolist()
             loss = float(accelerator.reduce(torch.tensor([window_loss / window_n], device=accelerator.device), "mean"))
             metrics = {
                 "train/loss": loss,
                 "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),
+                "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),  # drafter input slots
+                "train/seq_tokens_per_s": seq_tok / max(time.time() - window_t0, 1e-9),  # training sequence tokens
                 "train/samples": state.samples,
                 **finalize(sums, "train"),
             }
             log_metrics(metrics, state.step)
             bar.set_postfix(loss=f"{loss:.3f}", tau_sim=f"{metrics.get('train/tau_sim', 0):.2f}",
                             tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            window_sums, window_tokens, window_t0, window_loss, window_n = None, 0, time.time(), 0.0, 0
+            window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
+            window_loss, window_n = 0.0, 0
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
@@ -447,6 +457,7 @@ def run(cfg) -> dict[str, Any]:
         "train_seconds": round(train_seconds, 1),
         "trainable_params": n_params,
         "stopped_by_time_budget": stopped_early,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))
