@@ -104,6 +104,31 @@ def prepare_data(c: TrainConfig, target, accelerator):
     return train, held
 
 
+class LocalProcess:
+    """Stands in for an Accelerator in :func:`prepare_data` outside ``accelerate launch`` (one process:
+    scripts and tests that need the run's exact datasets)."""
+
+    is_main_process = True
+    process_index = 0
+    num_processes = 1
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """Compose ``conf/train.yaml`` with Hydra ``overrides`` (e.g. ``["+recipe=eagle", "target=tiny"]``) and
+    validate it, as ``train.py`` would (for scripts and tests; raises ConfigError like a launch)."""
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    return validate(cfg)
+
+
 def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] if present."""
     lengths = torch.tensor([len(r["input_ids"]) for r in rows])

@@ -187,7 +187,7 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
     target = load_target(c.target)  # seeds itself: same weights (and RNG state for the drafter init) as in the run
     drafter = build_drafter(recipe, drafter_config(recipe, json.loads((ck / "config.json").read_text())["drafter"]), target)
     if c.drafter.draft_vocab_size:
-        train_ds, _ = T.prepare_data(c, target, _NoAccelerator())
+        train_ds, _ = T.prepare_data(c, target, T.LocalProcess())
         drafter.set_draft_vocab(frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])[0])
     init = drafter.state_dict()
     assert trained.keys() == init.keys()
@@ -199,17 +199,6 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
         # 3 warm-up steps at lr <= 1e-4: Adam moves each weight by < 3e-4; a wrong init would differ by ~1e-2
         assert 0 < diff < 1e-3, (k, diff)
     return trained, init, target
-
-
-class _NoAccelerator:
-    """What prepare_data needs from an Accelerator (one process)."""
-
-    is_main_process = True
-
-    def main_process_first(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- every other recipe
