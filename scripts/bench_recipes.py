@@ -35,8 +35,8 @@ RECIPES = ["parallelspec", "parallelspec_eagle", "medusa", "eagle"]
 # shared by every recipe: same steps, seed, batch, schedule and in-run MT-bench evaluation
 COMMON = [
     "seed=0",
-    "trainer.max_steps=240",
-    "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 240 steps
+    "trainer.max_steps=180",
+    "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 180 steps
     "trainer.eval_every=0",  # held-out eval/tau_sim once, at the end
     "trainer.save_every=0",  # final checkpoint only
     "trainer.spec_eval_prompts=mt_bench",
