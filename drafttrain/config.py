@@ -7,7 +7,7 @@ the key before any model loads (DESIGN.md section 6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,16 +52,26 @@ class DataConfig:
 
 @dataclass
 class DrafterConfig:
-    """A drafter. ``name`` selects the class; unused fields are ignored by other drafters."""
+    """A drafter. ``name`` selects the class (medusa | eagle | parallelspec | parallelspec_eagle).
+
+    Each drafter reads a subset of these keys (its ``defaults``, see ``drafttrain/drafters``); setting a
+    key the chosen drafter does not read to anything but its default here is an error (e.g.
+    ``drafter.num_mask_tokens=3`` with Medusa, whose K is ``num_heads``).
+    """
 
     name: str = "parallelspec"
-    num_mask_tokens: int = 4  # K; a parallel group has K + 1 positions
-    loss_decay: float = 0.8  # lambda_k = loss_decay ** k (ParallelSpec Eq. 3)
-    anchor_ratio: float = 0.25  # fraction of candidate anchors kept per sequence
+    num_mask_tokens: int = 4  # parallelspec*: K [MASK] tokens; a parallel group has K + 1 positions
+    num_heads: int = 4  # medusa: K heads, head k predicts x_{t+k+1}
+    draft_depth: int = 5  # eagle: tokens drafted autoregressively per verification step
+    loss_decay: float = 0.8  # lambda_k = loss_decay ** k (ParallelSpec Eq. 3 / Medusa Eq. 2)
+    anchor_ratio: float = 0.25  # fraction of candidate anchors kept per sequence (eagle: of metric rollouts)
     init_from_target_layer: bool = True  # copy the target's last decoder layer into the drafter layer
     fc_bias: bool = True
     draft_vocab_size: int = 0  # 0 = full target vocabulary; N = the N most frequent answer tokens
-    kd_weight: float = 0.0  # weight of the soft target-distribution term in the loss (0 = Eq. 3's hard CE)
+    kd_weight: float = 0.0  # weight of the soft target-distribution term in the CE (0 = the papers' hard CE)
+    reg_weight: float = 1.0  # eagle*: w_reg of the SmoothL1 feature regression (EAGLE)
+    cls_weight: float = 0.1  # eagle*: w_cls of the classification loss (EAGLE)
+    feature_noise: float = 0.1  # eagle*: a of the U(-a, a) noise added to input features in training (EAGLE)
 
 
 @dataclass
@@ -145,10 +155,18 @@ def validate(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
 
 def _check_values(c: TrainConfig) -> None:
     problems = []
-    if c.drafter.num_mask_tokens < 0:
+    dr = c.drafter
+    if dr.num_mask_tokens < 0:
         problems.append("drafter.num_mask_tokens must be >= 0")
-    if not 0 < c.drafter.anchor_ratio <= 1:
+    if dr.num_heads < 1 or dr.draft_depth < 1:
+        problems.append("drafter.num_heads and drafter.draft_depth must be >= 1")
+    if not 0 < dr.anchor_ratio <= 1:
         problems.append("drafter.anchor_ratio must be in (0, 1]")
+    if not 0 <= dr.kd_weight <= 1:
+        problems.append("drafter.kd_weight must be in [0, 1]")
+    if dr.loss_decay <= 0 or dr.reg_weight < 0 or dr.cls_weight < 0 or dr.feature_noise < 0 or dr.draft_vocab_size < 0:
+        problems.append("drafter.loss_decay must be > 0; reg_weight, cls_weight, feature_noise, draft_vocab_size >= 0")
+    problems += _drafter_key_problems(dr)
     if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
@@ -157,6 +175,21 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("target.dtype must be float32|bfloat16|float16")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _drafter_key_problems(dr: DrafterConfig) -> list[str]:
+    """An unknown drafter name, or a key set (away from its default) that the chosen drafter never reads."""
+    from drafttrain.drafters import DRAFTERS  # torch, no model: still before anything loads
+
+    if dr.name not in DRAFTERS:
+        return [f"drafter.name '{dr.name}' is not one of {sorted(DRAFTERS)}"]
+    used = set(DRAFTERS[dr.name].defaults)
+    default = DrafterConfig()
+    unused = [f.name for f in fields(DrafterConfig)
+              if f.name != "name" and f.name not in used and getattr(dr, f.name) != getattr(default, f.name)]  # fmt: skip
+    if unused:
+        return [f"drafter {dr.name} does not read {', '.join('drafter.' + k for k in unused)} (its keys: {sorted(used)})"]
+    return []
 
 
 def resolve_mixed_precision(setting: str) -> str:

@@ -96,6 +96,25 @@ def select_anchors(
     for j in range(1, min(num_mask_tokens, t - 1) + 1):
         has_label[: t - j] |= valid[j:]  # anchor a sees y_{a+j}
     candidates = torch.nonzero(has_label).flatten()
+    return subsample(candidates, ratio, generator)
+
+
+def subsample(candidates: torch.Tensor, ratio: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Keep ``ceil(ratio * n)`` of n sorted candidate indices at random (all of them when ratio = 1), sorted.
+
+    Args:
+        candidates: [n] int64 sorted indices.
+        ratio: fraction kept, in (0, 1].
+        generator: torch RNG (CPU) for the draw.
+
+    Returns:
+        [n'] int64 sorted subset (n' >= 1 when n >= 1).
+
+    Raises:
+        ValueError: ratio outside (0, 1].
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"anchor ratio must be in (0, 1], got {ratio}")
     if ratio < 1.0 and candidates.numel() > 0:
         keep = max(1, math.ceil(round(ratio * candidates.numel(), 6)))  # round: 0.07 * 100 is 7.000000000000001
         perm = torch.randperm(candidates.numel(), generator=generator, device="cpu")[:keep]
@@ -245,6 +264,21 @@ def item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tenso
     return labels
 
 
+def batch_item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`item_labels` of every sequence of a right-padded batch: [b, L] -> [b, L - 1] (-100 past each length).
+
+    Args:
+        input_ids: [b, L] int64 right-padded token ids; loss_mask: [b, L]; lengths: [b] real lengths.
+    """
+    b, length = input_ids.shape
+    out = torch.full((b, max(length - 1, 0)), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    for i in range(b):
+        n = int(lengths[i])
+        y = item_labels(input_ids[i, :n], loss_mask[i, :n])
+        out[i, : y.numel()] = y
+    return out
+
+
 def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, past: int = 0):
     """Position ids and additive mask of one inference drafting step (ParallelSpec Fig. 2 left).
 
@@ -273,3 +307,68 @@ def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, p
     allowed[num_items:, past : past + num_items] = True
     allowed[num_items:, past + num_items :] = torch.tril(torch.ones(num_mask_tokens, num_mask_tokens, dtype=torch.bool))
     return position_ids, additive_mask(allowed, dtype)[None, None]
+
+
+def shifted_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """The next ``depth`` item labels of every item: out[..., i, j] = labels[..., i + j] (-100 past the end).
+
+    A chain drafted from item i guesses y_i, y_{i+1}, ..., y_{i+depth-1} (y_i = x_{i+2}): Medusa head
+    j + 1 on f_i (Cai et al. 2024: head k predicts x_{t+k+1}) and step j of an EAGLE chain from item i.
+
+    Args:
+        labels: [..., t] int64 item labels (:func:`item_labels`, right-padded with -100).
+        depth: chain length >= 1.
+
+    Returns:
+        [..., t, depth] int64.
+
+    Example::
+
+        labels = [7, 8, -100], depth = 2  ->  [[7, 8], [8, -100], [-100, -100]]
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    t = labels.shape[-1]
+    pad = torch.full((*labels.shape[:-1], depth - 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    padded = torch.cat([labels, pad], dim=-1)  # [..., t + depth - 1]
+    return padded.unfold(-1, depth, 1)[..., :t, :]  # [..., t, depth]
+
+
+def chain_rollout_layout(anchors: torch.Tensor, num_items: int, step: int, dtype: torch.dtype):
+    """Positions and mask of step j of a batched greedy-chain rollout from every anchor (EAGLE metrics).
+
+    The drafter's KV cache holds the t context items of every sequence (one teacher-forced pass) and
+    then, for steps 1..j-1, one slot per anchor (n per step, anchor order). Step j adds one more slot per
+    anchor: the item (draft token of step j-1, predicted feature of step j-1). Slot r of step j:
+    position a_r + j; attends to items <= a_r and to the slots of anchor r at steps 1..j, never to
+    another anchor's slots: exactly what inference drafting from a_r sees after j - 1 chain steps
+    (so the rollout's outputs equal :meth:`EagleDrafter.propose`'s, tested). Padding anchors (-1) see
+    only their own slots (no fully masked row).
+
+    Args:
+        anchors: [b, n] int64 anchor items, right-padded with -1.
+        num_items: t, items in the cache before the rollout (the padded batch length).
+        step: j >= 1.
+        dtype: mask dtype.
+
+    Returns:
+        (position_ids [b, n] int64, attention_mask [b, 1, n, t + j*n] additive float).
+
+    Example (b = 1, t = 3, anchors [0, 2], j = 2); columns: items u0 u1 u2, step-1 slots s1@0 s1@2,
+    step-2 slots s2@0 s2@2::
+
+                u0 u1 u2 s1@0 s1@2 s2@0 s2@2
+        s2@0     1  0  0   1    0    1    0
+        s2@2     1  1  1   0    1    0    1
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    b, n = anchors.shape
+    device = anchors.device
+    cols = torch.arange(num_items, device=device)
+    see_items = (cols[None, None, :] <= anchors[:, :, None]) & (anchors[:, :, None] >= 0)  # [b, n, t]
+    own = torch.eye(n, dtype=torch.bool, device=device)  # slot r of every step belongs to anchor r
+    see_slots = own.repeat(1, step)[None].expand(b, n, n * step)  # [b, n, j*n]
+    allowed = torch.cat([see_items, see_slots], dim=-1)
+    position_ids = (anchors.clamp_min(0) + step).masked_fill(anchors < 0, 0)
+    return position_ids, additive_mask(allowed, dtype)[:, None]

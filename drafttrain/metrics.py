@@ -43,6 +43,13 @@ def group_acceptance_sums(correct: torch.Tensor, valid: torch.Tensor) -> dict[st
     }
 
 
+def empty_group_sums(num_positions: int) -> dict[str, torch.Tensor]:
+    """The sums of :func:`group_acceptance_sums` over no group (a batch without any labelled group)."""
+    z = torch.zeros(num_positions)
+    return {"acc_num": z, "acc_den": z.clone(), "cond_num": z.clone(), "cond_den": z.clone(),
+            "tau_len_sum": torch.zeros(()), "tau_groups": torch.zeros(())}  # fmt: skip
+
+
 def merge_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Element-wise sum of two sum dicts (``a`` may be None)."""
     if a is None:
@@ -52,7 +59,8 @@ def merge_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) ->
 
 def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
     """Turn (already reduced) sums into named metrics: ``{prefix}/acc_k``, ``cond_acc_k``, ``tau_sim``,
-    ``loss_k`` (when ``ce_sum``/``ce_count`` are present)."""
+    ``loss_k`` (when ``ce_sum``/``ce_count`` are present: mean hard CE at position k) and ``reg_loss_k``
+    (when ``reg_sum``/``reg_count`` are present: EAGLE's mean feature regression loss at position k)."""
     out: dict[str, float] = {}
     if "acc_num" in sums:
         for k in range(sums["acc_num"].numel()):
@@ -66,4 +74,8 @@ def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
         for k in range(sums["ce_sum"].numel()):
             if sums["ce_count"][k] > 0:
                 out[f"{prefix}/loss_{k}"] = float(sums["ce_sum"][k] / sums["ce_count"][k])
+    if "reg_sum" in sums:
+        for k in range(sums["reg_sum"].numel()):
+            if sums["reg_count"][k] > 0:
+                out[f"{prefix}/reg_loss_{k}"] = float(sums["reg_sum"][k] / sums["reg_count"][k])
     return out

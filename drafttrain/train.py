@@ -105,6 +105,31 @@ def prepare_data(c: TrainConfig, target, accelerator):
     return train, held
 
 
+class LocalProcess:
+    """Stands in for an Accelerator in :func:`prepare_data` outside ``accelerate launch`` (one process:
+    scripts and tests that need the run's exact datasets)."""
+
+    is_main_process = True
+    process_index = 0
+    num_processes = 1
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """Compose ``conf/train.yaml`` with Hydra ``overrides`` (e.g. ``["+recipe=eagle", "target=tiny"]``) and
+    validate it, as ``train.py`` would (for scripts and tests; raises ConfigError like a launch)."""
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    return validate(cfg)
+
+
 def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] if present."""
     lengths = torch.tensor([len(r["input_ids"]) for r in rows])
@@ -261,10 +286,7 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, 
 
     if ds is None:
         return None
-    model = accelerator.unwrap_model(drafter)
-    drafter.eval()
-    ratio = model.config.get("anchor_ratio", 1.0)
-    model.config["anchor_ratio"] = 1.0
+    drafter.eval()  # eval mode: every group scored, no input noise (the drafter interface)
     sums = None
     world, mbs = accelerator.num_processes, c.trainer.micro_batch_size
     idx = list(range(accelerator.process_index, len(ds), world))
@@ -273,14 +295,22 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, 
         rows = idx[i * mbs : (i + 1) * mbs]
         batch = get_batch(ds, target, rows or [0], accelerator.device)
         with accelerator.autocast():
-            out = drafter(batch)
+            out = drafter(batch)  # through the wrapper: ZeRO-3 gathers the partitioned parameters
         if rows:
             sums = merge_sums(sums, out.sums)
     if sums is None:  # this rank had no held-out rows: contribute zeros to the all-reduce
         sums = {k: torch.zeros_like(v) for k, v in out.sums.items()}
-    model.config["anchor_ratio"] = ratio
     drafter.train()
     return sums
+
+
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process so far, MiB: CUDA peak allocated on a GPU, else peak resident set size."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 class MetricsLog:
@@ -322,7 +352,7 @@ def run(cfg) -> dict[str, Any]:
         peak_memory_mb,
         prepare,
     )
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import build_drafter, drafter_config
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target
     from drafttrain.tracking import log_eval_table
@@ -348,8 +378,7 @@ def run(cfg) -> dict[str, Any]:
     log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
 
     # -- drafter, optimizer, schedule ------------------------------------------------------------
-    dcfg = {k: v for k, v in to_dict(c)["drafter"].items() if k != "name"}
-    drafter = build_drafter(c.drafter.name, dcfg, target)
+    drafter = build_drafter(c.drafter.name, drafter_config(c.drafter.name, to_dict(c)["drafter"]), target)
     if c.drafter.draft_vocab_size:
         from drafttrain.data.vocab import frequent_tokens
 
@@ -402,7 +431,7 @@ def run(cfg) -> dict[str, Any]:
     lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
     group = per_step * c.trainer.length_group_steps if c.trainer.length_group_steps > 1 else 0
     bar = tqdm(total=c.trainer.max_steps, initial=state.step, desc="train", disable=not (main and c.trainer.progress))
-    window_sums, window_tokens, window_t0 = None, 0, time.time()
+    window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
     window_loss, window_n = 0.0, 0
     seg_start = time.time()
     base_seconds = state.train_seconds
@@ -427,6 +456,7 @@ def run(cfg) -> dict[str, Any]:
                 accelerator.backward(out.loss)
             window_sums = merge_sums(window_sums, out.sums)
             window_tokens += out.num_tokens
+            window_seq_tokens += int(batch["lengths"].sum())
             window_loss += float(out.loss.detach()) / accum
         window_n += 1
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), c.optim.max_grad_norm)
@@ -440,13 +470,16 @@ def run(cfg) -> dict[str, Any]:
 
         if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:
             sums = reduce_sums(accelerator, window_sums)
-            tok = float(accelerator.reduce(torch.tensor([float(window_tokens)], device=accelerator.device), "sum"))
+            tok, seq_tok = accelerator.reduce(
+                torch.tensor([float(window_tokens), float(window_seq_tokens)], device=accelerator.device), "sum"
+            ).tolist()
             loss = float(accelerator.reduce(torch.tensor([window_loss / window_n], device=accelerator.device), "mean"))
             metrics = {
                 "train/loss": loss,
                 "train/lr": sched.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),
+                "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),  # drafter input slots
+                "train/seq_tokens_per_s": seq_tok / max(time.time() - window_t0, 1e-9),  # training sequence tokens
                 "train/seconds_per_step": (time.time() - window_t0) / window_n,
                 "train/samples": state.samples,
                 "train/peak_mem_mb": max(per_rank(accelerator, peak_memory_mb(accelerator.device))),
@@ -455,7 +488,8 @@ def run(cfg) -> dict[str, Any]:
             log_metrics(metrics, state.step)
             bar.set_postfix(loss=f"{loss:.3f}", tau_sim=f"{metrics.get('train/tau_sim', 0):.2f}",
                             tok_s=f"{metrics['train/tokens_per_s']:.0f}")
-            window_sums, window_tokens, window_t0, window_loss, window_n = None, 0, time.time(), 0.0, 0
+            window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
+            window_loss, window_n = 0.0, 0
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
@@ -480,6 +514,7 @@ def run(cfg) -> dict[str, Any]:
         "train_seconds": round(train_seconds, 1),
         "trainable_params": n_params,
         "stopped_by_time_budget": stopped_early,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))

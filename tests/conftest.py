@@ -44,3 +44,20 @@ def make_drafter(tiny_target):
         return build_drafter("parallelspec", cfg, tiny_target)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def varied_target(tiny_target):
+    """The tiny target with its 2-D weights redrawn (std 0.3): its greedy continuations change at every
+    step (the tiny target as loaded repeats one token, which cannot catch an off-by-one)."""
+    import copy
+
+    from drafttrain.target import Target
+
+    model = copy.deepcopy(tiny_target.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:  # embeddings (tied LM head) and linear weights; norms stay 1
+                p.normal_(0.0, 0.3, generator=g)
+    return Target(model, tiny_target.tokenizer)

@@ -26,7 +26,45 @@ def compose_dict(overrides: list[str]) -> dict:
 
 
 def test_there_are_recipes():
-    assert "parallelspec" in RECIPES
+    """Recipe name = drafter name: one recipe per registered drafter, and nothing else."""
+    from drafttrain.drafters import DRAFTERS
+
+    assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "parallelspec", "parallelspec_eagle"}
+
+
+@pytest.mark.parametrize(
+    "recipe, override, key",
+    [
+        ("medusa", "drafter.num_mask_tokens=3", "drafter.num_mask_tokens"),  # Medusa's K is num_heads
+        ("parallelspec", "drafter.num_heads=3", "drafter.num_heads"),
+        ("parallelspec", "drafter.feature_noise=0.2", "drafter.feature_noise"),  # an EAGLE-only key
+        ("eagle", "drafter.num_mask_tokens=2", "drafter.num_mask_tokens"),
+    ],
+)
+def test_key_the_drafter_does_not_read_fails(recipe, override, key):
+    """Silently ignoring ``num_mask_tokens=3`` for Medusa would train 4 heads. A plain override of a key
+    absent from the drafter's yaml is refused by Hydra; the '+' append form by our schema, naming it."""
+    with pytest.raises(Exception, match=key.split(".")[-1]):
+        compose_dict([f"+recipe={recipe}", override])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose_dict([f"+recipe={recipe}", "+" + override]))
+
+
+@pytest.mark.parametrize(
+    "recipe, override, key",
+    [("eagle", "drafter.name=eagel", "eagel"), ("eagle", "drafter.kd_weight=1.5", "kd_weight"),
+     ("medusa", "drafter.num_heads=0", "num_heads"), ("parallelspec_eagle", "drafter.cls_weight=-1", "cls_weight")],
+)  # fmt: skip
+def test_bad_drafter_values_fail(recipe, override, key):
+    with pytest.raises(ConfigError, match=key):
+        validate(compose_dict([f"+recipe={recipe}", override]))
+
+
+def test_recipe_overrides_of_own_keys_validate():
+    c = validate(compose_dict(["+recipe=medusa", "drafter.num_heads=3", "drafter.loss_decay=0.7"]))
+    assert c.drafter.num_heads == 3 and c.drafter.loss_decay == 0.7
+    c = validate(compose_dict(["+recipe=eagle", "drafter.draft_depth=3", "drafter.feature_noise=0"]))
+    assert c.drafter.draft_depth == 3 and c.drafter.feature_noise == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

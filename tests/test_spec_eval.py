@@ -7,27 +7,13 @@ std 0.3, whose greedy continuations change at every step.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from drafttrain.eval.spec import evaluate_prompts, plain_greedy, speculative_greedy
-from drafttrain.target import Target
 
 K = 3
 PROMPT_LENGTHS = (3, 11, 30)
-
-
-@pytest.fixture(scope="module")
-def varied_target(tiny_target):
-    model = copy.deepcopy(tiny_target.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:  # embeddings (tied LM head) and linear weights; norms stay 1
-                p.normal_(0.0, 0.3, generator=g)
-    return Target(model, tiny_target.tokenizer)
 
 
 @pytest.fixture(scope="module", params=["tiny", "varied"])

@@ -1,7 +1,8 @@
-"""Runs of the real training CLI (`accelerate launch train.py +recipe=parallelspec target=tiny ...`).
+"""Runs of the real training CLI (`accelerate launch train.py +recipe=NAME target=tiny ...`).
 
-Slow (subprocesses, ~2-3 min in all): run with `pytest -m slow`. Four short training runs share one
-self-distilled data cache; each assertion reuses them through module-scoped fixtures.
+Slow (subprocesses, ~3 min in all): run with `pytest -m slow`. Seven short training runs (ParallelSpec:
+3 steps, resume pair; every other recipe: 3 steps) share one self-distilled data cache; each assertion
+reuses them through module-scoped fixtures.
 """
 
 from __future__ import annotations
@@ -38,12 +39,25 @@ FAST = [
 # length-sorted self-distillation shards and trainer.length_group_steps=8. Identical on CI's machine.
 # The loss, data, batch order or init must not change by accident; refresh these on a deliberate change.
 GOLDEN_LOSSES = [29.788293838500977, 29.73180389404297, 29.63692855834961]
+# The same for the other recipes (2026-11-22, their conf/drafter defaults, same data and FAST overrides).
+GOLDEN_RECIPE_LOSSES = {
+    "medusa": [20.190168380737305, 20.144073486328125, 20.084369659423828],
+    "eagle": [0.898781955242157, 0.8964788913726807, 0.8942158818244934],
+    "parallelspec_eagle": [7.122628688812256, 7.091139793395996, 7.018370628356934],
+}
+# parameters every recipe's drafter must train (besides the decoder layer / head internals)
+KEY_PARAMS = {
+    "parallelspec": {"fc.weight", "mask_embed"},
+    "parallelspec_eagle": {"fc.weight", "mask_embed"},
+    "eagle": {"fc.weight", "layer.self_attn.q_proj.weight"},
+    "medusa": {"heads.0.res.weight", "heads.0.out.weight", "heads.3.out.weight"},
+}
 
 
-def launch(*overrides: str, timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
+def launch(*overrides: str, recipe: str = "parallelspec", timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
     """Run the CLI from the repo root; returns (completed process, seconds)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml",
-           "train.py", "+recipe=parallelspec", "target=tiny", *overrides]  # fmt: skip
+           "train.py", f"+recipe={recipe}", "target=tiny", *overrides]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "offline"}
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -68,8 +82,8 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data_cache")
 
 
-def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    proc, _ = launch(*FAST, f"data.cache_dir={data_cache}", f"output_dir={run_dir}", *overrides)
+def train(run_dir: Path, data_cache: Path, *overrides: str, recipe: str = "parallelspec") -> subprocess.CompletedProcess:
+    proc, _ = launch(*FAST, f"data.cache_dir={data_cache}", f"output_dir={run_dir}", *overrides, recipe=recipe)
     assert proc.returncode == 0, output(proc)[-6000:]
     return proc
 
@@ -79,6 +93,14 @@ def run3(tmp_path_factory, data_cache):
     run_dir = tmp_path_factory.mktemp("run3") / "run"
     proc = train(run_dir, data_cache, "trainer.max_steps=3")
     return run_dir, proc
+
+
+@pytest.fixture(scope="module", params=sorted(GOLDEN_RECIPE_LOSSES))
+def recipe_run3(request, tmp_path_factory, data_cache):
+    """A 3-step run of every other recipe on the same data (one at a time: module-scoped parameter)."""
+    run_dir = tmp_path_factory.mktemp(f"run3_{request.param}") / "run"
+    proc = train(run_dir, data_cache, "trainer.max_steps=3", recipe=request.param)
+    return request.param, run_dir, proc
 
 
 @pytest.fixture(scope="module")
@@ -132,38 +154,73 @@ def test_short_run_checkpoint_and_wandb(run3):
 
 
 def test_short_run_trained_the_drafter_only(run3):
-    """The drafter's weights moved away from their initial values (rebuilt here: the tiny target and the
-    drafter init are deterministic from seed 0), by no more than a few warm-up Adam steps; the
-    checkpoints hold no target tensor (the shared embedding / norm / LM head are never saved)."""
+    """ParallelSpec's run: see :func:`check_trained_drafter_only`; its layer started as a copy of the
+    target's last layer and moved by training only."""
+    run_dir, _ = run3
+    trained, init, target = check_trained_drafter_only(run_dir, "parallelspec")
+    layer = {f"layer.{k}": v for k, v in target.last_layer.state_dict().items()}
+    assert max((trained[k] - v).abs().max().item() for k, v in layer.items()) < 1e-3
+    assert torch.equal(init["layer.self_attn.q_proj.weight"], layer["layer.self_attn.q_proj.weight"])
+
+
+def check_trained_drafter_only(run_dir: Path, recipe: str):
+    """The drafter's weights moved away from their initial values (rebuilt here: the tiny target, the
+    draft vocabulary and the drafter init are deterministic from seed 0), by no more than a few warm-up
+    Adam steps; the checkpoints hold no target tensor (the shared embedding / norm / LM head are never
+    saved). Returns (trained state, initial state, target)."""
     from safetensors.torch import load_file
 
-    from drafttrain.config import TargetConfig
-    from drafttrain.drafters import build_drafter
+    from drafttrain import train as T
+    from drafttrain.config import validate
+    from drafttrain.data.vocab import frequent_tokens
+    from drafttrain.drafters import build_drafter, drafter_config
     from drafttrain.target import load_target
 
-    run_dir, _ = run3
     ck = run_dir / "checkpoints" / "step_0000003"
     trained = load_file(str(ck / "drafter" / "drafter.safetensors"))
     for f in (ck / "drafter" / "drafter.safetensors", ck / "model.safetensors"):
         keys = list(load_file(str(f)))
         assert not [k for k in keys if "embed_tokens" in k or "lm_head" in k or k.startswith(("model.", "norm"))]
 
-    cfg = json.loads((ck / "config.json").read_text())
-    target = load_target(TargetConfig(random_init=True))  # seeds itself: same weights as in the run
-    dcfg = {k: v for k, v in cfg["drafter"].items() if k != "name"}
-    drafter = build_drafter("parallelspec", dcfg, target)
+    c = validate(json.loads((ck / "config.json").read_text()))
+    assert c.drafter.name == recipe
+    target = load_target(c.target)  # seeds itself: same weights (and RNG state for the drafter init) as in the run
+    drafter = build_drafter(recipe, drafter_config(recipe, json.loads((ck / "config.json").read_text())["drafter"]), target)
+    if c.drafter.draft_vocab_size:
+        train_ds, _ = T.prepare_data(c, target, T.LocalProcess())
+        drafter.set_draft_vocab(frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])[0])
     init = drafter.state_dict()
     assert trained.keys() == init.keys()
+    assert torch.equal(trained["d2t"], init["d2t"]) if "d2t" in init else True
     params = [name for name, p in drafter.named_parameters() if p.requires_grad]
-    assert {"fc.weight", "mask_embed"} <= set(params)
+    assert KEY_PARAMS[recipe] <= set(params)
     for k in params:
         diff = (trained[k] - init[k]).abs().max().item()
         # 3 warm-up steps at lr <= 1e-4: Adam moves each weight by < 3e-4; a wrong init would differ by ~1e-2
         assert 0 < diff < 1e-3, (k, diff)
-    # the drafter layer started as a copy of the target's last layer and moved by training only
-    layer = {f"layer.{k}": v for k, v in target.last_layer.state_dict().items()}
-    assert max((trained[k] - v).abs().max().item() for k, v in layer.items()) < 1e-3
-    assert torch.equal(init["layer.self_attn.q_proj.weight"], layer["layer.self_attn.q_proj.weight"])
+    return trained, init, target
+
+
+# ---------------------------------------------------------------- every other recipe
+
+
+def test_recipe_short_run(recipe_run3):
+    """Every recipe trains through the same loop: same metrics, stored first losses, checkpoint format,
+    weights changed (drafter) / not saved (target), greedy speculative output equal to plain greedy."""
+    recipe, run_dir, _ = recipe_run3
+    rows = train_rows(run_dir)
+    assert sorted(rows) == [1, 2, 3]
+    for r in rows.values():
+        for key in ("train/loss", "train/tau_sim", "train/acc_0", "train/cond_acc_1", "train/seq_tokens_per_s"):
+            assert key in r, (recipe, key)
+    assert [rows[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(GOLDEN_RECIPE_LOSSES[recipe], rel=1e-4)
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    assert final["step"] == 3 and final["eval/greedy_equal"] is True and final["eval/tau"] >= 1
+    assert "eval/tau_sim" in final and final["peak_memory_mb"] > 0
+    trained, _, target = check_trained_drafter_only(run_dir, recipe)
+    if recipe == "medusa":  # every head's W started as the target head's draft rows and moved a little
+        rows_w = target.lm_head.weight[trained["d2t"]]
+        assert max((trained[f"heads.{k}.out.weight"] - rows_w).abs().max().item() for k in range(4)) < 1e-3
 
 
 # ---------------------------------------------------------------- resume

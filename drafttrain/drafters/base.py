@@ -4,12 +4,23 @@ A drafter is a plain ``nn.Module``: no Accelerator, tokenizer, dataset or file I
 ``save_pretrained``/``from_pretrained``. The training loop only needs:
 
 - ``needs_features``: whether a batch must carry the target's last hidden states f;
-- ``training_loss(batch, generator)``: loss + sums of metrics (reduced across ranks by the loop);
+- ``training_loss(batch, generator)``: loss + sums of metrics (reduced across ranks by the loop). In
+  ``eval()`` mode it is the held-out evaluation: every group is scored (no subsampling, no noise);
+- ``set_draft_vocab(ids)``: the restricted draft vocabulary, when ``draft_vocab_size`` > 0;
 - ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir, target)``: weights as safetensors plus a
   json config, loadable without the training config.
 
+The in-training speculative evaluation (:mod:`drafttrain.eval.spec`) needs one more method,
+``propose(next_ids [1, n], features [1, n, d], cache) -> [1, depth, v]`` (see each drafter).
+
 The target's embedding, final norm and LM head are shared *by reference* and frozen; they are kept
 out of the module tree (so they are neither optimised, nor wrapped by DDP, nor saved).
+
+Draft vocabulary (EAGLE-3's lever, docs/design.md): every drafter has a buffer ``d2t`` [N] int64 (draft
+id -> target id; N = v when unrestricted). Drafters score the N rows only; :meth:`Drafter.full_vocab_logits`
+scatters back to the target vocabulary with -inf elsewhere, so acceptance rules always see target ids.
+
+Shape letters: b batch, t items, d hidden, v target vocab, N draft vocab, m selected slots.
 """
 
 from __future__ import annotations
@@ -59,15 +70,31 @@ class LossOutput:
 
 
 class Drafter(nn.Module):
-    """Base class: holds the shared target modules outside the module tree and does save/load."""
+    """Base class: config keys, shared target modules (outside the module tree), draft vocabulary, save/load.
+
+    Subclasses set ``name`` (= recipe name = registry key), ``defaults`` (every config key the drafter
+    reads, with its default; any other key is refused) and implement ``training_loss`` and ``propose``.
+    """
 
     name: ClassVar[str] = "base"
     needs_features: ClassVar[bool] = True
+    defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules):
+        """Raises:
+        ValueError: ``config`` has a key that is not in ``defaults``.
+        """
+        unknown = sorted(set(config) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"drafter '{self.name}' has no config key(s) {unknown}; its keys: {sorted(self.defaults)}")
         super().__init__()
-        self.config = dict(config)
+        self.config = {**self.defaults, **config}
         object.__setattr__(self, "_shared", shared)  # not a submodule: frozen, not saved
+
+    @classmethod
+    def select_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The keys of a full drafter config (e.g. the validated ``DrafterConfig``) that this drafter reads."""
+        return {k: v for k, v in config.items() if k in cls.defaults}
 
     @property
     def shared(self) -> SharedTargetModules:
@@ -80,9 +107,85 @@ class Drafter(nn.Module):
         """The training loss; called through ``forward`` so DDP/DeepSpeed wrappers see the call."""
         return self.training_loss(batch, generator)
 
+    # -- draft vocabulary -----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """v, the target's vocabulary size (rows of its LM head)."""
+        return self.shared.lm_head.weight.shape[0]
+
+    def _init_draft_vocab(self, draft_vocab_size: int) -> None:
+        """Register ``d2t`` = arange(N) (N = ``draft_vocab_size``, 0 = v); set real ids with :meth:`set_draft_vocab`.
+
+        Raises:
+            ValueError: N > v.
+        """
+        v = self.vocab_size
+        n = int(draft_vocab_size) or v
+        if n > v:
+            raise ValueError(f"draft_vocab_size {n} exceeds the target vocabulary {v}")
+        self.register_buffer("d2t", torch.arange(n), persistent=True)  # draft id -> target id
+
+    @property
+    def restricted_vocab(self) -> bool:
+        return self.d2t.numel() < self.vocab_size
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Use the given target token ids ([N] int64, distinct, N = draft_vocab_size) as the draft vocabulary.
+
+        Raises:
+            ValueError: wrong count or repeated ids.
+        """
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if token_ids.numel() != self.d2t.numel() or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(f"need {self.d2t.numel()} distinct token ids, got {token_ids.numel()}")
+        self.d2t.copy_(token_ids.to(self.d2t.device))
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map target token ids [...] to draft ids (-1 where the id is outside the draft vocabulary or < 0)."""
+        if not self.restricted_vocab:
+            return ids
+        t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=ids.device)
+        return t2d[ids.clamp_min(0)].masked_fill(ids < 0, -1)
+
+    def vocab_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head's draft-vocabulary rows applied to (post-norm) features: [..., d] -> [..., N] float32.
+
+        Gradients flow into ``features`` (never into the frozen head).
+        """
+        head = self.shared.lm_head
+        if not self.restricted_vocab:
+            return head(features).float()
+        w = head.weight[self.d2t]  # [N, d] frozen rows (gather is cheap next to the matmul)
+        b = head.bias[self.d2t] if getattr(head, "bias", None) is not None else None
+        return torch.nn.functional.linear(features, w.to(features.dtype), None if b is None else b.to(features.dtype)).float()
+
+    @torch.no_grad()
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the draft vocabulary from its (post-norm) features: [m, d] -> [m, N].
+
+        The target's logits for token x_{j+1} are LM head(f_j): read from stored features, they cost no
+        target forward (used for the knowledge-distillation term, ``kd_weight``).
+        """
+        head = self.shared.lm_head
+        w = head.weight if not self.restricted_vocab else head.weight[self.d2t]
+        b = getattr(head, "bias", None)
+        if b is not None and self.restricted_vocab:
+            b = b[self.d2t]
+        return torch.nn.functional.linear(features.to(w.dtype), w, b).float()
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocabulary logits [..., N] into the target vocabulary [..., v] (-inf elsewhere)."""
+        if not self.restricted_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.d2t] = logits
+        return full
+
     # -- checkpoint format ----------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``drafter.safetensors`` (trainable weights only) and ``drafter_config.json``."""
+        """Write ``drafter.safetensors`` (trainable weights + ``d2t``) and ``drafter_config.json``."""
         from safetensors.torch import save_file
 
         directory = Path(directory)

@@ -1,7 +1,8 @@
 """Greedy chain speculative decoding, one sequence at a time (the in-training evaluation).
 
-Each step: the drafter proposes K + 1 tokens in one forward pass (ParallelSpec Algorithm 1 with a
-chain instead of a tree), the target verifies ``[last token, d_1..d_{K+1}]`` in one forward pass, the
+Each step: the drafter proposes a chain of ``depth`` tokens (ParallelSpec: K + 1 in one forward pass,
+Algorithm 1 with a chain instead of a tree; Medusa: K heads; EAGLE: D autoregressive drafter passes),
+the target verifies ``[last token, d_1..d_depth]`` in one forward pass, the
 longest prefix of drafts equal to the target's own argmax is accepted, and the target's argmax after
 it is the bonus token. Greedy acceptance makes the output identical to plain greedy decoding of the
 target (checked by :func:`evaluate_prompts` on every prompt). Rejected positions are cropped from
@@ -46,11 +47,13 @@ def plain_greedy(target, prompt: list[int], max_new_tokens: int, stop: int | Non
 
 @torch.no_grad()
 def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, stop: int | None = None) -> SpecResult:
-    """Greedy chain speculative decoding of one prompt with a ParallelSpec-style drafter.
+    """Greedy chain speculative decoding of one prompt with any drafter.
 
     Args:
         target: :class:`drafttrain.target.Target`.
-        drafter: a drafter with ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, K+1, v]``.
+        drafter: a drafter with ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, depth, v]``
+            (row j: the (j+1)-th token after the last item's x_{i+1}); it keeps its own ``cache``
+            (a ``DynamicCache`` of the real items, created here) consistent.
         prompt: prompt token ids.
         max_new_tokens: generation cap; ``stop``: end-of-turn id (default the target's eos).
 
@@ -72,13 +75,13 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
     item_feats = out.hidden
     res = SpecResult(tokens=[], target_forwards=0, emitted=0)
     while len(generated) < max_new_tokens and generated[-1] != stop:
-        draft = drafter.propose(item_ids, item_feats, dcache)[0].argmax(-1)  # [K+1]
+        draft = drafter.propose(item_ids, item_feats, dcache)[0].argmax(-1)  # [depth]
         k1 = draft.numel()
         cache_len = tcache.get_seq_length()
-        verify = torch.cat([torch.tensor([last], device=device), draft])[None]  # [1, K+2]
+        verify = torch.cat([torch.tensor([last], device=device), draft])[None]  # [1, depth + 1]
         pos = torch.arange(cache_len, cache_len + k1 + 1, device=device)[None]
         tout = target.forward(verify, position_ids=pos, past_key_values=tcache, use_cache=True)
-        preds = tout.logits[0].argmax(-1)  # [K+2] target's next token after each verify input
+        preds = tout.logits[0].argmax(-1)  # [depth + 1] target's next token after each verify input
         match = (draft == preds[:k1]).long()
         m = int(torch.cumprod(match, 0).sum())  # accepted drafts
         bonus = int(preds[m])

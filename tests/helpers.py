@@ -1,0 +1,20 @@
+"""Plain helpers shared by test modules (not fixtures)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_batch(target, lengths=(14, 9), prompt=(4, 3), seed=0) -> dict[str, torch.Tensor]:
+    """Right-padded batch of random token ids with a loss mask that is 0 on a prompt prefix."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    ids = torch.randint(3, target.config.vocab_size, (b, s), generator=g)
+    loss_mask = torch.zeros((b, s), dtype=torch.long)
+    for i, (n, p) in enumerate(zip(lengths, prompt)):
+        ids[i, n:] = 0
+        loss_mask[i, p:n] = 1
+    lengths_t = torch.tensor(lengths)
+    attn = (torch.arange(s)[None] < lengths_t[:, None]).long()
+    feats = target.features(ids, attention_mask=attn)[:, :-1]  # [b, s-1, d]: f_0..f_{s-2}
+    return {"input_ids": ids, "loss_mask": loss_mask, "lengths": lengths_t, "features": feats}
