@@ -42,12 +42,20 @@ def test_every_recipe_composes_and_validates(recipe):
     assert f"+recipe={recipe}" in text  # the header gives the command that launches it
 
 
+# options that cannot run without a value the user must give (``???`` in the yaml)
+REQUIRED = {"data=generated": ["data.path=data/generated/example"]}
+
+
 @pytest.mark.parametrize("group", ["target", "data", "drafter", "optim", "trainer"])
 def test_every_group_option_validates(group):
     """Every option of every group composes with the default recipe and validates."""
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        c = validate(compose_dict(["+recipe=parallelspec", f"{group}={option}"]))
+        extra = REQUIRED.get(f"{group}={option}", [])
+        c = validate(compose_dict(["+recipe=parallelspec", f"{group}={option}", *extra]))
         assert isinstance(c, TrainConfig), f"{group}={option}"
+        if extra:  # without the required value: a clear error, not a crash later
+            with pytest.raises(ConfigError, match=extra[0].split("=")[0]):
+                validate(compose_dict(["+recipe=parallelspec", f"{group}={option}"]))
 
 
 def test_tiny_smoke_overrides_validate():
