@@ -38,6 +38,8 @@ META = "feature_cache.json"
 #: Bytes a shard costs besides its column data: Arrow schema + datasets' state.json / dataset_info.json
 #: (measured: ~1.9 KB with top-k columns, ~1.3 KB without).
 SHARD_OVERHEAD = 2048
+#: Bytes of manifest.json + feature_cache.json.
+JOB_OVERHEAD = 640
 
 
 class FeatureCacheError(ValueError):
@@ -69,7 +71,8 @@ def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size:
     """Bytes the cache of rows with these lengths will take on disk (within ~1% for real sizes).
 
     Per stored position: 2 d bytes of features (+ 4 k + 2 k of top-k ids and logits) plus a 4-byte
-    Arrow list offset per column; per row a 4-byte offset per column; per shard :data:`SHARD_OVERHEAD`.
+    Arrow list offset per column; per row a 4-byte offset per column; per shard :data:`SHARD_OVERHEAD`;
+    per cache :data:`JOB_OVERHEAD`.
 
     Args:
         lengths: L of every row (positions stored: L - 1).
@@ -81,7 +84,7 @@ def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size:
     ncols = 3 if top_k else 1
     per_position = 2 * hidden_size + (6 * top_k if top_k else 0) + 4 * ncols
     shards = -(-len(lengths) // shard_size) if lengths else 0
-    return positions * per_position + len(lengths) * 4 * ncols + shards * SHARD_OVERHEAD
+    return positions * per_position + len(lengths) * 4 * ncols + shards * SHARD_OVERHEAD + JOB_OVERHEAD
 
 
 def folder_bytes(path: Path) -> int:
@@ -193,10 +196,11 @@ def build_feature_cache(
         store.write(i, datasets.Dataset.from_dict(cols, features=schema), {"rows": len(idx)})
         bar.update(len(idx))
     bar.close()
-    meta = {**job, "complete": True, "bytes_estimated": estimate, "bytes_written": None}
+    meta = {**job, "complete": True, "bytes_estimated": estimate, "bytes_written": 0}
     atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
-    meta["bytes_written"] = folder_bytes(out_dir)  # shards + manifest + this file
-    atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
+    while meta["bytes_written"] != folder_bytes(out_dir):  # shards + manifest + this file (its own size included)
+        meta["bytes_written"] = folder_bytes(out_dir)
+        atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
     log.info("feature cache %s: %d rows, %d bytes written (estimated %d)", out_dir, len(ds), meta["bytes_written"], estimate)
     return meta
 
