@@ -102,6 +102,49 @@ def test_validate_ignores_hydra_node():
     assert validate(d).drafter.name == "parallelspec"
 
 
+# ---------------------------------------------------------------- scripts.generate_data / scripts.cache_features
+
+
+def compose_script(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def test_generate_config_composes_validates_and_rejects_typos(monkeypatch):
+    """conf/generate.yaml validates into GenerateConfig; a typo'd key fails before any model loads."""
+    from drafttrain import target as target_mod
+    from drafttrain.config import GenerateConfig
+    from scripts import generate_data
+
+    c = validate(compose_script("generate", []), GenerateConfig)
+    assert c.source == "sharegpt" and c.generation.max_new_tokens == 256 and c.target.name == "smollm2-135m-instruct"
+    assert c.output_dir == "data/generated/smollm2-135m-instruct-sharegpt-200"
+    c = validate(compose_script("generate", ["target=tiny", "generation.sampling.do_sample=true",
+                                             "generation.sampling.top_p=0.9", "generation.max_turns=1"]), GenerateConfig)
+    assert c.target.random_init and c.generation.sampling.top_p == 0.9 and c.generation.max_turns == 1
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(target_mod, "load_target", no_model)
+    for override, key in [("+generation.max_new_tokns=3", "generation.max_new_tokns"), ("+batchsize=4", "batchsize"),
+                          ("generation.on_length=truncate", "on_length"), ("generation.sampling.top_p=0", "top_p")]:
+        with pytest.raises(ConfigError, match=key):
+            generate_data.run(compose_script("generate", ["target=tiny", override]))
+
+
+def test_cache_features_config_requires_a_dataset(monkeypatch):
+    from drafttrain.config import CacheFeaturesConfig
+    from scripts import cache_features
+
+    c = validate(compose_script("cache_features", ["dataset=data/generated/x", "top_k=8"]), CacheFeaturesConfig)
+    assert c.output_dir == "data/generated/x/features-smollm2-135m-instruct" and c.top_k == 8
+    with pytest.raises(ConfigError, match="dataset"):
+        cache_features.run(compose_script("cache_features", []))
+    with pytest.raises(ConfigError, match="dtype"):
+        cache_features.run(compose_script("cache_features", ["dataset=x", "dtype=float32"]))
+
+
 # ---------------------------------------------------------------- assets
 
 
