@@ -144,6 +144,7 @@ class GenerationConfig:
     max_prompt_length: int | None = None  # a first prompt longer than this is skipped ("prompt too long")
     max_turns: int | None = None  # assistant turns regenerated per conversation (null = all, 1 = first turn)
     batch_size: int = 32  # sequences per generation batch
+    max_batch_tokens: int | None = 16384  # padded prompt slots per batch (rows x longest prompt): long prompts get smaller batches
     shard_size: int | None = None  # conversations per shard (the unit of resume); null = batch_size
     # a turn cut by max_new_tokens: "close" appends the template's end-of-turn token (loss 0) and goes
     # on with the next turn; "stop" ends the conversation there
@@ -237,6 +238,8 @@ def _check_generate(c: GenerateConfig) -> None:
     g, problems = c.generation, []
     if g.max_new_tokens < 1 or g.max_length < 2 or g.batch_size < 1:
         problems.append("generation.max_new_tokens, generation.batch_size must be >= 1 and generation.max_length >= 2")
+    if g.max_batch_tokens is not None and g.max_batch_tokens < 1:
+        problems.append("generation.max_batch_tokens must be >= 1 or null")
     if g.shard_size is not None and g.shard_size < 1:
         problems.append("generation.shard_size must be >= 1")
     if g.max_turns is not None and g.max_turns < 1:

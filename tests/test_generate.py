@@ -349,6 +349,16 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_target, tmp_path,
         generate_dataset(tiny_target, convs, tmp_path / "resumed", GenerationConfig(max_new_tokens=7), progress=False)
 
 
+def test_batches_by_budget_literal():
+    from drafttrain.data.selfdistill import _State, batches_by_budget
+
+    states = [_State(plan=None, ids=[0] * n) for n in (10, 10, 30, 30, 30)]
+    shape = [[len(st.ids) for st in b] for b in batches_by_budget(states, 4, 64)]
+    assert shape == [[10, 10], [30, 30], [30]]
+    assert [[len(st.ids) for st in b] for b in batches_by_budget(states, 2, None)] == [[10, 10], [30, 30], [30]]
+    assert [len(b) for b in batches_by_budget(states, 8, 5)] == [1, 1, 1, 1, 1]  # one row even over the budget
+
+
 def test_hf_dataset_folder_source(tmp_path):
     import datasets
 

@@ -236,13 +236,31 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
     return n
 
 
+def batches_by_budget(states: Sequence[_State], batch_size: int, max_batch_tokens: int | None) -> list[list[_State]]:
+    """Cut states sorted by context length into batches of at most ``batch_size`` rows and at most
+    ``max_batch_tokens`` padded prefill slots (rows x the longest context), keeping at least one row.
+
+    Example: lengths [10, 10, 30, 30, 30], batch_size 4, budget 64 -> [[10, 10], [30, 30], [30]].
+    """
+    out: list[list[_State]] = []
+    for st in states:
+        if out and len(out[-1]) < batch_size and (
+            max_batch_tokens is None or (len(out[-1]) + 1) * len(st.ids) <= max_batch_tokens
+        ):
+            out[-1].append(st)
+        else:
+            out.append([st])
+    return out
+
+
 def generate_shard(
     target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None
 ) -> tuple[list[dict], dict[int, str]]:
     """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
 
-    Within a round, conversations are sorted by context length and generated in batches of
-    ``gen.batch_size`` (left padding, KV cache, finished rows dropped). A batch that raises is retried
+    Within a round, conversations are sorted by context length and generated in batches of at most
+    ``gen.batch_size`` rows and ``gen.max_batch_tokens`` padded prompt slots (left padding, KV cache,
+    finished rows dropped). A batch that raises is retried
     one conversation at a time; a conversation that still raises is recorded as failed.
 
     Returns:
@@ -259,8 +277,7 @@ def generate_shard(
         ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
         if not ready:
             break
-        for i in range(0, len(ready), gen.batch_size):
-            batch = ready[i : i + gen.batch_size]
+        for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens):
             try:
                 n = _generate_batch(target, batch, gen, stops)
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
@@ -340,6 +357,7 @@ def generate_dataset(
     save_dataset: bool = True,
     progress: bool = True,
     desc: str = "generate",
+    reset_on_mismatch: bool = False,
 ):
     """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
 
@@ -354,6 +372,7 @@ def generate_dataset(
         load_stats: the loader's counts; its records count as input and its skips as skipped.
         save_dataset: write ``dataset/`` (input order); otherwise the shards are concatenated in memory.
         progress: show a tqdm bar (conversations done, generated tokens/s, ETA).
+        reset_on_mismatch: start over when ``out_dir`` holds another job (else raise).
 
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
@@ -374,7 +393,8 @@ def generate_dataset(
     tok = target.tokenizer
     fingerprint = job_fingerprint(conversations, target_name, tok, gen)
     plans, skipped = plan_conversations(tok, conversations, gen)
-    store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)})
+    store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)},
+                       reset_on_mismatch=reset_on_mismatch)
     shard_size = gen.shard_size or gen.batch_size
     by_length = sorted(plans, key=lambda p: (len(p.turns[0].glue), p.index))
     shards = [by_length[i : i + shard_size] for i in range(0, len(by_length), shard_size)]
@@ -535,4 +555,4 @@ def self_distill(
         max_turns=1 if first_turn_only else None, batch_size=batch_size, store_features=True,
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
-                            progress=progress, desc="self-distill")
+                            progress=progress, desc="self-distill", reset_on_mismatch=True)

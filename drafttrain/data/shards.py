@@ -39,14 +39,24 @@ class ShardStore:
         root: the job folder (created if missing).
         job: JSON-serialisable description; ``job["fingerprint"]`` identifies the job.
 
+        reset_on_mismatch: wipe a folder that holds another job instead of raising (for folders
+            this code owns, e.g. the in-training cache keyed by its inputs, where a mismatch can
+            only mean shards of an older format).
+
     Raises:
         JobMismatchError: ``root`` already holds a manifest with another fingerprint.
     """
 
-    def __init__(self, root: str | Path, job: dict):
+    def __init__(self, root: str | Path, job: dict, reset_on_mismatch: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = self.root / MANIFEST
+        if self.path.is_file() and reset_on_mismatch:
+            old = json.loads(self.path.read_text()).get("job", {}).get("fingerprint")
+            if old != job["fingerprint"]:
+                for shard in self.root.glob("shard_*"):
+                    shutil.rmtree(shard)
+                self.path.unlink()
         if self.path.is_file():
             manifest = json.loads(self.path.read_text())
             old = manifest.get("job", {}).get("fingerprint")
