@@ -311,7 +311,7 @@ def test_generation_errors_are_counted_as_failed(tiny_target, tmp_path, monkeypa
         return real(self, prompts, *args, **kwargs)
 
     monkeypatch.setattr(type(tiny_target), "generate", flaky)
-    gen = GenerationConfig(max_new_tokens=4, max_length=128, max_turns=1)
+    gen = GenerationConfig(max_new_tokens=4, max_length=128, max_turns=1, batch_size=2, shard_size=1)  # "hi" alone
     ds, report = generate_dataset(tiny_target, CONVS, tmp_path / "flaky", gen, progress=False)
     assert "hi" not in list(ds["id"]) and len(ds) == 4
     assert report["fail_reasons"] == {"generation error: RuntimeError": 1}

@@ -426,7 +426,7 @@ def generate_dataset(
     if save_dataset and store.manifest.get("dataset_written") and final.is_dir():
         ds = load_generated(final)
     else:
-        parts = [store.load(i) for i in range(len(shards))]
+        parts = [store.load(i) for i in range(len(shards)) if store.info(i)["rows"]]  # (an all-failed shard is empty)
         if parts:
             ds = datasets.concatenate_datasets(parts)
             index = list(ds["index"])
