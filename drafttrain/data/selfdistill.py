@@ -408,7 +408,7 @@ def generate_dataset(
     def on_tokens(n: int) -> None:
         nonlocal new_tokens
         new_tokens += n
-        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}", refresh=False)
+        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
 
     for i, shard in enumerate(shards):
         if store.is_done(i):
