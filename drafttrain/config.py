@@ -145,6 +145,7 @@ class GenerationConfig:
     max_turns: int | None = None  # assistant turns regenerated per conversation (null = all, 1 = first turn)
     batch_size: int = 32  # sequences per generation batch
     max_batch_tokens: int | None = 16384  # padded prompt slots per batch (rows x longest prompt): long prompts get smaller batches
+    max_padding: float | None = 0.5  # a batch's padded prompt slots stay <= (1 + this) x its real tokens
     shard_size: int | None = None  # conversations per shard (the unit of resume); null = batch_size
     # a turn cut by max_new_tokens: "close" appends the template's end-of-turn token (loss 0) and goes
     # on with the next turn; "stop" ends the conversation there
@@ -166,6 +167,7 @@ class GenerateConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     num_threads: int | None = None
     progress: bool = True
+    max_minutes: float | None = None  # stop starting new shards after this long; the same command continues
 
 
 @dataclass

@@ -75,7 +75,8 @@ class ForwardTimer:
         }
 
 
-def _run(target, convs, batch_size: int, out_dir: Path, max_new_tokens: int, fresh: bool) -> dict:
+def _run(target, convs, batch_size: int, out_dir: Path, max_new_tokens: int, fresh: bool,
+         max_minutes: float | None = None) -> dict:
     from drafttrain.config import GenerationConfig
     from drafttrain.data.selfdistill import generate_dataset
 
@@ -85,20 +86,20 @@ def _run(target, convs, batch_size: int, out_dir: Path, max_new_tokens: int, fre
     timer = ForwardTimer(target)
     load0 = os.getloadavg()[0]
     _, report = generate_dataset(target, convs, out_dir, gen, target_name="smollm2-135m-instruct", progress=True,
-                                 desc=f"bs={batch_size}")
+                                 desc=f"bs={batch_size}", max_seconds=60 * max_minutes if max_minutes else None)
     target.forward = timer.inner
     r = report["this_run"]
     return {
         "batch_size": batch_size,
         "conversations": len(convs),
-        "generated": report["generated"],
-        "skipped": report["skipped"],
-        "skip_reasons": report["skip_reasons"],
+        "generated": report.get("generated", report.get("conversations_done")),
+        "skipped": report.get("skipped"),
+        "skip_reasons": report.get("skip_reasons"),
         "generated_tokens": r["generated_tokens"],
         "seconds": r["seconds"],
         "tokens_per_s": r["tokens_per_s"],
-        "finish_reasons": report["finish_reasons"],
-        "complete": (out_dir / "dataset").is_dir(),
+        "finish_reasons": report.get("finish_reasons"),
+        "complete": report["complete"],
         "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
         **timer.summary(),
     }
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--work", default="data/bench_generate")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="full: stop between shards after this long")
     args = ap.parse_args()
 
     path = OUT / f"{NAME}.json"
@@ -137,24 +139,35 @@ def main() -> None:
         work = Path(args.work)
         if args.phase == "sweep":
             convs, _ = _load(args.subset)
-            rows = [_run(target, convs[: args.bs1_subset], 1, work / "sweep-bs1", args.max_new_tokens, True)]
+            rows = []
+            if args.bs1_subset:
+                rows.append(_run(target, convs[: args.bs1_subset], 1, work / "sweep-bs1", args.max_new_tokens, True))
             for bs in args.batch_sizes:
                 rows.append(_run(target, convs, bs, work / f"sweep-bs{bs}", args.max_new_tokens, True))
-            results["sweep"] = {"rows": rows, "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                                "command": "flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate sweep "
-                                           f"--subset {args.subset} --bs1-subset {args.bs1_subset} --batch-sizes "
-                                           + " ".join(map(str, args.batch_sizes))}
+            command = ("flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate sweep "
+                       f"--subset {args.subset} --bs1-subset {args.bs1_subset} --batch-sizes "
+                       + " ".join(map(str, args.batch_sizes)) + (f" --threads {args.threads}" if args.threads else ""))
+            sweep = results.setdefault("sweep", {"rows": [], "commands": []})
+            keep = {r["batch_size"] for r in rows}  # a batch size measured again replaces its old row
+            sweep["rows"] = sorted([r for r in sweep["rows"] if r["batch_size"] not in keep] + [
+                {**r, "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M")} for r in rows],
+                key=lambda r: r["batch_size"])
+            sweep["commands"] = [c for c in sweep["commands"] if c != command] + [command]
         else:
             convs, stats = _load(args.conversations)
-            row = _run(target, convs, args.batch_size, work / f"full-bs{args.batch_size}", args.max_new_tokens, False)
+            row = _run(target, convs, args.batch_size, work / f"full-bs{args.batch_size}", args.max_new_tokens, False,
+                       args.max_minutes)
             row["input_records"] = stats.read
             row["loader_skips"] = dict(stats.skipped)
             runs = results.setdefault("full", {}).setdefault(str(args.batch_size), {"invocations": []})
             runs["invocations"].append({**row, "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M")})
-            report = json.loads((work / f"full-bs{args.batch_size}" / "report.json").read_text())
-            runs["report"] = report
+            report_path = work / f"full-bs{args.batch_size}" / "report.json"
+            if row["complete"]:
+                runs["report"] = json.loads(report_path.read_text())
             runs["command"] = (f"flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate full "
-                               f"--batch-size {args.batch_size}")
+                               f"--batch-size {args.batch_size}" + (f" --threads {args.threads}" if args.threads else "")
+                               + (f" --max-minutes {args.max_minutes}" if args.max_minutes else "")
+                               + "   # repeated until complete (resumable)")
             runs["equivalent_cli"] = (f"python -m scripts.generate_data max_conversations={args.conversations} "
                                       f"generation.max_turns=1 generation.max_new_tokens={args.max_new_tokens} "
                                       f"generation.batch_size={args.batch_size} output_dir={work}/full-bs{args.batch_size}")
@@ -172,17 +185,20 @@ def markdown(results: dict) -> str:
              "tokens/s = generated tokens / wall seconds of generation (prefill included).", ""]
     sweep = results.get("sweep")
     if sweep:
-        lines += ["## Batch-size sweep", "", "```bash", sweep["command"], "```", "",
-                  f"{sweep['date']}, {sweep['machine']}", "",
-                  "| batch size | conversations | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | load avg (start, end) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Batch-size sweep", "", "```bash", *sweep["commands"], "```", "",
+                  "| batch size | conversations | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | torch threads | load avg (start, end) | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep["rows"]:
             lines.append(f"| {r['batch_size']} | {r['generated']} | {r['generated_tokens']} | {r['seconds']} | "
                          f"**{r['tokens_per_s']}** | {r['prefill_seconds']} | {r['decode_seconds']} | "
-                         f"{100 * r['prefill_padding_ratio']:.1f}% | {r['loadavg_1min_start_end']} |")
+                         f"{100 * r['prefill_padding_ratio']:.1f}% | {r['machine']['torch_threads']} | "
+                         f"{r['loadavg_1min_start_end']} | {r['date']} |")
         lines += ["", "Batch size 1 runs on the first conversations of the subset only (a short measurement).", ""]
     for bs, runs in sorted(results.get("full", {}).items()):
         inv = runs["invocations"]
+        if "report" not in runs:  # not finished yet
+            lines += [f"## 200 ShareGPT conversations, batch size {bs}: in progress ({len(inv)} invocation(s))", ""]
+            continue
         tokens = sum(r["generated_tokens"] for r in inv)
         seconds = sum(r["seconds"] for r in inv)
         rep = runs["report"]

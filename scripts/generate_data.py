@@ -51,9 +51,15 @@ def run(cfg) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(c.target, device=device)
     name = c.target.name if not c.target.random_init else f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
-    _, report = generate_dataset(target, convs, out, c.generation, target_name=name, load_stats=stats, progress=c.progress)
+    _, report = generate_dataset(target, convs, out, c.generation, target_name=name, load_stats=stats, progress=c.progress,
+                                 max_seconds=60 * c.max_minutes if c.max_minutes else None)
     (out / "config.json").write_text(json.dumps(to_dict(c), indent=1))
     r = report
+    if not r["complete"]:
+        print(f"[generate_data] {out}: stopped after max_minutes={c.max_minutes} with {r['conversations_done']} of "
+              f"{r['conversations_planned']} conversations done ({r['this_run']['tokens_per_s']} tokens/s); "
+              f"run the same command again to continue", flush=True)
+        return report
     print(
         f"[generate_data] {out}: input {r['input']} = generated {r['generated']} + skipped {r['skipped']} + failed {r['failed']}\n"
         f"  skipped: {r['skip_reasons'] or 'none'}\n  failed: {r['fail_reasons'] or 'none'}\n"

@@ -341,6 +341,8 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_target, tmp_path,
         generate_dataset(tiny_target, convs, tmp_path / "resumed", gen, progress=False)
     assert not (tmp_path / "resumed" / "dataset").exists()
     monkeypatch.setattr(selfdistill, "generate_shard", real)
+    ds, partial = generate_dataset(tiny_target, convs, tmp_path / "resumed", gen, progress=False, max_seconds=0)
+    assert ds is None and not partial["complete"] and partial["shards_done"] == 2  # a time budget stops between shards
     resumed, report = generate_dataset(tiny_target, convs, tmp_path / "resumed", gen, progress=False)
     assert resumed.with_format(None).to_list() == full.with_format(None).to_list()
     assert report["this_run"]["generated_tokens"] < sum(sum(m) for m in full["loss_mask"])
@@ -357,6 +359,8 @@ def test_batches_by_budget_literal():
     assert shape == [[10, 10], [30, 30], [30]]
     assert [[len(st.ids) for st in b] for b in batches_by_budget(states, 2, None)] == [[10, 10], [30, 30], [30]]
     assert [len(b) for b in batches_by_budget(states, 8, 5)] == [1, 1, 1, 1, 1]  # one row even over the budget
+    assert [[len(st.ids) for st in b] for b in batches_by_budget(states[:3], 4, None, 0.5)] == [[10, 10], [30]]
+    assert [[len(st.ids) for st in b] for b in batches_by_budget(states[:3], 4, None, 0.8)] == [[10, 10, 30]]  # 90 <= 1.8 x 50
 
 
 def test_hf_dataset_folder_source(tmp_path):

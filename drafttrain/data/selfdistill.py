@@ -236,20 +236,30 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
     return n
 
 
-def batches_by_budget(states: Sequence[_State], batch_size: int, max_batch_tokens: int | None) -> list[list[_State]]:
-    """Cut states sorted by context length into batches of at most ``batch_size`` rows and at most
-    ``max_batch_tokens`` padded prefill slots (rows x the longest context), keeping at least one row.
+def batches_by_budget(
+    states: Sequence[_State], batch_size: int, max_batch_tokens: int | None, max_padding: float | None = None
+) -> list[list[_State]]:
+    """Cut states sorted by context length into batches, keeping at least one row per batch.
 
-    Example: lengths [10, 10, 30, 30, 30], batch_size 4, budget 64 -> [[10, 10], [30, 30], [30]].
+    A state joins the current batch while it has fewer than ``batch_size`` rows, its padded prefill
+    slots (rows x the longest context) stay <= ``max_batch_tokens``, and those padded slots stay
+    <= ``(1 + max_padding)`` x its real tokens (None disables a limit).
+
+    Example: lengths [10, 10, 30, 30, 30], batch_size 4, budget 64 -> [[10, 10], [30, 30], [30]];
+    lengths [10, 10, 30], batch_size 4, no budget, max_padding 0.5 -> [[10, 10], [30]] (3 x 30 > 1.5 x 50).
     """
     out: list[list[_State]] = []
+    real = 0
     for st in states:
+        n = len(st.ids)
         if out and len(out[-1]) < batch_size and (
-            max_batch_tokens is None or (len(out[-1]) + 1) * len(st.ids) <= max_batch_tokens
-        ):
+            max_batch_tokens is None or (len(out[-1]) + 1) * n <= max_batch_tokens
+        ) and (max_padding is None or (len(out[-1]) + 1) * n <= (1 + max_padding) * (real + n)):
             out[-1].append(st)
+            real += n
         else:
             out.append([st])
+            real = n
     return out
 
 
@@ -259,8 +269,8 @@ def generate_shard(
     """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
 
     Within a round, conversations are sorted by context length and generated in batches of at most
-    ``gen.batch_size`` rows and ``gen.max_batch_tokens`` padded prompt slots (left padding, KV cache,
-    finished rows dropped). A batch that raises is retried
+    ``gen.batch_size`` rows, ``gen.max_batch_tokens`` padded prompt slots and ``gen.max_padding``
+    padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped). A batch that raises is retried
     one conversation at a time; a conversation that still raises is recorded as failed.
 
     Returns:
@@ -277,7 +287,7 @@ def generate_shard(
         ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
         if not ready:
             break
-        for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens):
+        for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding):
             try:
                 n = _generate_batch(target, batch, gen, stops)
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
@@ -358,6 +368,7 @@ def generate_dataset(
     progress: bool = True,
     desc: str = "generate",
     reset_on_mismatch: bool = False,
+    max_seconds: float | None = None,
 ):
     """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
 
@@ -373,6 +384,8 @@ def generate_dataset(
         save_dataset: write ``dataset/`` (input order); otherwise the shards are concatenated in memory.
         progress: show a tqdm bar (conversations done, generated tokens/s, ETA).
         reset_on_mismatch: start over when ``out_dir`` holds another job (else raise).
+        max_seconds: stop starting new shards after this many seconds of generation; the run then
+            returns ``(None, report)`` with ``report["complete"] = False`` (the same call continues).
 
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
@@ -410,9 +423,13 @@ def generate_dataset(
         new_tokens += n
         bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
 
+    stopped = False
     for i, shard in enumerate(shards):
         if store.is_done(i):
             continue
+        if max_seconds is not None and time.time() - t_gen >= max_seconds:
+            stopped = True
+            break
         rows, failed = generate_shard(target, shard, gen, on_tokens)
         cols = {k: [r[k] for r in rows] for k in features}
         store.write(i, datasets.Dataset.from_dict(cols, features=features),
@@ -420,6 +437,21 @@ def generate_dataset(
         bar.update(len(shard))
     bar.close()
     seconds = time.time() - t_gen
+    if stopped:
+        done = [i for i in range(len(shards)) if store.is_done(i)]
+        report = {
+            "complete": False,
+            "input": len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0),
+            "conversations_done": sum(len(shards[i]) for i in done),
+            "conversations_planned": len(plans),
+            "shards_done": len(done),
+            "shards": len(shards),
+            "this_run": {"generated_tokens": new_tokens, "seconds": round(seconds, 1),
+                         "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
+                         "wall_seconds": round(time.time() - t0, 1)},
+        }
+        log.info("stopped after %.0f s with %d of %d shards done; run again to continue", seconds, len(done), len(shards))
+        return None, report
 
     # -- assemble in input order -----------------------------------------------------------------
     final = out_dir / DATASET_DIR
@@ -451,6 +483,7 @@ def generate_dataset(
     n_input = len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0)
     meta = ds.with_format(None).select_columns(["num_turns", "loss_mask", "finish_reasons", "end_reason"])
     report = {
+        "complete": True,
         "input": n_input,
         "generated": len(ds),
         "skipped": sum(skip_reasons.values()),
@@ -553,6 +586,7 @@ def self_distill(
     gen = GenerationConfig(
         max_new_tokens=max_new_tokens, max_length=max_length, max_prompt_length=max_prompt_length,
         max_turns=1 if first_turn_only else None, batch_size=batch_size, store_features=True,
+        max_padding=None,  # one batch per shard, as the main job's measured runs and stored losses assume
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
                             progress=progress, desc="self-distill", reset_on_mismatch=True)
