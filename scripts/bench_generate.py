@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--subset", type=int, default=32)
     ap.add_argument("--bs1-subset", type=int, default=6)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
-    ap.add_argument("--batch-size", type=int, default=32, help="full: the batch size")
+    ap.add_argument("--batch-size", type=int, default=32, help="full: the batch size (0: the sweep's best)")
     ap.add_argument("--conversations", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--work", default="data/bench_generate")
@@ -154,6 +154,10 @@ def main() -> None:
                 key=lambda r: r["batch_size"])
             sweep["commands"] = [c for c in sweep["commands"] if c != command] + [command]
         else:
+            if args.batch_size == 0:  # the best batch size of the sweep
+                rows = [r for r in results.get("sweep", {}).get("rows", []) if r["batch_size"] > 1]
+                args.batch_size = max(rows, key=lambda r: r["tokens_per_s"] or 0)["batch_size"] if rows else 32
+                print(f"best batch size of the sweep: {args.batch_size}", flush=True)
             convs, stats = _load(args.conversations)
             row = _run(target, convs, args.batch_size, work / f"full-bs{args.batch_size}", args.max_new_tokens, False,
                        args.max_minutes)
