@@ -195,12 +195,13 @@ def markdown(results: dict) -> str:
     sweep = results.get("sweep")
     if sweep:
         lines += ["## Batch-size sweep", "", "```bash", *sweep["commands"], "```", "",
-                  "| batch size | conversations | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | torch threads | load avg (start, end) | date |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch size | conversations | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | packing could save | torch threads | load avg (start, end) | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep["rows"]:
             lines.append(f"| {r['batch_size']} | {r['generated']} | {r['generated_tokens']} | {r['seconds']} | "
                          f"**{r['tokens_per_s']}** | {r['prefill_seconds']} | {r['decode_seconds']} | "
-                         f"{100 * r['prefill_padding_ratio']:.1f}% | {r['machine']['torch_threads']} | "
+                         f"{100 * r['prefill_padding_ratio']:.1f}% | <= {100 * r['packing_max_saving_fraction']:.1f}% | "
+                         f"{r['machine']['torch_threads']} | "
                          f"{r['loadavg_1min_start_end']} | {r['date']} |")
         lines += ["", "Batch size 1 runs on the first conversations of the subset only (a short measurement).", ""]
     for bs, runs in sorted(results.get("full", {}).items()):
