@@ -150,14 +150,18 @@ def main() -> None:
                        f"--subset {args.subset} --bs1-subset {args.bs1_subset} --batch-sizes "
                        + " ".join(map(str, args.batch_sizes)) + (f" --threads {args.threads}" if args.threads else ""))
             sweep = results.setdefault("sweep", {"rows": [], "commands": []})
-            keep = {r["batch_size"] for r in rows}  # a batch size measured again replaces its old row
-            sweep["rows"] = sorted([r for r in sweep["rows"] if r["batch_size"] not in keep] + [
+            for r in rows:
+                r["subset"] = args.bs1_subset if r["batch_size"] == 1 else args.subset
+            keep = {(r["subset"], r["batch_size"]) for r in rows}  # measured again: replaces the old row
+            sweep["rows"] = sorted([r for r in sweep["rows"] if (r.get("subset", args.subset), r["batch_size"]) not in keep] + [
                 {**r, "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "command": command} for r in rows],
-                key=lambda r: r["batch_size"])
+                key=lambda r: (r["batch_size"] > 1, r.get("subset", 0), r["batch_size"]))
             sweep["commands"] = list(dict.fromkeys(r["command"] for r in sweep["rows"]))  # those behind the rows kept
         else:
             if args.batch_size == 0:  # the best batch size of the sweep
                 rows = [r for r in results.get("sweep", {}).get("rows", []) if r["batch_size"] > 1]
+                widest = max((r.get("subset", 0) for r in rows), default=0)  # the subset that can fill the largest batches
+                rows = [r for r in rows if r.get("subset", 0) == widest]
                 args.batch_size = max(rows, key=lambda r: r["tokens_per_s"] or 0)["batch_size"] if rows else 32
                 print(f"best batch size of the sweep: {args.batch_size}", flush=True)
             convs, stats = _load(args.conversations)
@@ -195,10 +199,10 @@ def markdown(results: dict) -> str:
     sweep = results.get("sweep")
     if sweep:
         lines += ["## Batch-size sweep", "", "```bash", *sweep["commands"], "```", "",
-                  "| batch size | conversations | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | packing could save | torch threads | load avg (start, end) | date |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch size | subset (first N conversations) | generated | generated tokens | seconds | **tokens/s** | prefill s | decode s | prefill padding | packing could save | torch threads | load avg (start, end) | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep["rows"]:
-            lines.append(f"| {r['batch_size']} | {r['generated']} | {r['generated_tokens']} | {r['seconds']} | "
+            lines.append(f"| {r['batch_size']} | {r.get('subset', '')} | {r['generated']} | {r['generated_tokens']} | {r['seconds']} | "
                          f"**{r['tokens_per_s']}** | {r['prefill_seconds']} | {r['decode_seconds']} | "
                          f"{100 * r['prefill_padding_ratio']:.1f}% | <= {100 * r['packing_max_saving_fraction']:.1f}% | "
                          f"{r['machine']['torch_threads']} | "
