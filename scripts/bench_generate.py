@@ -221,7 +221,9 @@ def markdown(results: dict) -> str:
         lines += [f"## 200 ShareGPT conversations to completion, batch size {bs}", "", "```bash", runs["command"],
                   f"# same code path as: {runs['equivalent_cli']}", "```", "",
                   "| quantity | value |", "|---|---|",
-                  f"| records read (input) | {rep['input']} |",
+                  f"| ShareGPT records read / skipped by the loader | {inv[0].get('input_records')} / "
+                  f"{sum((inv[0].get('loader_skips') or {}).values())} {json.dumps(inv[0].get('loader_skips'))} |",
+                  f"| conversations (input of generation) | {rep['input']} |",
                   f"| generated + skipped + failed | {rep['generated']} + {rep['skipped']} + {rep['failed']} |",
                   f"| skip reasons | {json.dumps(rep['skip_reasons'])} |",
                   f"| finish reasons | {json.dumps(rep['finish_reasons'])} |",
