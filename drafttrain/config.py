@@ -37,7 +37,11 @@ class TargetConfig:
 class DataConfig:
     """Training data: a source of conversations and how answers are produced."""
 
-    source: str = "sharegpt"  # sharegpt | path to a .jsonl of conversations
+    # sharegpt | a .jsonl / .json of conversations | an HF dataset folder of conversations |
+    # generated (a dataset written by `python -m scripts.generate_data`, read from `path`)
+    source: str = "sharegpt"
+    path: str | None = None  # source=generated: the folder scripts.generate_data wrote (its output_dir)
+    split: str | None = None  # split of an HF DatasetDict source
     max_conversations: int = 512  # conversations read from the source (kept ones)
     first_turn_only: bool = True
     max_length: int = 512  # tokens per training sequence
@@ -48,6 +52,10 @@ class DataConfig:
     distill_batch_size: int = 16
     heldout: int = 16  # sequences held out for eval/tau_sim
     cache_dir: str | None = None  # default: <cache_root>/data
+    # where the target's features come from: auto (the dataset's stored `features` column if it has
+    # one, else a live target forward per batch) | live | cache (a folder from scripts.cache_features)
+    features: str = "auto"
+    feature_cache: str | None = None  # features=cache: the folder scripts.cache_features wrote
 
 
 @dataclass
@@ -128,28 +136,92 @@ class TrainConfig:
     resume: bool = False
 
 
+@dataclass
+class SamplingConfig:
+    """Greedy (``do_sample=false``) or temperature / top-p sampling, seeded per conversation and turn."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    """How the target regenerates assistant turns (:func:`drafttrain.data.selfdistill.generate_dataset`)."""
+
+    max_new_tokens: int = 256  # tokens per assistant turn at most
+    max_length: int = 2048  # context window: prompt + regenerated turns of one conversation, in tokens
+    max_prompt_length: int | None = None  # a first prompt longer than this is skipped ("prompt too long")
+    max_turns: int | None = None  # assistant turns regenerated per conversation (null = all, 1 = first turn)
+    batch_size: int = 32  # sequences per generation batch
+    max_batch_tokens: int | None = 16384  # padded prompt slots per batch (rows x longest prompt): long prompts get smaller batches
+    max_padding: float | None = 0.5  # a batch's padded prompt slots stay <= (1 + this) x its real tokens
+    shard_size: int | None = None  # conversations per shard (the unit of resume); null = batch_size
+    # a turn cut by max_new_tokens: "close" appends the template's end-of-turn token (loss 0) and goes
+    # on with the next turn; "stop" ends the conversation there
+    on_length: str = "close"
+    store_features: bool = False  # keep the target's last hidden states (fp16) from the generation itself
+    check_template: bool = True  # check the template renders the regenerated text as the ids we assemble
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class GenerateConfig:
+    """``python -m scripts.generate_data`` (conf/generate.yaml)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    source: str = "sharegpt"  # sharegpt | .jsonl / .json of conversations | HF dataset folder
+    split: str | None = None
+    max_conversations: int | None = 200  # conversations kept from the source (null = all)
+    output_dir: str = "data/generated/run"
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    num_threads: int | None = None
+    progress: bool = True
+    max_minutes: float | None = None  # stop starting new shards after this long; the same command continues
+
+
+@dataclass
+class CacheFeaturesConfig:
+    """``python -m scripts.cache_features`` (conf/cache_features.yaml)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    dataset: str = ""  # folder of a dataset with input_ids (a scripts.generate_data output_dir, or save_to_disk)
+    output_dir: str = ""  # the cache folder; empty = <dataset>/features-<target.name>
+    dtype: str = "float16"  # storage dtype of the hidden states: float16 | bfloat16
+    top_k: int = 0  # also store the target's top-k logits per position (0 = none)
+    batch_size: int = 8
+    shard_size: int = 64  # rows per shard (the unit of resume)
+    estimate: bool = False  # print the bytes the cache will take and exit
+    num_threads: int | None = None
+    progress: bool = True
+
+
 class ConfigError(ValueError):
     """The composed config does not match the schema (unknown key, wrong type, bad value)."""
 
 
-def validate(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
-    """Merge a composed config into :class:`TrainConfig`.
+def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
+    """Merge a composed config into ``schema`` (default :class:`TrainConfig`).
 
     Hydra's own ``hydra`` node is ignored. Raises:
         ConfigError: a key is unknown (the message names it with its full path), a value has the
             wrong type, or a value is out of range.
     """
     if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
+            raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {e.msg if hasattr(e, 'msg') else e}") from None
     cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
-    schema = OmegaConf.structured(TrainConfig)
+    base = OmegaConf.structured(schema)
     try:
-        merged = OmegaConf.merge(schema, cfg)
+        merged = OmegaConf.merge(base, cfg)
     except OmegaConfBaseException as e:  # unknown key / type mismatch
         key = getattr(e, "full_key", None)
         raise ConfigError(f"invalid config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
-    out: TrainConfig = OmegaConf.to_object(merged)
-    _check_values(out)
+    out = OmegaConf.to_object(merged)
+    _CHECKS[schema](out)
     return out
 
 
@@ -173,6 +245,12 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
+    if c.data.features not in ("auto", "live", "cache"):
+        problems.append("data.features must be auto|live|cache")
+    if c.data.features == "cache" and not c.data.feature_cache:
+        problems.append("data.features=cache needs data.feature_cache=<folder written by scripts.cache_features>")
+    if c.data.source == "generated" and not c.data.path:
+        problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -190,6 +268,43 @@ def _drafter_key_problems(dr: DrafterConfig) -> list[str]:
     if unused:
         return [f"drafter {dr.name} does not read {', '.join('drafter.' + k for k in unused)} (its keys: {sorted(used)})"]
     return []
+
+
+def _check_generate(c: GenerateConfig) -> None:
+    g, problems = c.generation, []
+    if g.max_new_tokens < 1 or g.max_length < 2 or g.batch_size < 1:
+        problems.append("generation.max_new_tokens, generation.batch_size must be >= 1 and generation.max_length >= 2")
+    if g.max_batch_tokens is not None and g.max_batch_tokens < 1:
+        problems.append("generation.max_batch_tokens must be >= 1 or null")
+    if g.shard_size is not None and g.shard_size < 1:
+        problems.append("generation.shard_size must be >= 1")
+    if g.max_turns is not None and g.max_turns < 1:
+        problems.append("generation.max_turns must be >= 1 or null")
+    if g.on_length not in ("close", "stop"):
+        problems.append("generation.on_length must be close|stop")
+    if not g.sampling.temperature > 0 or not 0 < g.sampling.top_p <= 1:
+        problems.append("generation.sampling.temperature must be > 0 and top_p in (0, 1]")
+    if c.target.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append("target.dtype must be float32|bfloat16|float16")
+    if not c.output_dir:
+        problems.append("output_dir must be set")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _check_cache(c: CacheFeaturesConfig) -> None:
+    problems = []
+    if not c.dataset:
+        problems.append("dataset=<folder> is required (a scripts.generate_data output_dir or a saved dataset)")
+    if c.dtype not in ("float16", "bfloat16"):
+        problems.append("dtype must be float16|bfloat16")
+    if c.top_k < 0 or c.batch_size < 1 or c.shard_size < 1:
+        problems.append("top_k must be >= 0, batch_size and shard_size >= 1")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+_CHECKS = {TrainConfig: _check_values, GenerateConfig: _check_generate, CacheFeaturesConfig: _check_cache}
 
 
 def resolve_mixed_precision(setting: str) -> str:
@@ -211,7 +326,7 @@ def resolve_mixed_precision(setting: str) -> str:
         return "no"
 
 
-def to_dict(c: TrainConfig) -> dict[str, Any]:
+def to_dict(c) -> dict[str, Any]:
     """Plain dict of a validated config (for saving next to checkpoints and logging)."""
     return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
 

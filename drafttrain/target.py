@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from drafttrain import assets
 from drafttrain.config import TargetConfig
+from drafttrain.sampling import SamplingParams, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,6 @@ class Target:
         """Last hidden states f: [b, s, d] for right-padded ``input_ids`` [b, s] (no LM head)."""
         return self.forward(input_ids, attention_mask=attention_mask, with_logits=False).hidden
 
-    @torch.no_grad()
     def generate_greedy(
         self,
         prompts: list[list[int]],
@@ -135,30 +136,67 @@ class Target:
         return_features: bool = True,
         static_cache: bool = False,
     ) -> list[dict]:
-        """Batched greedy generation with the target's KV cache, keeping every last hidden state.
+        """Batched greedy generation: :meth:`generate` with argmax selection and one stop token.
+
+        ``stop_token_id`` defaults to eos; pass -1 for none. See :meth:`generate` for the rest.
+        """
+        return self.generate(prompts, max_new_tokens, stop_token_ids=stop_token_id,
+                             return_features=return_features, static_cache=static_cache)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | Sequence[int],
+        stop_token_ids: int | Iterable[int] | None = None,
+        return_features: bool = True,
+        static_cache: bool = False,
+        sampling: SamplingParams | None = None,
+        generators: Sequence[torch.Generator] | None = None,
+    ) -> list[dict]:
+        """Batched generation with the target's KV cache, keeping every last hidden state.
 
         Prompts are left-padded into one batch; position ids follow each row's real tokens, so the
-        output equals per-prompt greedy decoding (up to float reassociation). Finished rows keep
-        decoding padding that is discarded. Self-distillation uses this: the features of prompt and
-        answer come out of the generation itself, with no second forward.
+        output equals per-prompt decoding (up to float reassociation). Rows that finish are dropped
+        from the batch and the KV cache (``Cache.batch_select_indices``) unless ``static_cache``.
+        Self-distillation uses this: the features of prompt and answer come out of the generation
+        itself, with no second forward. Only the last position's logits are computed at prefill.
 
         Args:
-            prompts: token id lists (each non-empty).
-            max_new_tokens: generated tokens per prompt at most.
-            stop_token_id: end-of-turn id (default eos); included in the output when produced.
+            prompts: b token id lists (each non-empty).
+            max_new_tokens: generated tokens per prompt at most (>= 1): one int for all rows, or one per row.
+            stop_token_ids: end-of-turn id(s); default eos; -1 or an empty set for none. A stop token
+                is included in the output when produced.
             return_features: also return f for every token but the last generated one.
+            static_cache: preallocated cache (no per-step copy, but no row compaction).
+            sampling: None for greedy (argmax); else temperature / top-p (:mod:`drafttrain.sampling`).
+            generators: one CPU ``torch.Generator`` per prompt (required when sampling); row i draws
+                one uniform number per generated token from ``generators[i]``.
 
         Returns:
             One dict per prompt: ``tokens`` (prompt + generated ids, list[int]), ``num_prompt`` (int),
             ``finish_reason`` ("stop" | "length") and, with ``return_features``, ``features``:
             [len(tokens) - 1, d] CPU tensor in the model dtype, f_0..f_{L-2}. The last token's feature
             is never needed (drafter item i reads f_i and x_{i+1}), so it is not computed.
+
+        Raises:
+            ValueError: an empty prompt, a cap < 1, or sampling without one generator per prompt.
         """
         from transformers import DynamicCache
 
-        stop = self.eos_token_id if stop_token_id is None else stop_token_id
-        device = self.device
         b = len(prompts)
+        caps = [int(max_new_tokens)] * b if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
+        if len(caps) != b or min(caps, default=1) < 1 or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs >= 1 token and a max_new_tokens >= 1")
+        if sampling is not None and (generators is None or len(generators) != b):
+            raise ValueError("sampling needs one torch.Generator per prompt")
+        if stop_token_ids is None:
+            stops = {self.eos_token_id} if self.eos_token_id is not None else set()
+        elif isinstance(stop_token_ids, int):
+            stops = {stop_token_ids} if stop_token_ids >= 0 else set()
+        else:
+            stops = {int(t) for t in stop_token_ids}
+        device = self.device
         s = max(len(p) for p in prompts)
         ids = torch.zeros((b, s), dtype=torch.long)
         attn = torch.zeros((b, s), dtype=torch.long)
@@ -170,29 +208,38 @@ class Target:
         if static_cache:  # preallocated: no per-step copy of the whole cache, but no row compaction
             from transformers import StaticCache
 
-            cache = StaticCache(config=self.config, max_cache_len=s + max_new_tokens)
+            cache = StaticCache(config=self.config, max_cache_len=s + max(caps))
         else:
             cache = DynamicCache(config=self.config)
-        out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
+                           with_logits=False)
         feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
         if return_features:
             hid = out.hidden.cpu()
             for i, p in enumerate(prompts):
                 feats[i].append(hid[i, s - len(p) :])  # [len(p), d]
-        next_tok = out.logits[:, -1].argmax(-1)  # [a] for the active rows
-        cur_pos = pos[:, -1]
         active = list(range(b))  # batch row j of the running tensors is prompt active[j]
+        gens = list(generators) if generators is not None else None
+
+        def pick(hidden_last: torch.Tensor) -> torch.Tensor:  # [a, d] -> [a]
+            logits = self.lm_head(hidden_last).float()  # [a, v]
+            return sample_next(logits, sampling, [gens[i] for i in active] if sampling is not None else None)
+
+        next_tok = pick(out.hidden[:, -1])  # [a] for the active rows
+        cur_pos = pos[:, -1]
         done = [False] * b
         generated: list[list[int]] = [[] for _ in range(b)]
         finish_reason = ["length"] * b
-        for step in range(max_new_tokens):
+        for _ in range(max(caps)):
             for j, i in enumerate(active):
                 if not done[i]:
                     tok = int(next_tok[j])
                     generated[i].append(tok)
-                    if stop is not None and tok == stop:
+                    if tok in stops:
                         done[i], finish_reason[i] = True, "stop"
-            if all(done) or step == max_new_tokens - 1:
+                    elif len(generated[i]) >= caps[i]:
+                        done[i] = True
+            if all(done):
                 break
             keep = [j for j, i in enumerate(active) if not done[i]]
             if len(keep) < len(active) and not static_cache:  # drop finished rows from batch and KV cache
@@ -203,14 +250,15 @@ class Target:
             attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
             cur_pos = cur_pos + 1
             out = self.forward(
-                next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache, use_cache=True
+                next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache,
+                use_cache=True, with_logits=False,
             )
             if return_features:
                 hid = out.hidden[:, -1].cpu()
                 for j, i in enumerate(active):
                     if not done[i]:  # a finished row (static cache) is still fed; its output is junk
                         feats[i].append(hid[j : j + 1])
-            next_tok = out.logits[:, -1].argmax(-1)
+            next_tok = pick(out.hidden[:, -1])
         results = []
         for i, p in enumerate(prompts):
             tokens = list(p) + generated[i]

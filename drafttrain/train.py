@@ -37,16 +37,12 @@ COMPLETE = "COMPLETE"
 # data
 # ==================================================================================================
 def load_conversations(c: TrainConfig) -> list[dict]:
-    """Conversations from the configured source (ShareGPT by default or a .jsonl path)."""
-    from drafttrain.data.sources import LoadStats, load_conversations_jsonl, load_sharegpt
+    """Conversations from the configured source (ShareGPT by default, a .jsonl/.json file or an HF dataset folder)."""
+    from drafttrain.data.sources import LoadStats
+    from drafttrain.data.sources import load_conversations as load_source
 
-    stats = LoadStats(read=0, kept=0)
-    if c.data.source == "sharegpt":
-        convs = load_sharegpt(max_conversations=c.data.max_conversations, stats=stats)
-    elif c.data.source.endswith(".jsonl"):
-        convs = load_conversations_jsonl(c.data.source, max_conversations=c.data.max_conversations, stats=stats)
-    else:
-        raise ValueError(f"data.source must be 'sharegpt' or a .jsonl path, got {c.data.source!r}")
+    stats = LoadStats(name=c.data.source)
+    convs = load_source(c.data.source, split=c.data.split, max_conversations=c.data.max_conversations, stats=stats)
     log.info(stats.report())
     if c.data.first_turn_only:
         convs = [_first_turn(conv) for conv in convs]
@@ -68,34 +64,54 @@ def data_cache_dir(c: TrainConfig) -> Path:
 
 
 def prepare_data(c: TrainConfig, target, accelerator):
-    """Build (rank 0 first, the others then load the cache) the train and held-out datasets."""
-    import datasets
+    """Build (rank 0 first, the others then load the cache) the train and held-out datasets.
 
+    Rows come from ``data.source``: self-distilled in training (``data.self_distill``, the default),
+    tokenized as they are, or read from a folder ``scripts.generate_data`` wrote
+    (``data.source=generated data.path=...``). Features: the rows' stored ``features`` column
+    (``data.features=auto``), a feature cache (``cache``), or a live target forward per batch (``live``).
+    """
     from drafttrain.data.dataset import build_sft_dataset, split_heldout
-    from drafttrain.data.selfdistill import distill_key, self_distill
+    from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
 
     with accelerator.main_process_first():
-        convs = load_conversations(c)
-        if c.data.self_distill:
-            name = Path(str(getattr(target.model, "name_or_path", "") or c.target.name)).name
-            if c.target.random_init:
-                name = f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
-            key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length)
-            ds, report = self_distill(
-                target,
-                convs,
-                data_cache_dir(c) / "selfdistill" / key,
-                max_new_tokens=c.data.max_new_tokens,
-                max_length=c.data.max_length,
-                batch_size=c.data.distill_batch_size,
-                max_prompt_length=c.data.max_prompt_length,
-                progress=c.trainer.progress and accelerator.is_main_process,
-            )
+        if c.data.source == "generated":
+            ds = load_generated(c.data.path)
+            log.info("generated dataset %s: %d rows", c.data.path, len(ds))
         else:
-            key = f"sft-{len(convs)}-{c.data.max_length}"
-            ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
+            convs = load_conversations(c)
+            if c.data.self_distill:
+                name = Path(str(getattr(target.model, "name_or_path", "") or c.target.name)).name
+                if c.target.random_init:
+                    name = f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
+                key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
+                                  c.data.first_turn_only)
+                ds, report = self_distill(
+                    target,
+                    convs,
+                    data_cache_dir(c) / "selfdistill" / key,
+                    max_new_tokens=c.data.max_new_tokens,
+                    max_length=c.data.max_length,
+                    batch_size=c.data.distill_batch_size,
+                    max_prompt_length=c.data.max_prompt_length,
+                    first_turn_only=c.data.first_turn_only,
+                    target_name=name,
+                    progress=c.trainer.progress and accelerator.is_main_process,
+                )
+            else:
+                key = f"sft-{len(convs)}-{c.data.max_length}"
+                ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
+    if c.data.features == "cache":
+        from drafttrain.data.feature_cache import attach_feature_cache
+
+        ds = attach_feature_cache(ds, c.data.feature_cache)
     keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
-    ds = ds.select_columns(keep).with_format("torch")
+    if c.data.features == "live":
+        keep = [k for k in keep if k != "features"]
+    ds = ds.select_columns(keep)
+    if c.data.source == "generated" and c.data.max_length:
+        ds = truncate_rows(ds, c.data.max_length)
+    ds = ds.with_format("torch")
     if c.data.heldout > 0 and len(ds) > c.data.heldout:
         train, held = split_heldout(ds, c.data.heldout, c.seed)
     else:
@@ -130,8 +146,35 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     return validate(cfg)
 
 
+def truncate_rows(ds, max_length: int):
+    """Keep the first ``max_length`` tokens of every row (features: the first ``max_length - 1``).
+
+    Rows left without any loss-mask 1 are dropped (counted in the log), so no all-zero mask is trained on.
+    """
+    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
+    if max(lengths, default=0) <= max_length:
+        return ds
+
+    def cut(row):
+        out = {"input_ids": row["input_ids"][:max_length], "loss_mask": row["loss_mask"][:max_length]}
+        if "features" in row:
+            out["features"] = row["features"][: max_length - 1]
+        return out
+
+    before = len(ds)
+    ds = ds.map(cut, desc="truncate", keep_in_memory=True)
+    ds = ds.filter(lambda row: any(row["loss_mask"]), keep_in_memory=True)
+    if len(ds) < before:
+        log.warning("%d rows have no answer token within data.max_length=%d and were dropped", before - len(ds), max_length)
+    return ds
+
+
 def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] if present."""
+    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] float32 if present.
+
+    Row features may be float (any float dtype) or integers holding bfloat16 bit patterns (a feature
+    cache stored with ``dtype=bfloat16``: Arrow has no bf16 type).
+    """
     lengths = torch.tensor([len(r["input_ids"]) for r in rows])
     L = int(lengths.max())
     b = len(rows)
@@ -146,8 +189,10 @@ def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
         d = rows[0]["features"].shape[-1]
         feats = torch.zeros((b, max(L - 1, 1), d), dtype=torch.float32)
         for i, r in enumerate(rows):
-            f = torch.as_tensor(r["features"]).float()
-            feats[i, : f.shape[0]] = f
+            f = torch.as_tensor(r["features"])
+            if not f.is_floating_point():  # a bfloat16 feature cache stores bf16 bit patterns as int16
+                f = f.to(torch.int16).view(torch.bfloat16)
+            feats[i, : f.shape[0]] = f.float()
         batch["features"] = feats
     return batch
 

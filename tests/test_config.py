@@ -80,12 +80,20 @@ def test_every_recipe_composes_and_validates(recipe):
     assert f"+recipe={recipe}" in text  # the header gives the command that launches it
 
 
+# options that cannot run without a value the user must give (``???`` in the yaml)
+REQUIRED = {"data=generated": ["data.path=data/generated/example"]}
+
+
 @pytest.mark.parametrize("group", ["target", "data", "drafter", "optim", "trainer"])
 def test_every_group_option_validates(group):
     """Every option of every group composes with the default recipe and validates."""
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        c = validate(compose_dict(["+recipe=parallelspec", f"{group}={option}"]))
+        extra = REQUIRED.get(f"{group}={option}", [])
+        c = validate(compose_dict(["+recipe=parallelspec", f"{group}={option}", *extra]))
         assert isinstance(c, TrainConfig), f"{group}={option}"
+        if extra:  # without the required value: a clear error, not a crash later
+            with pytest.raises(ConfigError, match=extra[0].split("=")[0]):
+                validate(compose_dict(["+recipe=parallelspec", f"{group}={option}"]))
 
 
 def test_tiny_smoke_overrides_validate():
@@ -130,6 +138,49 @@ def test_validate_ignores_hydra_node():
     d = compose_dict(["+recipe=parallelspec"])
     d["hydra"] = {"run": {"dir": "x"}}
     assert validate(d).drafter.name == "parallelspec"
+
+
+# ---------------------------------------------------------------- scripts.generate_data / scripts.cache_features
+
+
+def compose_script(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def test_generate_config_composes_validates_and_rejects_typos(monkeypatch):
+    """conf/generate.yaml validates into GenerateConfig; a typo'd key fails before any model loads."""
+    from drafttrain import target as target_mod
+    from drafttrain.config import GenerateConfig
+    from scripts import generate_data
+
+    c = validate(compose_script("generate", []), GenerateConfig)
+    assert c.source == "sharegpt" and c.generation.max_new_tokens == 256 and c.target.name == "smollm2-135m-instruct"
+    assert c.output_dir == "data/generated/smollm2-135m-instruct-sharegpt-200"
+    c = validate(compose_script("generate", ["target=tiny", "generation.sampling.do_sample=true",
+                                             "generation.sampling.top_p=0.9", "generation.max_turns=1"]), GenerateConfig)
+    assert c.target.random_init and c.generation.sampling.top_p == 0.9 and c.generation.max_turns == 1
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(target_mod, "load_target", no_model)
+    for override, key in [("+generation.max_new_tokns=3", "generation.max_new_tokns"), ("+batchsize=4", "batchsize"),
+                          ("generation.on_length=truncate", "on_length"), ("generation.sampling.top_p=0", "top_p")]:
+        with pytest.raises(ConfigError, match=key):
+            generate_data.run(compose_script("generate", ["target=tiny", override]))
+
+
+def test_cache_features_config_requires_a_dataset(monkeypatch):
+    from drafttrain.config import CacheFeaturesConfig
+    from scripts import cache_features
+
+    c = validate(compose_script("cache_features", ["dataset=data/generated/x", "top_k=8"]), CacheFeaturesConfig)
+    assert c.output_dir == "data/generated/x/features-smollm2-135m-instruct" and c.top_k == 8
+    with pytest.raises(ConfigError, match="dataset"):
+        cache_features.run(compose_script("cache_features", []))
+    with pytest.raises(ConfigError, match="dtype"):
+        cache_features.run(compose_script("cache_features", ["dataset=x", "dtype=float32"]))
 
 
 # ---------------------------------------------------------------- assets

@@ -1,15 +1,42 @@
-"""Self-distillation: the target regenerates the assistant answer of every prompt (greedy).
+"""Self-distillation: the target regenerates the assistant turns of every conversation.
 
 The drafter then learns the target's own distribution (ParallelSpec section 5.3: self-distilled data
-is its best setting). The target's last hidden states come out of the generation itself
-(:meth:`drafttrain.target.Target.generate_greedy`), so training needs no second target forward.
+is its best setting, Table 2). One implementation serves both uses:
 
-Work is written in shards with a manifest: an interrupted run restarted with the same arguments
-skips finished shards and neither duplicates nor drops a prompt. Rows are built from the generated
-token ids themselves (no re-tokenisation of decoded text).
+- ``python -m scripts.generate_data`` (:func:`generate_dataset`): every assistant turn, multi-turn
+  aware, greedy or sampled, written as a ``datasets`` folder for any later training run;
+- the in-training path ``data=selfdistill`` (:func:`self_distill`): first turns, greedy, with the
+  target's last hidden states kept from the generation itself, so training needs no target forward.
 
-Stored columns: ``id`` str, ``input_ids`` int32 [L], ``loss_mask`` int8 [L] (1 on generated tokens),
-``features`` float16 [L-1, d] (f_0..f_{L-2}), ``finish_reason`` str, ``num_prompt`` int32.
+**How a conversation is regenerated.** The chat template's render of the source conversation is
+split into per-turn spans (:func:`drafttrain.data.template.iter_assistant_turns`):
+``glue_1 content_1 tail_1 glue_2 content_2 tail_2 ...`` (glue = system/user turns and markers up to
+the generation prompt; content = the answer + its end-of-turn token; tail = what the template puts
+after the end-of-turn token). The regenerated row is ``glue_1 G_1 tail_1 glue_2 G_2 ...`` where G_k
+is what the target generates given everything before it, i.e. turn k is generated given the
+*regenerated* turns before it. Rows are built from the generated token ids themselves (no
+re-tokenisation of decoded text); ``loss_mask`` is 1 exactly on the generated tokens (including the
+end-of-turn token when the target produced it) and 0 on every template token. A turn cut by
+``max_new_tokens`` is closed with the template's end-of-turn token at loss 0 (``on_length="close"``)
+or ends the conversation (``"stop"``). Before turn k+1 is generated, the template's *text* render of
+the conversation with the regenerated answers is compared with the decoded ids (``check_template``):
+a template that would render the regenerated turns differently (e.g. one that strips or trims
+previous answers) ends the conversation there, counted as ``end_reason="template mismatch"``. A row
+always ends with its last generated token.
+
+**Resumable and loss-free.** Conversations are planned first (skips counted with a reason), sorted by
+first-prompt length into shards (little left padding), generated shard by shard and written with a
+manifest (:class:`drafttrain.data.shards.ShardStore`); a run killed at any point and restarted with
+the same inputs and settings finishes without duplicating or dropping a conversation, and its output
+equals an uninterrupted run's. The final dataset is in input order. The report satisfies
+``generated + skipped + failed == input``.
+
+Stored columns: ``id`` str (source id), ``index`` int32 (position in the input), ``input_ids`` int32
+[L], ``loss_mask`` int8 [L], ``num_prompt`` int32 (tokens before the first answer), ``num_turns``
+int32 (regenerated turns), ``source_turns`` int32 (assistant turns in the source),
+``finish_reasons`` list[str] ("stop" | "length" per turn), ``finish_reason`` str (the last turn's),
+``end_reason`` str ("complete" | "length" | "context window" | "template mismatch"), and with
+``store_features`` ``features`` float16 [L-1, d] (f_0..f_{L-2}).
 """
 
 from __future__ import annotations
@@ -20,34 +47,510 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+
+from drafttrain.config import GenerationConfig
+from drafttrain.data.shards import ShardStore, atomic_write_text, quiet
+from drafttrain.data.sources import LoadStats
+from drafttrain.data.template import AssistantTurn, TemplateError, end_of_turn_ids, iter_assistant_turns, render_text
+from drafttrain.sampling import SamplingParams, row_generator
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+#: Bump when the row format or the generation rules change: earlier shards are not reused.
+FORMAT_VERSION = 3
+DATASET_DIR = "dataset"
+REPORT = "report.json"
+SKIPPED = "skipped.jsonl"
 
 
+# ==================================================================================================
+# planning: template spans and skips, before any generation
+# ==================================================================================================
+@dataclass
+class ConversationPlan:
+    """A conversation ready to regenerate: its template spans for the turns to generate."""
+
+    index: int  # position in the input list
+    id: str
+    messages: list[dict]
+    turns: list[AssistantTurn]  # the turns to regenerate (at most max_turns)
+    source_turns: int  # assistant turns in the source
+
+
+def plan_conversation(tokenizer, index: int, conv: dict, gen: GenerationConfig) -> ConversationPlan | str:
+    """Split one conversation into template spans, or return the reason it is skipped.
+
+    Skip reasons: ``"malformed record"`` (not ``{"id", "messages": list}``), ``"no assistant turn"``,
+    a :class:`~drafttrain.data.template.TemplateError` reason (``"no generation prompt"`` for a
+    template without an assistant marker, ``"malformed messages"``, ...), ``"prompt longer than the
+    context window"`` (first prompt > ``max_length - 1`` tokens) and ``"prompt longer than
+    max_prompt_length"``.
+    """
+    messages = conv.get("messages") if isinstance(conv, dict) else None
+    if not isinstance(messages, list):
+        return "malformed record"
+    assistant_at = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+    if not assistant_at:
+        return "no assistant turn"
+    cut = assistant_at[gen.max_turns - 1] + 1 if gen.max_turns is not None and len(assistant_at) > gen.max_turns else len(messages)
+    try:
+        turns = list(iter_assistant_turns(tokenizer, messages[:cut]))
+    except TemplateError as err:
+        return err.reason
+    if not turns:
+        return "no assistant turn"
+    n_prompt = len(turns[0].glue)
+    if n_prompt > gen.max_length - 1:
+        return "prompt longer than the context window"
+    if gen.max_prompt_length is not None and n_prompt > gen.max_prompt_length:
+        return "prompt longer than max_prompt_length"
+    return ConversationPlan(index, str(conv.get("id", index)), messages, turns, len(assistant_at))
+
+
+def plan_conversations(tokenizer, conversations: Sequence[dict], gen: GenerationConfig):
+    """Plan every conversation. Returns ``(plans, skipped)`` with ``skipped = [(index, id, reason)]``."""
+    plans, skipped = [], []
+    for index, conv in enumerate(conversations):
+        p = plan_conversation(tokenizer, index, conv, gen)
+        if isinstance(p, str):
+            cid = conv.get("id", index) if isinstance(conv, dict) else index
+            skipped.append((index, str(cid), p))
+        else:
+            plans.append(p)
+    return plans, skipped
+
+
+def job_fingerprint(conversations: Sequence[dict], target_name: str, tokenizer, gen: GenerationConfig) -> str:
+    """sha256 (16 hex digits) of the inputs and every setting the output depends on."""
+    from drafttrain.config import to_dict
+
+    h = hashlib.sha256()
+    for conv in conversations:
+        h.update(json.dumps(conv, sort_keys=True, ensure_ascii=False, default=str).encode())
+        h.update(b"\0")
+    settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size",)}
+    if not gen.sampling.do_sample:
+        settings.pop("sampling")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "target": target_name,
+        "vocab_size": len(tokenizer),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "settings": settings,
+        "batch_size": gen.batch_size,  # batch composition changes the floats, hence possibly the tokens
+    }
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+# ==================================================================================================
+# generation of one shard
+# ==================================================================================================
+@dataclass
+class _State:
+    """A conversation being regenerated: its ids so far and what comes next."""
+
+    plan: ConversationPlan
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # generated [start, end) of each turn
+    finish: list[str] = field(default_factory=list)
+    features: torch.Tensor | None = None
+    end_reason: str = ""
+    failed: str = ""
+
+    @property
+    def pending(self) -> bool:
+        return not self.end_reason and not self.failed
+
+    @property
+    def row_end(self) -> int:
+        return self.spans[-1][1]
+
+
+def _regenerated_messages(st: _State, tokenizer, stops: set[int], upto: int) -> list[dict]:
+    """The source messages before index ``upto`` with the regenerated answers' decoded text."""
+    msgs = [dict(m) for m in st.plan.messages[:upto]]
+    for turn, (a, b) in zip(st.plan.turns, st.spans):
+        gen_ids = st.ids[a:b]
+        if gen_ids and gen_ids[-1] in stops:
+            gen_ids = gen_ids[:-1]
+        msgs[turn.index]["content"] = tokenizer.decode(gen_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return msgs
+
+
+def _advance(st: _State, tokenizer, gen: GenerationConfig, stops: set[int]) -> None:
+    """After turn k was generated: end the conversation or append the glue of turn k+1."""
+    k = len(st.spans)
+    if k == len(st.plan.turns):
+        st.end_reason = "complete"
+        return
+    if st.finish[-1] == "length" and gen.on_length == "stop":
+        st.end_reason = "length"
+        return
+    turn, nxt = st.plan.turns[k - 1], st.plan.turns[k]
+    closing = [] if st.ids[-1] == turn.eot else [turn.eot]  # closed by us (loss 0), not by the target
+    glue = closing + turn.tail + nxt.glue
+    if len(st.ids) + len(glue) > gen.max_length - 1:
+        st.end_reason = "context window"
+        return
+    if gen.check_template:
+        msgs = _regenerated_messages(st, tokenizer, stops, nxt.index)
+        want = render_text(tokenizer, msgs, add_generation_prompt=True)
+        have = tokenizer.decode(st.ids + glue, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if want != have:
+            log.debug("conversation %s: template renders the regenerated turn %d differently", st.plan.id, k)
+            st.end_reason = "template mismatch"
+            return
+    st.ids += glue
+    st.mask += [0] * len(glue)
+
+
+def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: set[int]) -> int:
+    """Generate the next turn of every state in one batch. Returns the number of generated tokens."""
+    sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p) if gen.sampling.do_sample else None
+    gens = None
+    if sampling is not None:
+        gens = [row_generator(gen.sampling.seed, st.plan.index, st.plan.id, len(st.spans)) for st in states]
+    caps = [min(gen.max_new_tokens, gen.max_length - len(st.ids)) for st in states]
+    results = target.generate(
+        [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
+        sampling=sampling, generators=gens,
+    )
+    n = 0
+    for st, r in zip(states, results):
+        new = r["tokens"][r["num_prompt"] :]
+        start = len(st.ids)
+        st.ids += new
+        st.mask += [1] * len(new)
+        st.spans.append((start, len(st.ids)))
+        st.finish.append(r["finish_reason"])
+        if gen.store_features:
+            st.features = r["features"].to(torch.float16)  # [len(ids) - 1, d]: the whole context so far
+        n += len(new)
+    return n
+
+
+def batches_by_budget(
+    states: Sequence[_State], batch_size: int, max_batch_tokens: int | None, max_padding: float | None = None
+) -> list[list[_State]]:
+    """Cut states sorted by context length into batches, keeping at least one row per batch.
+
+    A state joins the current batch while it has fewer than ``batch_size`` rows, its padded prefill
+    slots (rows x the longest context) stay <= ``max_batch_tokens``, and those padded slots stay
+    <= ``(1 + max_padding)`` x its real tokens (None disables a limit).
+
+    Example: lengths [10, 10, 30, 30, 30], batch_size 4, budget 64 -> [[10, 10], [30, 30], [30]];
+    lengths [10, 10, 30], batch_size 4, no budget, max_padding 0.5 -> [[10, 10], [30]] (3 x 30 > 1.5 x 50).
+    """
+    out: list[list[_State]] = []
+    real = 0
+    for st in states:
+        n = len(st.ids)
+        if out and len(out[-1]) < batch_size and (
+            max_batch_tokens is None or (len(out[-1]) + 1) * n <= max_batch_tokens
+        ) and (max_padding is None or (len(out[-1]) + 1) * n <= (1 + max_padding) * (real + n)):
+            out[-1].append(st)
+            real += n
+        else:
+            out.append([st])
+            real = n
+    return out
+
+
+def generate_shard(
+    target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None
+) -> tuple[list[dict], dict[int, str]]:
+    """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
+
+    Within a round, conversations are sorted by context length and generated in batches of at most
+    ``gen.batch_size`` rows, ``gen.max_batch_tokens`` padded prompt slots and ``gen.max_padding``
+    padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped). A batch that raises is retried
+    one conversation at a time; a conversation that still raises is recorded as failed.
+
+    Returns:
+        ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
+        for the columns), in the order of ``plans``; ``failed`` maps input index -> reason.
+    """
+    tok = target.tokenizer
+    stops = end_of_turn_ids(tok) | {t.eot for p in plans for t in p.turns}
+    states = []
+    for p in plans:
+        st = _State(p, ids=list(p.turns[0].glue), mask=[0] * len(p.turns[0].glue))
+        states.append(st)
+    while True:
+        ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
+        if not ready:
+            break
+        for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding):
+            try:
+                n = _generate_batch(target, batch, gen, stops)
+            except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
+                log.warning("generation batch of %d failed (%s: %s); retrying one by one", len(batch), type(err).__name__, err)
+                n = 0
+                for st in batch:
+                    try:
+                        n += _generate_batch(target, [st], gen, stops)
+                    except Exception as err1:  # noqa: BLE001
+                        st.failed = f"generation error: {type(err1).__name__}"
+                        log.error("conversation %s failed: %s: %s", st.plan.id, type(err1).__name__, err1)
+            if on_tokens is not None:
+                on_tokens(n)
+        for st in ready:
+            if not st.failed:
+                _advance(st, tok, gen, stops)
+    rows, failed = [], {}
+    for st in states:
+        if st.failed:
+            failed[st.plan.index] = st.failed
+            continue
+        end = st.row_end
+        ids, mask = st.ids[:end], st.mask[:end]
+        if not 0 < sum(mask) < len(mask):  # never write an all-zero or all-one loss mask
+            failed[st.plan.index] = "degenerate loss mask"
+            continue
+        row = {
+            "id": st.plan.id,
+            "index": st.plan.index,
+            "input_ids": ids,
+            "loss_mask": mask,
+            "num_prompt": len(st.plan.turns[0].glue),
+            "num_turns": len(st.spans),
+            "source_turns": st.plan.source_turns,
+            "finish_reasons": st.finish,
+            "finish_reason": st.finish[-1],
+            "end_reason": st.end_reason,
+        }
+        if gen.store_features:
+            row["features"] = st.features[: end - 1].numpy()
+        rows.append(row)
+    return rows, failed
+
+
+def row_features(hidden_size: int | None):
+    """The ``datasets.Features`` of generated rows (``hidden_size`` None: no ``features`` column)."""
+    import datasets
+
+    cols = {
+        "id": datasets.Value("string"),
+        "index": datasets.Value("int32"),
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "num_prompt": datasets.Value("int32"),
+        "num_turns": datasets.Value("int32"),
+        "source_turns": datasets.Value("int32"),
+        "finish_reasons": datasets.List(datasets.Value("string")),
+        "finish_reason": datasets.Value("string"),
+        "end_reason": datasets.Value("string"),
+    }
+    if hidden_size is not None:
+        cols["features"] = datasets.Array2D(shape=(None, hidden_size), dtype="float16")
+    return datasets.Features(cols)
+
+
+# ==================================================================================================
+# the job: plan, shards, assembly, report
+# ==================================================================================================
+@quiet
+def generate_dataset(
+    target,
+    conversations: Sequence[dict],
+    out_dir: str | Path,
+    gen: GenerationConfig,
+    target_name: str = "target",
+    load_stats: LoadStats | None = None,
+    save_dataset: bool = True,
+    progress: bool = True,
+    desc: str = "generate",
+    reset_on_mismatch: bool = False,
+    max_seconds: float | None = None,
+):
+    """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
+
+    Args:
+        target: a :class:`drafttrain.target.Target` with a tokenizer that has a chat template.
+        conversations: ``[{"id", "messages": [{"role", "content"}, ...]}]`` as the loaders of
+            :mod:`drafttrain.data.sources` return them; malformed ones are skipped and counted.
+        out_dir: the job folder: ``manifest.json``, ``shard_*/``, ``report.json``, ``skipped.jsonl``
+            and, with ``save_dataset``, the final ``dataset/`` (``datasets.load_from_disk``-able).
+        gen: generation settings (:class:`drafttrain.config.GenerationConfig`).
+        target_name: names the target in the job fingerprint (a different target = a different job).
+        load_stats: the loader's counts; its records count as input and its skips as skipped.
+        save_dataset: write ``dataset/`` (input order); otherwise the shards are concatenated in memory.
+        progress: show a tqdm bar (conversations done, generated tokens/s, ETA).
+        reset_on_mismatch: start over when ``out_dir`` holds another job (else raise).
+        max_seconds: stop starting new shards after this many seconds of generation; the run then
+            returns ``(None, report)`` with ``report["complete"] = False`` (the same call continues).
+
+    Returns:
+        ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
+        dict with ``input == generated + skipped + failed``, ``skip_reasons``, ``fail_reasons``, turn,
+        token, finish and end-reason counts, and this run's generated tokens/s.
+
+    Raises:
+        drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a job with other inputs or settings.
+        ValueError: the target has no tokenizer.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    if target.tokenizer is None:
+        raise ValueError("generation needs a target with a tokenizer (for its chat template)")
+    out_dir = Path(out_dir)
+    t0 = time.time()
+    tok = target.tokenizer
+    fingerprint = job_fingerprint(conversations, target_name, tok, gen)
+    plans, skipped = plan_conversations(tok, conversations, gen)
+    store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)},
+                       reset_on_mismatch=reset_on_mismatch)
+    shard_size = gen.shard_size or gen.batch_size
+    by_length = sorted(plans, key=lambda p: (len(p.turns[0].glue), p.index))
+    shards = [by_length[i : i + shard_size] for i in range(0, len(by_length), shard_size)]
+    features = row_features(target.config.hidden_size if gen.store_features else None)
+
+    done = sum(len(s) for i, s in enumerate(shards) if store.is_done(i))
+    bar = tqdm(total=len(plans), initial=done, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
+    new_tokens = 0
+    t_gen = time.time()
+
+    def on_tokens(n: int) -> None:
+        nonlocal new_tokens
+        new_tokens += n
+        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
+
+    stopped = False
+    for i, shard in enumerate(shards):
+        if store.is_done(i):
+            continue
+        if max_seconds is not None and time.time() - t_gen >= max_seconds:
+            stopped = True
+            break
+        rows, failed = generate_shard(target, shard, gen, on_tokens)
+        cols = {k: [r[k] for r in rows] for k in features}
+        store.write(i, datasets.Dataset.from_dict(cols, features=features),
+                    {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()}})
+        bar.update(len(shard))
+    bar.close()
+    seconds = time.time() - t_gen
+    if stopped:
+        done = [i for i in range(len(shards)) if store.is_done(i)]
+        report = {
+            "complete": False,
+            "input": len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0),
+            "conversations_done": sum(len(shards[i]) for i in done),
+            "conversations_planned": len(plans),
+            "shards_done": len(done),
+            "shards": len(shards),
+            "this_run": {"generated_tokens": new_tokens, "seconds": round(seconds, 1),
+                         "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
+                         "wall_seconds": round(time.time() - t0, 1)},
+        }
+        log.info("stopped after %.0f s with %d of %d shards done; run again to continue", seconds, len(done), len(shards))
+        return None, report
+
+    # -- assemble in input order -----------------------------------------------------------------
+    final = out_dir / DATASET_DIR
+    if save_dataset and store.manifest.get("dataset_written") and final.is_dir():
+        ds = load_generated(final)
+    else:
+        parts = [store.load(i) for i in range(len(shards)) if store.info(i)["rows"]]  # (an all-failed shard is empty)
+        if parts:
+            ds = datasets.concatenate_datasets(parts)
+            index = list(ds["index"])
+            order = sorted(range(len(ds)), key=index.__getitem__)
+            ds = ds.select(order)
+        else:
+            ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+        if save_dataset:
+            tmp = out_dir / f".tmp_{DATASET_DIR}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            ds.save_to_disk(str(tmp))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            store.set("dataset_written", True)
+            ds = load_generated(final)
+
+    # -- report ----------------------------------------------------------------------------------
+    skip_reasons = Counter(r for _, _, r in skipped)
+    if load_stats is not None:
+        skip_reasons.update(load_stats.skipped)
+    fail_reasons = Counter(v for i in range(len(shards)) for v in store.info(i)["failed"].values())
+    n_input = len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0)
+    meta = ds.with_format(None).select_columns(["num_turns", "loss_mask", "finish_reasons", "end_reason"])
+    report = {
+        "complete": True,
+        "input": n_input,
+        "generated": len(ds),
+        "skipped": sum(skip_reasons.values()),
+        "failed": sum(fail_reasons.values()),
+        "skip_reasons": dict(skip_reasons.most_common()),
+        "fail_reasons": dict(fail_reasons.most_common()),
+        "turns_generated": int(sum(meta["num_turns"])) if len(ds) else 0,
+        "tokens_generated": int(sum(sum(m) for m in meta["loss_mask"])) if len(ds) else 0,
+        "finish_reasons": dict(Counter(f for fs in meta["finish_reasons"] for f in fs)) if len(ds) else {},
+        "end_reasons": dict(Counter(meta["end_reason"])) if len(ds) else {},
+        "shards": len(shards),
+        "this_run": {
+            "generated_tokens": new_tokens,
+            "seconds": round(seconds, 1),
+            "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
+            "wall_seconds": round(time.time() - t0, 1),
+        },
+        "fingerprint": fingerprint,
+    }
+    if report["generated"] + report["skipped"] + report["failed"] != report["input"]:
+        raise RuntimeError(f"lost count: generated + skipped + failed != input in {report}")
+    atomic_write_text(out_dir / REPORT, json.dumps(report, indent=1))
+    atomic_write_text(out_dir / SKIPPED, "".join(
+        json.dumps({"index": i, "id": cid, "reason": r}) + "\n" for i, cid, r in skipped))
+    log.info("generation: input %d = generated %d + skipped %d + failed %d; skipped %s; failed %s",
+             report["input"], report["generated"], report["skipped"], report["failed"],
+             report["skip_reasons"], report["fail_reasons"])
+    return ds, report
+
+
+def load_generated(path: str | Path):
+    """The dataset written by :func:`generate_dataset` (its ``out_dir``, or the ``dataset/`` folder itself).
+
+    Raises:
+        FileNotFoundError: no finished dataset there (a run that has not completed yet).
+    """
+    import datasets
+
+    path = Path(path).expanduser()
+    for folder in (path / DATASET_DIR, path):
+        if (folder / "dataset_info.json").is_file():
+            state = json.loads((folder / "state.json").read_text())
+            if not state.get("_data_files"):  # a saved empty dataset: datasets cannot load it back
+                info = json.loads((folder / "dataset_info.json").read_text())
+                feats = datasets.Features.from_dict(info["features"])
+                return datasets.Dataset.from_dict({k: [] for k in feats}, features=feats)
+            return datasets.load_from_disk(str(folder))
+    raise FileNotFoundError(
+        f"no generated dataset in {path} (expected {path / DATASET_DIR}); run "
+        f"`python -m scripts.generate_data output_dir={path}` to completion first"
+    )
+
+
+# ==================================================================================================
+# the in-training path (data=selfdistill): first turns, greedy, features kept
+# ==================================================================================================
 def distill_key(
-    conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None
+    conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None,
+    first_turn_only: bool = True,
 ) -> str:
-    """Fingerprint of a self-distillation job (inputs + generation settings)."""
+    """Fingerprint of an in-training self-distillation job (inputs + generation settings)."""
     h = hashlib.sha256()
     for c in conversations:
         h.update(c["id"].encode())
         h.update(json.dumps(c["messages"], sort_keys=True).encode())
-    h.update(f"{target_name}|{max_new_tokens}|{max_length}|{max_prompt_length}|v{FORMAT_VERSION}".encode())
+    h.update(f"{target_name}|{max_new_tokens}|{max_length}|{max_prompt_length}|{first_turn_only}|v{FORMAT_VERSION}".encode())
     return h.hexdigest()[:16]
-
-
-def _prompt_messages(messages: list[dict]) -> list[dict] | None:
-    """Messages up to and including the first user turn (system kept); None if there is no user turn."""
-    for i, m in enumerate(messages):
-        if m["role"] == "user":
-            return messages[: i + 1]
-    return None
 
 
 def self_distill(
@@ -59,120 +562,31 @@ def self_distill(
     batch_size: int = 16,
     progress: bool = True,
     max_prompt_length: int | None = None,
+    first_turn_only: bool = True,
+    target_name: str = "target",
 ):
-    """Regenerate the first assistant turn of every conversation with the target and store the rows.
+    """Regenerate the first assistant turn (all turns with ``first_turn_only=False``) greedily, keeping features.
+
+    The in-training data path: :func:`generate_dataset` with ``store_features=True``, shards of
+    ``batch_size`` conversations, and no final copy (the shards are concatenated memory-mapped).
 
     Args:
         target: a :class:`drafttrain.target.Target` (with tokenizer).
         conversations: ``[{"id", "messages": [{"role", "content"}]}]`` (e.g. from ``load_sharegpt``).
         out_dir: job folder; shards and ``manifest.json`` live here; reused when complete.
-        max_new_tokens: answer length cap (tokens).
-        max_length: cap on prompt + answer; prompts longer than ``max_length - 8`` are skipped.
-        max_prompt_length: optional tighter cap on prompt tokens (long prompts make batched
+        max_new_tokens: answer length cap per turn (tokens).
+        max_length: cap on prompt + answers (tokens); first prompts longer than ``max_length - 1`` are skipped.
+        batch_size: conversations per generation batch (also the shard size).
+        max_prompt_length: optional tighter cap on first-prompt tokens (long prompts make batched
             generation slow and teach the drafter little about answers); longer prompts are skipped.
-        batch_size: prompts per generation batch (also the shard size).
 
     Returns:
-        ``(dataset, report)``: a memory-mapped ``datasets.Dataset`` in input order (skipped prompts
-        left out) and a dict of counts with ``generated + skipped == input``.
+        ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16 [L-1, d].
     """
-    import datasets
-
-    from drafttrain.data.template import prompt_ids
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = target.tokenizer
-    d = target.config.hidden_size
-
-    skipped: Counter = Counter()
-    todo: list[tuple[str, list[int]]] = []
-    for conv in conversations:
-        msgs = _prompt_messages(conv["messages"])
-        if msgs is None:
-            skipped["no user turn"] += 1
-            continue
-        try:
-            ids = prompt_ids(tok, msgs)
-        except Exception as e:  # a template that cannot render this conversation
-            skipped[f"template error: {type(e).__name__}"] += 1
-            continue
-        if len(ids) > min(max_length - 8, max_prompt_length or max_length):
-            skipped["prompt too long"] += 1
-            continue
-        todo.append((conv["id"], ids))
-
-    manifest_path = out_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"shards": {}}
-    # shards group prompts of similar length (little left padding); the input order is restored at the end
-    by_length = sorted(range(len(todo)), key=lambda i: (len(todo[i][1]), i))
-    shards = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            "features": datasets.Array2D(shape=(None, d), dtype="float16"),
-            "finish_reason": datasets.Value("string"),
-            "num_prompt": datasets.Value("int32"),
-            "order": datasets.Value("int32"),
-        }
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, max_length=max_length, max_prompt_length=max_prompt_length,
+        max_turns=1 if first_turn_only else None, batch_size=batch_size, store_features=True,
+        max_padding=None,  # one batch per shard, as the main job's measured runs and stored losses assume
     )
-    pending = [i for i in range(len(shards)) if str(i) not in manifest["shards"]]
-    bar = tqdm(total=len(todo), desc="self-distill", unit="prompt", disable=not progress,
-               initial=sum(len(shards[i]) for i in range(len(shards)) if str(i) in manifest["shards"]))
-    t0, new_tokens = time.time(), 0
-    for i in pending:
-        batch = [todo[j] for j in shards[i]]
-        results = target.generate_greedy([ids for _, ids in batch], max_new_tokens=max_new_tokens)
-        rows = {k: [] for k in features}
-        for j, (cid, _), r in zip(shards[i], batch, results):
-            rows["order"].append(j)
-            tokens = r["tokens"][:max_length]
-            n_prompt = r["num_prompt"]
-            new_tokens += len(r["tokens"]) - n_prompt
-            rows["id"].append(cid)
-            rows["input_ids"].append(tokens)
-            rows["loss_mask"].append([0] * n_prompt + [1] * (len(tokens) - n_prompt))
-            rows["features"].append(r["features"][: len(tokens) - 1].to(torch.float16).numpy())
-            rows["finish_reason"].append(r["finish_reason"])
-            rows["num_prompt"].append(n_prompt)
-        shard_dir = out_dir / f"shard_{i:05d}"
-        tmp = out_dir / f".tmp_shard_{i:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp))
-        shutil.rmtree(shard_dir, ignore_errors=True)
-        tmp.rename(shard_dir)
-        manifest["shards"][str(i)] = {"rows": len(batch)}
-        _atomic_write(manifest_path, json.dumps(manifest))  # the shard counts only once recorded here
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
-    bar.close()
-    parts = [datasets.load_from_disk(str(out_dir / f"shard_{i:05d}")) for i in range(len(shards))]
-    if parts:
-        ds = datasets.concatenate_datasets(parts)
-        ds = ds.select(_argsort(ds["order"]))  # back to input order
-    else:
-        ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
-    report = {
-        "input": len(conversations),
-        "generated": len(todo),
-        "skipped": sum(skipped.values()),
-        "skip_reasons": dict(skipped),
-        "generated_tokens_this_run": new_tokens,
-        "seconds_this_run": round(time.time() - t0, 1),
-    }
-    _atomic_write(out_dir / "report.json", json.dumps(report, indent=1))
-    log.info("self-distillation: %s", report)
-    return ds, report
-
-
-def _argsort(values) -> list[int]:
-    values = list(values)
-    return sorted(range(len(values)), key=values.__getitem__)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
+                            progress=progress, desc="self-distill", reset_on_mismatch=True)

@@ -245,6 +245,75 @@ def load_conversations_jsonl(
     return _collect(_iter_jsonl(path, stats), "jsonl", max_conversations, stats)
 
 
+def load_conversations_hf(
+    path: str | Path, split: str | None = None, max_conversations: int | None = None, stats: LoadStats | None = None
+) -> list[dict]:
+    """Load conversations from a local Hugging Face dataset folder (written by ``save_to_disk``).
+
+    Rows hold ``"messages"`` (role/content) or ``"conversations"`` (from/value) like the jsonl
+    format, and optionally ``"id"``; they are cleaned and counted as in ShareGPT. A missing id
+    becomes ``"hf-<row index>"``.
+
+    Args:
+        path: the folder (a ``Dataset`` or a ``DatasetDict``).
+        split: the split of a ``DatasetDict`` (default ``"train"``); must be None or match for a ``Dataset``.
+        max_conversations: stop after this many KEPT conversations.
+        stats: counters to update (a new ``LoadStats(name=<folder name>)`` if None).
+
+    Returns:
+        ``[{"id": str, "messages": [...]}, ...]`` like :func:`load_sharegpt`.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a saved dataset folder.
+        ValueError: ``split`` is not in the ``DatasetDict``.
+    """
+    import datasets
+
+    path = Path(path)
+    if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise FileNotFoundError(f"{path} is not a dataset folder saved with datasets' save_to_disk")
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        name = split or "train"
+        if name not in ds:
+            raise ValueError(f"{path}: no split {name!r}; splits: {sorted(ds)}")
+        ds = ds[name]
+    stats = stats if stats is not None else LoadStats(name=path.name)
+    return _collect(iter(ds), "hf", max_conversations, stats)
+
+
+def load_conversations(
+    source: str, split: str | None = None, max_conversations: int | None = None, stats: LoadStats | None = None
+) -> list[dict]:
+    """Conversations from any supported source, cleaned and counted as in :func:`load_sharegpt`.
+
+    Args:
+        source: ``"sharegpt"`` (the packaged file); a ``.jsonl`` file of conversations; a ``.json``
+            file holding a ShareGPT-style array (possibly truncated); or a local HF dataset folder.
+        split: split of a ``DatasetDict`` folder (HF folders only).
+        max_conversations: stop after this many KEPT conversations (None: all).
+        stats: counters to update (``read == kept + skipped``).
+
+    Raises:
+        ValueError: ``source`` is none of the above (the message lists the choices).
+        assets.MissingAssetError: ``"sharegpt"`` and the package is not installed.
+    """
+    stats = stats if stats is not None else LoadStats(name=Path(source).name)
+    path = Path(source).expanduser()
+    if source == "sharegpt":
+        return load_sharegpt(max_conversations=max_conversations, stats=stats)
+    if path.is_file() and path.suffix == ".jsonl":
+        return load_conversations_jsonl(path, max_conversations=max_conversations, stats=stats)
+    if path.is_file() and path.suffix == ".json":
+        return load_sharegpt(path, max_conversations=max_conversations, stats=stats)
+    if path.is_dir():
+        return load_conversations_hf(path, split=split, max_conversations=max_conversations, stats=stats)
+    raise ValueError(
+        f"unknown conversation source {source!r}: use 'sharegpt', a .jsonl file of conversations, "
+        f"a .json ShareGPT-style array, or a dataset folder saved with datasets' save_to_disk"
+    )
+
+
 def _read_jsonl_strict(path: Path) -> list[dict]:
     rows = []
     with open(path, encoding="utf-8") as f:

@@ -12,7 +12,8 @@ inference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,93 @@ def _check_messages(messages: Sequence[dict]) -> None:
             raise TemplateError(f"message {k} is not a {{'role': str, 'content': str}} dict: {m!r:.200}", "malformed messages")
 
 
+@dataclass
+class AssistantTurn:
+    """Token spans of one assistant turn in the chat template's render of a conversation.
+
+    The render of a conversation is the concatenation, over its assistant turns k, of
+    ``glue_k + content_k + tail_k``, followed by whatever comes after the last assistant turn.
+
+    Attributes:
+        index: position of the assistant message in ``messages``.
+        glue: template tokens since the previous turn's ``tail`` (system/user turns, markers),
+            ending with the generation prompt (ChatML: ``<|im_start|>assistant\\n``).
+            ``render(messages[:index], add_generation_prompt=True)`` is the concatenation of all
+            spans of earlier turns plus this ``glue``.
+        content: the source's answer tokens, ending with the end-of-turn token ``content[-1]``.
+        tail: template tokens after the end-of-turn token within the turn's render (ChatML: ``\\n``).
+    """
+
+    index: int
+    glue: list[int]
+    content: list[int]
+    tail: list[int]
+
+    @property
+    def eot(self) -> int:
+        """The end-of-turn token id that closes this turn in the template's render."""
+        return self.content[-1]
+
+
+def iter_assistant_turns(tokenizer, messages: Sequence[dict]) -> Iterator[AssistantTurn]:
+    """Split the chat template's render of ``messages`` into per-assistant-turn token spans.
+
+    For every assistant turn i the conversation is rendered twice, ``messages[:i]`` with the
+    generation prompt and ``messages[:i+1]`` without it; the tokens the second render adds are the
+    turn. Lazy: a caller that stops early renders no later turn.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: ``[{"role", "content"}, ...]``; every assistant turn must follow a user turn.
+
+    Yields:
+        :class:`AssistantTurn` for each assistant message, in order.
+
+    Raises:
+        TemplateError: malformed or empty messages (``"malformed messages"``); an assistant turn
+            before any user turn (``"assistant before user"``); the template adds no generation
+            prompt, i.e. has no assistant marker (``"no generation prompt"``); a shorter render is
+            not a token prefix of a longer one (``"template not prefix-consistent"``); no end-of-turn
+            token closes an assistant turn (``"no end-of-turn token"``); no chat template.
+    """
+    _check_messages(messages)
+    eot = end_of_turn_ids(tokenizer)
+    done = 0  # tokens of the render covered by the turns yielded so far
+    prev: list[int] = []
+    seen_user = False
+    first = True
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            seen_user = True
+        if m["role"] != "assistant":
+            continue
+        if not seen_user:
+            raise TemplateError(f"assistant turn {i} comes before any user turn", "assistant before user")
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        if first and _render_text(tokenizer, messages[:i], True) == _render_text(tokenizer, messages[:i], False):
+            raise TemplateError("the chat template adds no generation prompt (no assistant marker)", "no generation prompt")
+        first = False
+        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if through[: len(before)] != before:
+            raise TemplateError(
+                f"chat template is not prefix-consistent at assistant turn {i}: the render up to the "
+                f"generation prompt ({len(before)} tokens) is not a token prefix of the render through the turn",
+                "template not prefix-consistent",
+            )
+        if before[:done] != prev:
+            raise TemplateError(
+                f"chat template is not prefix-consistent at assistant turn {i}: the render through the "
+                f"previous assistant turn is not a token prefix of the later render",
+                "template not prefix-consistent",
+            )
+        span = through[len(before) :]
+        end = next((k for k, t in enumerate(span) if t in eot), None)
+        if end is None:
+            raise TemplateError(f"no end-of-turn token (ids {sorted(eot)}) closes assistant turn {i}", "no end-of-turn token")
+        yield AssistantTurn(index=i, glue=before[done:], content=span[: end + 1], tail=span[end + 1 :])
+        done, prev = len(through), through
+
+
 def tokenize_conversation(tokenizer, messages: Sequence[dict], max_length: int | None = None) -> dict:
     """Tokenize a conversation with its chat template and mark the tokens the drafter learns.
 
@@ -90,50 +178,18 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict], max_length: int |
         end-of-turn token closing it, 0 elsewhere.
 
     Raises:
-        TemplateError: malformed messages; no assistant turn; an assistant turn before any user
-            turn; the template has no generation prompt; a shorter render is not a token prefix of a
-            longer one; no end-of-turn token closes an assistant turn; or no assistant token is left
-            after truncation.
+        TemplateError: as :func:`iter_assistant_turns`; also no assistant turn
+            (``"no assistant turn"``) or no assistant token left after truncation
+            (``"no assistant token within max_length"``).
     """
-    _check_messages(messages)
-    eot = end_of_turn_ids(tokenizer)
     ids: list[int] = []
     mask: list[int] = []
-    seen_user = False
-    n_assistant = 0
-    for i, m in enumerate(messages):
-        if m["role"] == "user":
-            seen_user = True
-        if m["role"] != "assistant":
-            continue
-        if not seen_user:
-            raise TemplateError(f"assistant turn {i} comes before any user turn", "assistant before user")
-        n_assistant += 1
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        if n_assistant == 1 and _render_text(tokenizer, messages[:i], True) == _render_text(tokenizer, messages[:i], False):
-            raise TemplateError("the chat template adds no generation prompt (no assistant marker)", "no generation prompt")
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if through[: len(before)] != before:
-            raise TemplateError(
-                f"chat template is not prefix-consistent at assistant turn {i}: the render up to the "
-                f"generation prompt ({len(before)} tokens) is not a token prefix of the render through the turn",
-                "template not prefix-consistent",
-            )
-        if before[: len(ids)] != ids:
-            raise TemplateError(
-                f"chat template is not prefix-consistent at assistant turn {i}: the render through the "
-                f"previous assistant turn is not a token prefix of the later render",
-                "template not prefix-consistent",
-            )
-        span = through[len(before) :]
-        end = next((k for k, t in enumerate(span) if t in eot), None)
-        if end is None:
-            raise TemplateError(f"no end-of-turn token (ids {sorted(eot)}) closes assistant turn {i}", "no end-of-turn token")
-        mask += [0] * (len(before) - len(ids)) + [1] * (end + 1) + [0] * (len(span) - end - 1)
-        ids = through
+    for turn in iter_assistant_turns(tokenizer, messages):
+        ids += turn.glue + turn.content + turn.tail
+        mask += [0] * len(turn.glue) + [1] * len(turn.content) + [0] * len(turn.tail)
         if max_length is not None and len(ids) >= max_length:
             break
-    if n_assistant == 0:
+    if not ids:
         raise TemplateError("conversation has no assistant turn", "no assistant turn")
     if (max_length is None or len(ids) < max_length) and messages[-1]["role"] != "assistant":
         full = _render(tokenizer, messages, add_generation_prompt=False)
@@ -146,6 +202,18 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict], max_length: int |
     if not any(mask):
         raise TemplateError(f"no assistant token within the first {max_length} tokens", "no assistant token within max_length")
     return {"input_ids": ids, "loss_mask": mask}
+
+
+def render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    """The chat template's render of ``messages`` as text (no tokenization).
+
+    Raises:
+        TemplateError: malformed messages or no chat template.
+    """
+    _check_messages(messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template", "no chat template")
+    return _render_text(tokenizer, messages, add_generation_prompt)
 
 
 def prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:

@@ -1,0 +1,255 @@
+"""Offline feature cache: the target runs once over a dataset; training then reads its features from disk.
+
+For every row of a dataset with ``input_ids`` (length L) the cache stores the target's last hidden
+states f_0..f_{L-2} (post final norm; the feature f_t that EAGLE-style drafters read, DESIGN.md §3)
+and optionally the target's top-k logits at those positions (``lm_head(f_t)``, the distribution of
+token t+1). Rows are stored in dataset order, in shards with a manifest
+(:class:`drafttrain.data.shards.ShardStore`), so an interrupted run resumes where it stopped.
+
+Columns (one row per dataset row):
+
+- ``features``: [L-1, d], ``float16``; or, with ``dtype="bfloat16"``, ``int16`` holding the bf16 bit
+  patterns (Arrow has no bf16 type; :func:`drafttrain.train.collate` turns them back into bf16);
+- ``topk_ids`` int32 [L-1, k] and ``topk_logits`` float16 [L-1, k] (``top_k`` > 0 only), best first.
+
+``feature_cache.json`` records :data:`SCHEMA_VERSION`, the fingerprint of the dataset's
+``input_ids`` (a cache is refused for any other dataset), d, dtype, k, the target, and the bytes
+estimated before and written after the run. Shape letters: s sequence, d hidden, v vocab, k top-k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafttrain.data.shards import ShardStore, atomic_write_text, quiet
+
+log = logging.getLogger(__name__)
+
+#: Bump when the stored columns or their meaning change: older caches are refused.
+SCHEMA_VERSION = 1
+META = "feature_cache.json"
+#: Bytes a shard costs besides its column data: Arrow schema + datasets' state.json / dataset_info.json
+#: (measured: ~1.9 KB with top-k columns, ~1.3 KB without).
+SHARD_OVERHEAD = 2048
+#: Bytes of manifest.json + feature_cache.json.
+JOB_OVERHEAD = 640
+
+
+class FeatureCacheError(ValueError):
+    """The cache does not fit the dataset (other rows, other schema version) or is incomplete."""
+
+
+def dataset_fingerprint(ds) -> str:
+    """sha256 (16 hex digits) of a dataset's ``input_ids``, row by row (order matters)."""
+    h = hashlib.sha256()
+    for ids in ds.with_format(None)["input_ids"]:
+        a = np.asarray(ids, dtype=np.int32)
+        h.update(len(a).to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def cache_features_schema(hidden_size: int, dtype: str, top_k: int):
+    """``datasets.Features`` of a cache shard."""
+    import datasets
+
+    cols = {"features": datasets.Array2D(shape=(None, hidden_size), dtype="float16" if dtype == "float16" else "int16")}
+    if top_k:
+        cols["topk_ids"] = datasets.Array2D(shape=(None, top_k), dtype="int32")
+        cols["topk_logits"] = datasets.Array2D(shape=(None, top_k), dtype="float16")
+    return datasets.Features(cols)
+
+
+def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size: int) -> int:
+    """Bytes the cache of rows with these lengths will take on disk (within ~1% for real sizes).
+
+    Per stored position: 2 d bytes of features (+ 4 k + 2 k of top-k ids and logits) plus a 4-byte
+    Arrow list offset per column; per row a 4-byte offset per column; per shard :data:`SHARD_OVERHEAD`;
+    per cache :data:`JOB_OVERHEAD`.
+
+    Args:
+        lengths: L of every row (positions stored: L - 1).
+        hidden_size: d.
+        top_k: k (0 = no top-k columns).
+        shard_size: rows per shard.
+    """
+    positions = sum(max(n - 1, 0) for n in lengths)
+    ncols = 3 if top_k else 1
+    per_position = 2 * hidden_size + (6 * top_k if top_k else 0) + 4 * ncols
+    shards = -(-len(lengths) // shard_size) if lengths else 0
+    return positions * per_position + len(lengths) * 4 * ncols + shards * SHARD_OVERHEAD + JOB_OVERHEAD
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (the cache's shards and json files)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _to_storage(h: torch.Tensor, dtype: str) -> np.ndarray:
+    """[n, d] float -> float16 array, or int16 array of bf16 bit patterns."""
+    if dtype == "float16":
+        return h.to(torch.float16).numpy()
+    return h.to(torch.bfloat16).view(torch.int16).numpy()
+
+
+@torch.no_grad()
+def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256) -> list[dict]:
+    """Features (and top-k logits) of right-padded rows in one target forward."""
+    device = target.device
+    lengths = [len(r) for r in rows]
+    s = max(lengths)
+    ids = torch.zeros((len(rows), s), dtype=torch.long)
+    attn = torch.zeros((len(rows), s), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r)
+        attn[i, : len(r)] = 1
+    hidden = target.features(ids.to(device), attention_mask=attn.to(device))  # [b, s, d]
+    out = []
+    for i, n in enumerate(lengths):
+        h = hidden[i, : max(n - 1, 0)]  # [n-1, d]: f_0..f_{n-2}
+        row = {"features": _to_storage(h.float().cpu(), dtype)}
+        if top_k:
+            vals, idx = [], []
+            for a in range(0, h.shape[0], chunk):  # [chunk, v] logits at a time
+                v, j = target.lm_head(h[a : a + chunk]).float().topk(top_k, dim=-1)
+                vals.append(v.cpu())
+                idx.append(j.cpu())
+            row["topk_logits"] = torch.cat(vals).to(torch.float16).numpy() if vals else np.zeros((0, top_k), np.float16)
+            row["topk_ids"] = torch.cat(idx).to(torch.int32).numpy() if idx else np.zeros((0, top_k), np.int32)
+        out.append(row)
+    return out
+
+
+@quiet
+def build_feature_cache(
+    target,
+    ds,
+    out_dir: str | Path,
+    dtype: str = "float16",
+    top_k: int = 0,
+    batch_size: int = 8,
+    shard_size: int = 64,
+    target_name: str = "target",
+    progress: bool = True,
+) -> dict:
+    """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable).
+
+    Args:
+        target: a :class:`drafttrain.target.Target`.
+        ds: a ``datasets.Dataset`` with ``input_ids`` (e.g. from :func:`drafttrain.data.selfdistill.load_generated`).
+        out_dir: the cache folder (shards, ``manifest.json``, ``feature_cache.json``).
+        dtype: storage dtype of the features: ``"float16"`` or ``"bfloat16"``.
+        top_k: also store the target's top-k logits (0: none).
+        batch_size: rows per target forward (sorted by length within a shard: little padding).
+        shard_size: rows per shard (the unit of resume).
+        target_name: recorded in the metadata; part of the job fingerprint.
+
+    Returns:
+        The metadata dict written to ``feature_cache.json`` (``bytes_estimated``, ``bytes_written``, ...).
+
+    Raises:
+        ValueError: bad ``dtype``/``top_k``; a dataset without ``input_ids``.
+        drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a cache of another dataset or settings.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    if dtype not in ("float16", "bfloat16") or top_k < 0:
+        raise ValueError(f"dtype must be float16|bfloat16 and top_k >= 0, got {dtype!r}, {top_k}")
+    if "input_ids" not in ds.column_names:
+        raise ValueError("the dataset has no input_ids column")
+    out_dir = Path(out_dir)
+    d = target.config.hidden_size
+    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
+    fp = dataset_fingerprint(ds)
+    job = {"schema_version": SCHEMA_VERSION, "dataset_fingerprint": fp, "target": target_name, "dtype": dtype,
+           "top_k": top_k, "shard_size": shard_size, "rows": len(ds), "hidden_size": d}
+    job["fingerprint"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
+    estimate = estimate_bytes(lengths, d, top_k, shard_size)
+    store = ShardStore(out_dir, job)
+    schema = cache_features_schema(d, dtype, top_k)
+    starts = list(range(0, len(ds), shard_size))
+    done = sum(min(shard_size, len(ds) - a) for i, a in enumerate(starts) if store.is_done(i))
+    bar = tqdm(total=len(ds), initial=done, desc="cache features", unit="row", disable=not progress, dynamic_ncols=True)
+    t0, tokens = time.time(), 0
+    plain = ds.with_format(None)
+    for i, a in enumerate(starts):
+        if store.is_done(i):
+            continue
+        idx = list(range(a, min(a + shard_size, len(ds))))
+        rows: dict[int, dict] = {}
+        by_len = sorted(idx, key=lambda j: (lengths[j], j))
+        for b in range(0, len(by_len), batch_size):
+            chunk = by_len[b : b + batch_size]
+            for j, r in zip(chunk, _rows_features(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k)):
+                rows[j] = r
+            tokens += sum(lengths[j] for j in chunk)
+            bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", refresh=False)
+        cols = {k: [rows[j][k] for j in idx] for k in schema}
+        store.write(i, datasets.Dataset.from_dict(cols, features=schema), {"rows": len(idx)})
+        bar.update(len(idx))
+    bar.close()
+    meta = {**job, "complete": True, "bytes_estimated": estimate, "bytes_written": 0}
+    atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
+    while meta["bytes_written"] != folder_bytes(out_dir):  # shards + manifest + this file (its own size included)
+        meta["bytes_written"] = folder_bytes(out_dir)
+        atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
+    log.info("feature cache %s: %d rows, %d bytes written (estimated %d)", out_dir, len(ds), meta["bytes_written"], estimate)
+    return meta
+
+
+def load_feature_cache(path: str | Path, ds=None):
+    """The cache as one ``datasets.Dataset`` in dataset row order.
+
+    Args:
+        path: a folder written by :func:`build_feature_cache`.
+        ds: if given, the dataset the cache must belong to (same ``input_ids``, row for row).
+
+    Raises:
+        FeatureCacheError: no finished cache there, another schema version, or another dataset.
+    """
+    import datasets
+
+    path = Path(path).expanduser()
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise FeatureCacheError(f"no finished feature cache in {path}: run `python -m scripts.cache_features` to completion")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise FeatureCacheError(
+            f"{path}: feature cache schema version {meta.get('schema_version')}, this code reads {SCHEMA_VERSION}; rebuild it"
+        )
+    if ds is not None:
+        if len(ds) != meta["rows"] or dataset_fingerprint(ds) != meta["dataset_fingerprint"]:
+            raise FeatureCacheError(f"{path} was built for another dataset ({meta['rows']} rows, input_ids "
+                                    f"fingerprint {meta['dataset_fingerprint']}); rebuild it for this one")
+    n = -(-meta["rows"] // meta["shard_size"])
+    parts = [datasets.load_from_disk(str(path / f"shard_{i:05d}")) for i in range(n)]
+    if not parts:
+        return datasets.Dataset.from_dict({k: [] for k in cache_features_schema(meta["hidden_size"], meta["dtype"], meta["top_k"])})
+    return datasets.concatenate_datasets(parts)
+
+
+def attach_feature_cache(ds, path: str | Path):
+    """``ds`` with the cache's columns (``features`` [+ ``topk_ids``, ``topk_logits``]) joined row by row.
+
+    A ``features`` column the dataset already has is replaced by the cache's.
+
+    Raises:
+        FeatureCacheError: the cache does not belong to ``ds`` (see :func:`load_feature_cache`).
+    """
+    import datasets
+
+    cache = load_feature_cache(path, ds)
+    drop = [c for c in cache.column_names if c in ds.column_names]
+    base = ds.remove_columns(drop) if drop else ds
+    if base._indices is not None:  # a selection: materialise the order so the rows line up
+        base = base.flatten_indices(keep_in_memory=True)
+    return datasets.concatenate_datasets([base, cache], axis=1)

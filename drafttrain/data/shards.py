@@ -1,0 +1,128 @@
+"""Resumable work in shards: each shard is a ``datasets`` folder written atomically, recorded in a manifest.
+
+A shard counts as done only once the manifest names it, and the manifest is replaced atomically
+(write a temporary file, then ``os.replace``) after the shard folder has been renamed into place. A
+process killed at any point (``kill -9``) therefore leaves either a recorded, complete shard, or an
+unrecorded one that the next run writes again: no work is counted twice or lost. (A killed process's
+writes survive in the page cache; only a power loss could need fsync, which we do not guard against.)
+
+The manifest also holds the job's fingerprint; reopening a folder with a different job raises
+:class:`JobMismatchError` instead of mixing two jobs' shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+class JobMismatchError(RuntimeError):
+    """The folder holds shards of a different job (other inputs or settings)."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class ShardStore:
+    """Shards ``shard_00000/``, ... under ``root`` plus ``manifest.json``.
+
+    Args:
+        root: the job folder (created if missing).
+        job: JSON-serialisable description; ``job["fingerprint"]`` identifies the job.
+
+        reset_on_mismatch: wipe a folder that holds another job instead of raising (for folders
+            this code owns, e.g. the in-training cache keyed by its inputs, where a mismatch can
+            only mean shards of an older format).
+
+    Raises:
+        JobMismatchError: ``root`` already holds a manifest with another fingerprint.
+    """
+
+    def __init__(self, root: str | Path, job: dict, reset_on_mismatch: bool = False):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = self.root / MANIFEST
+        if self.path.is_file() and reset_on_mismatch:
+            old = json.loads(self.path.read_text()).get("job", {}).get("fingerprint")
+            if old != job["fingerprint"]:
+                for shard in self.root.glob("shard_*"):
+                    shutil.rmtree(shard)
+                self.path.unlink()
+        if self.path.is_file():
+            manifest = json.loads(self.path.read_text())
+            old = manifest.get("job", {}).get("fingerprint")
+            if old != job["fingerprint"]:
+                raise JobMismatchError(
+                    f"{self.root} holds another job (fingerprint {old}, this one {job['fingerprint']}): "
+                    f"the inputs or settings differ; use another folder or delete this one"
+                )
+            self.manifest = manifest
+        else:
+            self.manifest = {"job": job, "shards": {}}
+            atomic_write_text(self.path, json.dumps(self.manifest, indent=1))
+
+    def shard_dir(self, i: int) -> Path:
+        return self.root / f"shard_{i:05d}"
+
+    def is_done(self, i: int) -> bool:
+        return str(i) in self.manifest["shards"]
+
+    def info(self, i: int) -> dict:
+        """What was recorded with shard ``i`` (KeyError if it is not done)."""
+        return self.manifest["shards"][str(i)]
+
+    def write(self, i: int, dataset, info: dict) -> None:
+        """Save ``dataset`` (a ``datasets.Dataset``) as shard ``i`` and record ``info`` with it."""
+        tmp = self.root / f".tmp_shard_{i:05d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        dataset.save_to_disk(str(tmp))
+        final = self.shard_dir(i)
+        shutil.rmtree(final, ignore_errors=True)  # an unrecorded leftover of a killed run
+        tmp.rename(final)
+        self.manifest["shards"][str(i)] = info
+        atomic_write_text(self.path, json.dumps(self.manifest, indent=1))  # the shard counts from here on
+
+    def load(self, i: int):
+        """Shard ``i`` as a memory-mapped ``datasets.Dataset``."""
+        import datasets
+
+        return datasets.load_from_disk(str(self.shard_dir(i)))
+
+    def set(self, key: str, value) -> None:
+        """Record a job-level value (e.g. that the final dataset was written)."""
+        self.manifest[key] = value
+        atomic_write_text(self.path, json.dumps(self.manifest, indent=1))
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """Silence ``datasets``' own progress bars (one per shard save) inside the block; restore after."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
+
+
+def quiet(fn):
+    """Decorator: run ``fn`` inside :func:`quiet_datasets` (our own tqdm bar is the one that shows)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with quiet_datasets():
+            return fn(*args, **kwargs)
+
+    return wrapper

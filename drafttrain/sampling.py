@@ -1,0 +1,101 @@
+"""Next-token selection for generation: greedy, or temperature + top-p (nucleus) sampling.
+
+Pure functions of the logits and per-row random generators, so a sampled token depends only on its
+row's logits and its row's generator: results do not depend on which other rows share the batch
+(up to the float reassociation of the logits themselves), and a run restarted from a shard boundary
+replays the same samples. Top-p is Holtzman et al. 2020 ("The Curious Case of Neural Text
+Degeneration", section 3.1): keep the smallest set of most probable tokens whose mass reaches p.
+
+Shape letters: a rows, v vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature`` > 0 divides the logits; ``top_p`` in (0, 1] keeps the nucleus of that mass."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def nucleus_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T) restricted to the top-p nucleus, renormalised.
+
+    Args:
+        logits: [a, v] float.
+        params: temperature and top-p.
+
+    Returns:
+        [a, v] float32 probabilities; each row sums to 1. A token is kept when the mass of the tokens
+        strictly more probable than it (ties broken by sort order) is < top_p, so the most probable
+        token is always kept.
+    """
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [a, v]
+    if params.top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [a, v]
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ahead of each one
+    sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams | None, generators: Sequence[torch.Generator] | torch.Generator | None = None
+) -> torch.Tensor:
+    """Pick one next token per row.
+
+    Args:
+        logits: [a, v] float, the last position's logits of each row.
+        params: None for greedy (argmax); else temperature / top-p sampling.
+        generators: CPU ``torch.Generator`` per row (a sequence of length a), or one for all rows.
+            Each row draws one uniform number from its generator (inverse-CDF sampling), so the
+            draw is device-independent. Required when sampling.
+
+    Returns:
+        [a] int64 token ids on ``logits.device``.
+
+    Raises:
+        ValueError: sampling without generators, or a generator list of the wrong length.
+    """
+    if params is None:
+        return logits.argmax(-1)
+    if generators is None:
+        raise ValueError("sampling needs a torch.Generator per row (or one for all rows)")
+    a = logits.shape[0]
+    if isinstance(generators, torch.Generator):
+        u = torch.rand(a, generator=generators, dtype=torch.float64)
+    else:
+        if len(generators) != a:
+            raise ValueError(f"{len(generators)} generators for {a} rows")
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    probs = nucleus_probs(logits, params).double()  # [a, v]
+    cdf = probs.cumsum(-1)  # [a, v]
+    total = cdf[:, -1:]  # [a, 1]
+    u = torch.minimum(u.to(logits.device)[:, None] * total, total * (1 - 1e-15))  # [a, 1], u < total
+    # the first index whose cdf exceeds u: a zero-probability token adds no CDF step, so it is never chosen
+    idx = torch.searchsorted(cdf, u, right=True)  # [a, 1]
+    return idx[:, 0]
+
+
+def row_generator(seed: int, *keys: object) -> torch.Generator:
+    """A CPU generator seeded from ``seed`` and any keys (e.g. a conversation id and a turn number).
+
+    The seed is a hash of the keys' text, so it does not depend on the process or the batch.
+    """
+    digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))

@@ -1,0 +1,71 @@
+"""Offline feature cache: run the target once over a dataset and store its last hidden states.
+
+    python -m scripts.cache_features dataset=data/generated/NAME --estimate     # print the bytes, exit
+    python -m scripts.cache_features dataset=data/generated/NAME top_k=8 dtype=bfloat16
+
+``dataset`` is a ``scripts.generate_data`` output folder or any ``save_to_disk`` folder with
+``input_ids``. Writes ``output_dir`` (default ``<dataset>/features-<target>``): shards + manifest
+(resumable: the same command continues an interrupted run) and ``feature_cache.json`` (schema
+version, dataset fingerprint, bytes estimated and written). Train on it with
+``data.features=cache data.feature_cache=<output_dir>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+
+from drafttrain.config import CacheFeaturesConfig, validate
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg) -> dict:
+    """Estimate (``estimate=true``) or build the cache; returns ``{"bytes_estimated", ...}`` metadata.
+
+    Raises:
+        ConfigError: unknown key / bad value (before anything is loaded).
+        FileNotFoundError: ``dataset`` is not a dataset folder.
+    """
+    c = cfg if isinstance(cfg, CacheFeaturesConfig) else validate(cfg, CacheFeaturesConfig)
+    import torch
+    from transformers import AutoConfig
+
+    from drafttrain.data.feature_cache import build_feature_cache, estimate_bytes
+    from drafttrain.data.selfdistill import load_generated
+    from drafttrain.target import load_target, resolve_target_dir
+
+    if c.num_threads:
+        torch.set_num_threads(c.num_threads)
+    ds = load_generated(c.dataset)
+    out = Path(c.output_dir or Path(c.dataset) / f"features-{c.target.name}")
+    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
+    d = c.target.hidden_size if c.target.random_init else AutoConfig.from_pretrained(resolve_target_dir(c.target)).hidden_size
+    est = estimate_bytes(lengths, d, c.top_k, c.shard_size)
+    print(f"[cache_features] {len(ds)} rows, {sum(max(n - 1, 0) for n in lengths)} positions, d={d}, top_k={c.top_k}: "
+          f"estimated {est} bytes ({est / 2**20:.1f} MiB) in {out}", flush=True)
+    if c.estimate:
+        return {"bytes_estimated": est, "rows": len(ds)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(c.target, device=device)
+    name = c.target.name if not c.target.random_init else f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
+    meta = build_feature_cache(target, ds, out, dtype=c.dtype, top_k=c.top_k, batch_size=c.batch_size,
+                               shard_size=c.shard_size, target_name=name, progress=c.progress)
+    off = 100 * (meta["bytes_written"] - meta["bytes_estimated"]) / max(meta["bytes_estimated"], 1)
+    print(f"[cache_features] wrote {meta['bytes_written']} bytes (estimate {meta['bytes_estimated']}, {off:+.2f}%): "
+          f"{json.dumps({k: meta[k] for k in ('rows', 'dtype', 'top_k', 'schema_version')})}", flush=True)
+    return meta
+
+
+@hydra.main(config_path="../conf", config_name="cache_features", version_base="1.3")
+def main(cfg) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    sys.argv = ["estimate=true" if a == "--estimate" else a for a in sys.argv]
+    main()
