@@ -112,6 +112,13 @@ class TrainerConfig:
     spec_eval_offset: int = 0
     spec_eval_stride: int = 1  # every N-th prompt from the offset (MT-bench: 5 = 2 questions per category)
     spec_eval_max_new_tokens: int = 128
+    # sequences decoded together by the bundled batched verifier (1 = one sequence at a time, eval/spec.py,
+    # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
+    spec_eval_batch_size: int = 16
+    # draft tree of the final evaluation (ParallelSpec App. A.3: candidates per depth, max nodes); null = a
+    # chain. With a tree the chain is decoded too (eval/tau_chain). Needs spec_eval_batch_size > 1.
+    spec_eval_tree_widths: list[int] | None = None
+    spec_eval_tree_budget: int | None = None
     progress: bool = True
 
 
@@ -243,6 +250,14 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
         problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
+    if c.trainer.spec_eval_batch_size < 1:
+        problems.append("trainer.spec_eval_batch_size must be >= 1")
+    tw, tb = c.trainer.spec_eval_tree_widths, c.trainer.spec_eval_tree_budget
+    if (tw is not None or tb is not None) and c.trainer.spec_eval_batch_size == 1:
+        problems.append("trainer.spec_eval_tree_widths/budget need trainer.spec_eval_batch_size > 1 (the batch-1 "
+                        "evaluation decodes a chain); set them to null")
+    if (tw is not None and (not tw or min(tw) < 1)) or (tb is not None and tb < 1):
+        problems.append("trainer.spec_eval_tree_widths must be positive ints and spec_eval_tree_budget >= 1")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if c.data.features not in ("auto", "live", "cache"):

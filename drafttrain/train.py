@@ -587,14 +587,21 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
     """Greedy chain speculative decoding of held-out prompts: eval/tau + token-for-token equality check."""
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.eval.spec import evaluate_prompts
+    from drafttrain.eval.spec import evaluate_prompts, evaluate_prompts_batched
 
     drafter.eval()
     rows = load_eval_prompts(c.trainer.spec_eval_prompts, limit=c.trainer.spec_eval_num_prompts,
                              offset=c.trainer.spec_eval_offset, stride=c.trainer.spec_eval_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+    bs = c.trainer.spec_eval_batch_size
     with torch.autocast("cpu", enabled=False):
-        r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
+        if bs > 1:
+            t = c.trainer
+            r = evaluate_prompts_batched(target, drafter, prompts, t.spec_eval_max_new_tokens, batch_size=bs,
+                                         progress=t.progress, tree_widths=t.spec_eval_tree_widths,
+                                         tree_budget=t.spec_eval_tree_budget, also_chain=True)  # fmt: skip
+        else:
+            r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:
         log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
     with (Path(c.output_dir) / "eval_outputs.jsonl").open("w") as f:
@@ -608,5 +615,10 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         "eval/spec_tokens_per_s": r["spec_tokens_per_s"],
         "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
         "eval/accept_hist": r["accept_hist"],
+        "eval/batch_size": bs,
+        **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
+                                       "tree_nodes_per_step") if k in r},  # fmt: skip
+        **({"eval/tree": f"widths {c.trainer.spec_eval_tree_widths} budget {c.trainer.spec_eval_tree_budget}"}
+           if "tau_chain" in r else {}),
         "eval/prompts": f"{c.trainer.spec_eval_prompts} ids {','.join(r['id'] for r in rows)}",
     }

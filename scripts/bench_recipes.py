@@ -1,6 +1,6 @@
 """All four recipes side by side on the real target: same data, steps, seed and optimizer.
 
-    export DRAFTTRAIN_CACHE=/tmp/dtcache_base   # the main job's self-distilled data (reused, never regenerated)
+    export DRAFTTRAIN_CACHE=/tmp/dtcache   # self-distilled once by the first run (1150 conversations), reused by the others
     for r in parallelspec parallelspec_eagle medusa eagle; do
         flock /tmp/drafttrain-heavy.lock nice -n 10 .venv/bin/python -m scripts.bench_recipes train --recipe $r
         flock /tmp/drafttrain-heavy.lock nice -n 10 .venv/bin/python -m scripts.bench_recipes eval --recipe $r
@@ -35,7 +35,12 @@ RECIPES = ["parallelspec", "parallelspec_eagle", "medusa", "eagle"]
 # shared by every recipe: same steps, seed, batch, schedule and in-run MT-bench evaluation
 COMMON = [
     "seed=0",
+    "data.max_conversations=1150",  # 943 self-distilled first turns (927 train + 16 held out)
     "trainer.max_steps=180",
+    "drafter.draft_vocab_size=8192",  # one draft vocabulary for every recipe (the main job's ParallelSpec uses 4096)
+    "trainer.spec_eval_batch_size=1",  # batch-1 chain decoding, as the GSM8K evaluation below
+    "trainer.spec_eval_tree_widths=null",
+    "trainer.spec_eval_tree_budget=null",
     "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 180 steps
     "trainer.eval_every=0",  # held-out eval/tau_sim once, at the end
     "trainer.save_every=0",  # final checkpoint only

@@ -59,6 +59,11 @@ def summarize(run_dir: Path) -> dict:
         "eval_plain_tokens_per_s": final.get("eval/plain_tokens_per_s"),
         "eval_spec_tokens_per_s": final.get("eval/spec_tokens_per_s"),
         "eval_speedup": final.get("eval/speedup"),
+        "eval_batch_size": final.get("eval/batch_size", 1),
+        "eval_tree": final.get("eval/tree"),
+        "eval_tau_chain": final.get("eval/tau_chain"),
+        "eval_accept_hist_chain": final.get("eval/accept_hist_chain"),
+        "eval_speedup_chain": final.get("eval/speedup_chain"),
         "curve": curve,
     }
 
@@ -81,16 +86,26 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
         ("τ_sim, last training window", _f(s["train_tau_sim_last"])),
         ("τ_sim, held-out self-distilled sequences", _f(s["eval_tau_sim_heldout"])),
         ("held-out acc_k", ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in s["eval_acc_heldout"].items())),
-        (f"**eval τ, greedy chain, {s['eval_prompts']}**", f"**{_f(s['eval_tau_mt_bench'])}**"),
+        (f"**eval τ, {'draft tree ' + s['eval_tree'] if s.get('eval_tree') else 'greedy chain'}, {s['eval_prompts']}**",
+         f"**{_f(s['eval_tau_mt_bench'])}**"),
+        *([("**eval τ, greedy chain (depth K + 1), same prompts**", f"**{_f(s['eval_tau_chain'])}**")]
+          if s.get("eval_tau_chain") is not None else []),
         ("speculative output == plain greedy (every prompt)", str(s["eval_greedy_equal"])),
         ("accepted drafts per step (histogram)", json.dumps(s["eval_accept_hist"])),
-        ("plain / speculative tokens/s (1 sequence, same run)",
-         f"{_f(s['eval_plain_tokens_per_s'], 1)} / {_f(s['eval_spec_tokens_per_s'], 1)} (speedup {_f(s['eval_speedup'], 2)})"),
+        *([("accepted drafts per step, chain", json.dumps(s["eval_accept_hist_chain"]))]
+          if s.get("eval_accept_hist_chain") else []),
+        (f"plain / speculative tokens/s ({s.get('eval_batch_size', 1)} sequences at a time, same run)",
+         f"{_f(s['eval_plain_tokens_per_s'], 1)} / {_f(s['eval_spec_tokens_per_s'], 1)} (speedup {_f(s['eval_speedup'], 2)}"
+         + (f"; chain {_f(s['eval_speedup_chain'], 2)})" if s.get("eval_speedup_chain") is not None else ")")),
     ]
     lines += [f"| {k} | {v} |" for k, v in table]
     if s["curve"]:
         lines += ["", "Held-out curve:", "", "| step | τ_sim held-out | acc_0 held-out | eval τ |", "|---|---|---|---|"]
+        seen = set()
         for r in s["curve"]:
+            if r["step"] in seen and "eval/tau" not in r:
+                continue
+            seen.add(r["step"])
             lines.append(f"| {r['step']} | {_f(r.get('eval/tau_sim'))} | {_f(r.get('eval/acc_0'))} | {_f(r.get('eval/tau'))} |")
     return "\n".join(lines) + "\n"
 

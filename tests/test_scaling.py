@@ -107,7 +107,7 @@ def test_two_processes_match_one_process(runs, name):
             assert got[step][k] == pytest.approx(ref[step][k], rel=REL, abs=1e-7), (step, k)
     final_ref, final = (json.loads((runs[n] / "final_metrics.json").read_text()) for n in ("ref", name))
     for k in [k for k in final_ref if k.startswith("eval/") and isinstance(final_ref[k], float)]:
-        if k not in ("eval/speedup", "eval/spec_tokens_per_s", "eval/plain_tokens_per_s"):  # wall clock
+        if "speedup" not in k and "tokens_per_s" not in k:  # wall clock
             assert final[k] == pytest.approx(final_ref[k], rel=REL, abs=1e-7), k
     assert final["eval/greedy_equal"] is True
     from safetensors.torch import load_file

@@ -178,3 +178,33 @@ def test_evaluate_prompts(varied_target, random_drafter, prompts):
     assert out["greedy_equal"] is True
     # 23 verified tokens per prompt in steps of K + 2 = 5: four full steps + one capped at 3
     assert list(out["accept_hist"]) == [K + 1] and out["tau"] == pytest.approx(23 / 5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_batched_evaluation_matches_single_sequence(varied_target, random_drafter, prompts, batch_size):
+    """The in-training evaluation through the batched verifier (trainer.spec_eval_batch_size) takes the
+    same chain steps as the one-sequence-at-a-time reference: same outputs, τ and accept histogram."""
+    from drafttrain.eval.spec import evaluate_prompts_batched
+
+    ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
+    out = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=batch_size, progress=False)
+    assert out["greedy_equal"] is True and out["batch_size"] == batch_size
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in ref["outputs"]]
+    assert out["accept_hist"] == ref["accept_hist"]
+    assert out["tau"] == pytest.approx(ref["tau"])
+    assert out["generated_tokens"] == ref["generated_tokens"] == 3 * 24
+
+
+def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_drafter, prompts):
+    """A draft tree (top-3 at depth 1) in the final evaluation: output still equals plain greedy, the chain
+    numbers come along (also_chain) and equal the single-sequence chain evaluation, and the tree is
+    verified at its full size (more nodes per step than the chain's K + 1)."""
+    from drafttrain.eval.spec import evaluate_prompts_batched
+
+    out = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+                                   tree_widths=[3, 1, 1, 1], tree_budget=6, also_chain=True)  # fmt: skip
+    ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
+    assert out["greedy_equal"] is True
+    assert out["tau_chain"] == pytest.approx(ref["tau"]) and out["accept_hist_chain"] == ref["accept_hist"]
+    assert out["tree_nodes_per_step"] > K + 1 - 1e-9
+    assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in ref["outputs"]]

@@ -168,10 +168,12 @@ def load_eval_reports(*paths: str | Path) -> list[dict[str, Any]]:
 
 
 def run_eval_rows(run: RunLog) -> list[dict[str, Any]]:
-    """The training run's own final speculative evaluation as a batch-size-1 row (empty if it has none)."""
+    """The training run's own final speculative evaluation as one row at its batch size (``eval/batch_size``,
+    1 for runs that predate it; empty if it has none)."""
     if "eval/tau" not in run.final:
         return []
-    return [{"recipe": run.recipe, "prompt_set": str(run.final.get("eval/prompts", "?")), "batch_size": 1,
+    return [{"recipe": run.recipe, "prompt_set": str(run.final.get("eval/prompts", "?")),
+             "batch_size": int(run.final.get("eval/batch_size", 1)),
              "tau": float(run.final["eval/tau"]), "speedup": float(run.final.get("eval/speedup", math.nan)),
              "tokens_per_s": float(run.final.get("eval/spec_tokens_per_s", math.nan)), "mode": "chain (training eval)",
              "source": str(run.path / "final_metrics.json")}]  # fmt: skip

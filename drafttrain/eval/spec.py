@@ -156,3 +156,82 @@ def evaluate_prompts(
         "generated_tokens": n_tokens,
         "outputs": outputs,
     }
+
+
+@torch.no_grad()
+def evaluate_prompts_batched(
+    target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
+    progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
+    also_chain: bool = False,
+) -> dict:
+    """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
+
+    Plain decoding (:class:`~drafttrain.verify.proposers.PlainProposer`) and greedy chain speculative
+    decoding (:class:`~drafttrain.verify.proposers.ParallelSpecProposer` with its default chain of
+    depth K + 1; Medusa / EAGLE drafters through their ``propose``) both run in
+    :class:`~drafttrain.verify.engine.SpecEngine` with ``batch_size`` sequences at a time (continuous
+    batching, EMS-SD unpadded KV cache). On a CPU a batch-1 forward of the target is bound by reading
+    its weights, so a batch of 16 costs little more than one sequence: the evaluation takes minutes
+    instead of most of a training budget. τ has the same definition (tokens emitted by verification
+    steps / sequence-steps, prefill excluded; DESIGN.md §3); ``speedup`` is the tokens/s ratio of the
+    two engine runs **at this batch size** (for batch-1 latency use :func:`evaluate_prompts`). Stops at
+    the target's eos, as :func:`evaluate_prompts` does. ``tree_widths`` / ``tree_budget`` verify a
+    draft tree instead of the chain (:func:`~drafttrain.verify.tree.parallelspec_tree`: candidates per
+    depth, maximum nodes; ParallelSpec Appendix A.3); greedy acceptance keeps the output lossless.
+    ``also_chain`` (with a tree) decodes the prompts a third time with the chain and adds its numbers as
+    ``tau_chain``, ``speedup_chain``, ``spec_tokens_per_s_chain``, ``accept_hist_chain``;
+    ``greedy_equal`` then covers both runs.
+
+    A speculative output that differs from the batched plain output is decoded again alone with
+    :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
+    (batched and single matmuls may round differently at a near tie).
+
+    Returns:
+        the keys of :func:`evaluate_prompts` plus ``batch_size`` and ``mode``.
+    """
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.proposers import ParallelSpecProposer, PlainProposer
+
+    stop = target.eos_token_id
+
+    def engine(proposer):
+        return SpecEngine(target, proposer, batch_size=batch_size, max_new_tokens=max_new_tokens, mode=mode,
+                          stop_token_ids=stop)  # fmt: skip
+
+    plain = engine(PlainProposer()).run(prompts, progress=progress and f"spec-eval plain b={batch_size}")
+    tree = tree_widths is not None or tree_budget is not None
+    proposer = ParallelSpecProposer(drafter, widths=tree_widths, budget=tree_budget)
+    spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
+    chain = None
+    if tree and also_chain:
+        chain = engine(ParallelSpecProposer(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
+    mismatches, outputs = [], []
+    for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
+        outs = [s.tokens] + ([chain.results[i].tokens] if chain is not None else [])
+        if any(o != r.tokens for o in outs):
+            single = plain_greedy(target, p, max_new_tokens)[0]
+            if any(o != single for o in outs):
+                mismatches.append(i)
+        outputs.append({"tokens": s.tokens, "tau": s.tau, "equal": i not in mismatches})
+    st, pt = spec.stats, plain.stats
+    extra = {}
+    if chain is not None:
+        ct = chain.stats
+        extra = {"tau_chain": ct.tau, "speedup_chain": ct.tokens_per_s / max(pt.tokens_per_s, 1e-9),
+                 "spec_tokens_per_s_chain": ct.tokens_per_s, "accept_hist_chain": dict(sorted(ct.accept_hist.items()))}  # fmt: skip
+    return {
+        "tau": st.tau,
+        "greedy_equal": not mismatches,
+        "mismatches": mismatches,
+        "accept_hist": dict(sorted(st.accept_hist.items())),
+        "plain_tokens_per_s": pt.tokens_per_s,
+        "spec_tokens_per_s": st.tokens_per_s,
+        "speedup": st.tokens_per_s / max(pt.tokens_per_s, 1e-9),
+        "num_prompts": len(prompts),
+        "generated_tokens": sum(len(r.tokens) for r in plain.results),
+        "outputs": outputs,
+        "batch_size": batch_size,
+        "mode": mode,
+        "tree_nodes_per_step": st.tree_nodes / max(st.seq_steps, 1),
+        **extra,
+    }
