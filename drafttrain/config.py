@@ -400,17 +400,10 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
     Raises:
         ConfigError: unknown key, wrong type, or a bad value (before any model loads).
     """
+    from drafttrain.cliconfig import validate_into
     from drafttrain.verify.engine import MODES
 
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
-    c: EvalConfig = OmegaConf.to_object(merged)
+    c: EvalConfig = validate_into(EvalConfig, cfg)
     problems = []
     if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
         problems.append("batch_sizes must be a non-empty list of ints >= 1")
