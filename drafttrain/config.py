@@ -366,11 +366,50 @@ class TreeConfig:
 
 
 @dataclass
+class SSSDEvalConfig:
+    """SSSD in the harness (SSSD §3.1-3.2). The drafting fields not listed here keep
+    :class:`~drafttrain.verify.sssd.SSSDConfig`'s defaults (the grid-searched weights)."""
+
+    datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
+    node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
+    tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
+    planner_context: int = 256  # cached tokens per sequence while forward times are measured
+    max_prefix_len: int = 6
+    max_depth: int = 8
+    num_threads: int = 1
+
+
+@dataclass
+class MCSDEvalConfig:
+    """Improved MCSD (MCSD-improved §3.1, §4.1): one run per W_t in ``target_roots`` with levels ``ks``."""
+
+    ks: list[int] = field(default_factory=lambda: [3, 2, 1, 1])
+    target_roots: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class MTADEvalConfig:
+    """MTAD (MTAD §3.2): B beams, K' draft tokens (null = the drafter's K + 1), acceptance threshold τ."""
+
+    num_beams: int = 4
+    num_steps: int | None = None
+    threshold: float = 0.1
+
+
+METHODS = ("parallelspec", "replay", "sssd", "mcsd", "mtad")
+
+
+@dataclass
 class EvalConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     checkpoint: str | None = None  # a training run folder (drafter/ + config.json) or a drafter/ folder
     untrained_drafter: bool = False  # no checkpoint: time a fresh ParallelSpec drafter (τ is meaningless)
     proposer: str = "parallelspec"  # parallelspec | replay (verifier benchmark: drafts = plain output, right w.p. replay_accept_prob)
+    methods: list[str] | None = None  # null = [proposer]; any of parallelspec, replay, sssd, mcsd, mtad (one report)
+    sssd: SSSDEvalConfig = field(default_factory=SSSDEvalConfig)
+    mcsd: MCSDEvalConfig = field(default_factory=MCSDEvalConfig)
+    mtad: MTADEvalConfig = field(default_factory=MTADEvalConfig)
+    perplexity: bool | None = None  # output perplexity under the target per run; null = when a lossy method runs
     replay_accept_prob: float = 0.7
     replay_depth: int = 5
     prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
@@ -418,10 +457,19 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
         problems.append("temperature must be >= 0 and top_p in (0, 1]")
     if c.proposer not in ("parallelspec", "replay"):
         problems.append("proposer must be parallelspec or replay")
-    if c.proposer == "replay" and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
+    methods = list(c.methods) if c.methods is not None else [c.proposer]
+    if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
+        problems.append(f"methods must be distinct names from {list(METHODS)}, got {methods}")
+    if "replay" in methods and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
         problems.append("proposer=replay needs temperature=0, replay_accept_prob in [0, 1] and replay_depth >= 1")
-    if c.checkpoint is None and not c.untrained_drafter and c.proposer == "parallelspec":
+    if c.checkpoint is None and not c.untrained_drafter and {"parallelspec", "mcsd", "mtad"} & set(methods):
         problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
+    if c.sssd.node_budgets is not None and (not c.sssd.node_budgets or min(c.sssd.node_budgets) < 0):
+        problems.append("sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)")
+    if not c.mcsd.ks or min(c.mcsd.ks) < 1 or not c.mcsd.target_roots or min(c.mcsd.target_roots) < 1:
+        problems.append("mcsd.ks and mcsd.target_roots must be non-empty lists of ints >= 1")
+    if c.mtad.num_beams < 1 or (c.mtad.num_steps is not None and c.mtad.num_steps < 1) or not c.mtad.threshold >= 0:
+        problems.append("mtad needs num_beams >= 1, num_steps >= 1 (or null) and threshold >= 0")
     if c.tree.widths is not None and (not c.tree.widths or min(c.tree.widths) < 1):
         problems.append("tree.widths must be positive ints")
     if c.tree.budget is not None and c.tree.budget < 1:

@@ -22,6 +22,24 @@ from drafttrain.eval.harness import evaluate
 from drafttrain.eval.report import markdown
 
 ANALYSIS = re.compile(r"<!-- analysis -->.*?<!-- /analysis -->", re.S)
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def run_eval(overrides: list[str]) -> dict:
+    """Compose ``conf/evaluate.yaml`` with Hydra overrides and run the harness (returns results.json's dict)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("evaluate", overrides=overrides), resolve=True)
+    cfg.pop("hydra", None)
+    return evaluate(cfg)
+
+
+def kept_analysis(md: Path) -> str:
+    """The hand-written analysis section of an existing page (or an empty one)."""
+    m = ANALYSIS.search(md.read_text()) if md.exists() else None
+    return m.group(0) if m else "<!-- analysis -->\n<!-- /analysis -->"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,11 +63,6 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-
     def run(prompts: str, batch_sizes: list[int]) -> dict:
         overrides = [
             f"target={args.target}", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
@@ -61,10 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             overrides += ["proposer=replay", f"replay_accept_prob={args.replay}"]
         else:
             overrides += [f"checkpoint={args.checkpoint}"] if args.checkpoint else ["untrained_drafter=true"]
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = OmegaConf.to_container(compose("evaluate", overrides=overrides), resolve=True)
-        cfg.pop("hydra", None)
-        return evaluate(cfg)
+        return run_eval(overrides)
 
     results = {name: run(name, args.batch_sizes) for name in args.prompt_sets}
     if args.gsm8k and "gsm8k" not in results:
@@ -76,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"command": command, **results}, indent=1))
     md = out.with_suffix(".md")
-    keep = ANALYSIS.search(md.read_text()).group(0) if md.exists() and ANALYSIS.search(md.read_text()) else (
-        "<!-- analysis -->\n<!-- /analysis -->")  # fmt: skip
+    keep = kept_analysis(md)
     body = [f"# Batched verifier benchmark\n\nReproduce (JSON: `{out.with_suffix('.json').name}`):\n\n```bash\n{command}\n```\n",
             keep, ""]  # fmt: skip
     for name, res in results.items():

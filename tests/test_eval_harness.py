@@ -157,3 +157,61 @@ def test_harness_replay_proposer(tmp_path):
     spec = [r for r in res["runs"] if r["method"] == "replay"]
     assert len(spec) == 2 and all(r["tau"] == pytest.approx(4.0) for r in spec)  # 8 verified tokens in 2 steps of 4
     assert "replay proposer" in (tmp_path / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def sssd_inputs(tmp_path_factory, tiny_target):
+    """A tiny SSSD datastore and a planner τ(n) table; returns the harness overrides that use them."""
+    from drafttrain.verify.datastore import Datastore
+
+    d = tmp_path_factory.mktemp("sssd")
+    docs = [tiny_target.tokenizer("the cat sat on the mat and the dog sat on the log " * 4)["input_ids"]]
+    Datastore.from_documents(docs).save(d / "store")
+    (d / "tau.json").write_text(json.dumps({"tau_by_size": {"0": 1.0, "2": 1.4, "4": 1.6, "8": 1.7}}))
+    return [f"sssd.datastore={d / 'store'}", f"sssd.tau_table={d / 'tau.json'}", "sssd.planner_context=16"]
+
+
+def test_harness_compares_methods(checkpoint, sssd_inputs, tmp_path):
+    """SSSD (planner-chosen tree size), MCSD W_t = 1 and 2 and MTAD beside the trained drafter in one
+    report: lossless runs equal plain greedy, lossy ones are flagged and carry a perplexity, the planner
+    records its choice per batch size."""
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    out = tmp_path / "eval"
+    res = evaluate(compose_eval([
+        f"checkpoint={checkpoint}", "target=tiny", "num_prompts=3", "max_new_tokens=10", "batch_sizes=[1,2]",
+        "modes=[unpadded]", "methods=[parallelspec,sssd,mcsd,mtad]", *sssd_inputs, "mcsd.ks=[2,1]",
+        "mcsd.target_roots=[1,2]", "mtad.num_beams=2", f"output_dir={out}", "progress=false", "plots=false",
+    ]))  # fmt: skip
+    spec = [(r["method"], r["batch_size"]) for r in res["runs"] if r["method"] != "plain"]
+    assert spec == [(m, b) for b in (1, 2) for m in ("parallelspec", "sssd", "mcsd_w1", "mcsd_w2", "mtad")]
+    assert res["lossy_methods"] == ["mcsd_w2", "mtad"] and res["greedy_equal"] is True
+    for r in res["runs"]:
+        assert r["lossless"] == (r["method"] not in ("mcsd_w2", "mtad"))
+        assert r["perplexity"] > 1.0  # computed for every run when a lossy method is compared
+        if r["lossless"] and r["method"] != "plain":
+            assert r["greedy_equal"], r["method"]
+    plans = res["sssd_planner"]
+    assert sorted(plans) == ["1", "2"] and all(p["best_size"] in (0, 2, 4, 8) for p in plans.values())
+    assert [r["node_budget"] for r in res["runs"] if r["method"] == "sssd"] == [plans["1"]["best_size"], plans["2"]["best_size"]]
+    report = (out / "report.md").read_text()
+    assert "## Methods by batch size" in report and "| mtad | unpadded | **no** |" in report
+    assert "speculation-length planner" in report
+
+
+def test_bench_modes_writes_tables(checkpoint, sssd_inputs, tmp_path):
+    """scripts.bench_modes end to end on the tiny target: per-set method tables, the planner vs the sweep."""
+    from scripts import bench_modes
+
+    torch.set_num_threads(1)
+    out = tmp_path / "modes"
+    bench_modes.main(["--checkpoint", str(checkpoint), "--num-prompts", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "2",
+                      "--prompt-sets", "mt_bench", "--sweep", "2", "4", "--threads", "1", "--out", str(out),
+                      "--work-dir", str(tmp_path / "work"), "--extra", "target=tiny", "mcsd.ks=[2,1]", *sssd_inputs])  # fmt: skip
+    md = out.with_suffix(".md").read_text()
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert {"mt_bench", "sssd_sweep", "command"} <= set(saved)
+    assert sorted({r["node_budget"] for r in saved["sssd_sweep"]["runs"] if r["method"] != "plain"}) == [2, 4]
+    assert "| 1 | mtad | **no** |" in md and "| 2 | mcsd_w2 | **no** |" in md
+    assert "measured best n" in md and md.count("| 1 | ") >= 7  # plain + 5 methods + the planner row

@@ -93,6 +93,56 @@ def make_proposer(c: EvalConfig, drafter):
     return ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
 
 
+def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, repeats: int = 3) -> dict[tuple[int, int], float]:
+    """Median time of one target forward of ``batch_size`` sequences x s new tokens over a KV cache of
+    ``context`` tokens, for every s in ``lengths`` (the forward-time curve of SSSD §3.2 / Fig. 2).
+
+    Returns:
+        ``{(batch_size, s): seconds}`` (the table :func:`~drafttrain.verify.sssd.plan_speculation_length` reads).
+    """
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(target.config.vocab_size)
+    ctx = torch.randint(0, vocab, (batch_size, context), generator=g, device=target.device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        target.forward(ctx, past_key_values=cache, use_cache=True, with_logits=False)
+        out = {}
+        for s in sorted(set(int(x) for x in lengths)):
+            ids = torch.randint(0, vocab, (batch_size, s), generator=g, device=target.device)
+            pos = (context + torch.arange(s, device=target.device)).expand(batch_size, s)
+            times = []
+            for _ in range(repeats + 1):  # the first call of a new shape is a warm-up
+                t0 = time.perf_counter()
+                target.forward(ids, position_ids=pos, past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - t0)
+                cache.crop(-s)  # transformers 5: a negative count removes that many tokens
+            out[(batch_size, s)] = float(sorted(times[1:])[len(times[1:]) // 2])
+    return out
+
+
+def plan_sssd_budget(c: EvalConfig, target, batch_size: int) -> dict[str, Any]:
+    """The speculation-length planner (SSSD §3.2) for one batch size: forward times measured now on this
+    machine, τ(n) from ``c.sssd.tau_table`` (the grid search's simulated acceptance per tree size).
+
+    Raises:
+        FileNotFoundError: no τ table (the message names the command that writes it).
+    """
+    from drafttrain.verify.sssd import plan_speculation_length
+
+    table = Path(c.sssd.tau_table)
+    if not table.is_file():
+        raise FileNotFoundError(f"no SSSD τ(n) table at {table}: run `python -m scripts.sssd_grid` "
+                                f"(or pass sssd.node_budgets=[...])")  # fmt: skip
+    tau = {int(n): float(t) for n, t in json.loads(table.read_text())["tau_by_size"].items()}
+    fwd = measure_forward_seconds(target, batch_size, [n + 1 for n in tau] + [1], c.sssd.planner_context)
+    plan = plan_speculation_length(fwd, tau, batch_size)
+    return {"batch_size": batch_size, "best_size": plan.best_size, "expected_speedup": plan.speedup,
+            "tau_by_size": tau, "forward_seconds": {str(k[1]): v for k, v in fwd.items()},
+            "expected_tokens_per_s": {str(n): v for n, v in plan.tokens_per_s.items()}}  # fmt: skip
+
+
 def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:
     """Where a speculative output first leaves the plain one, and the target's top-2 logit gap there.
 
@@ -179,8 +229,17 @@ def evaluate(cfg) -> dict[str, Any]:
         torch.set_num_threads(c.num_threads)
     out_dir = Path(c.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    methods = list(c.methods) if c.methods is not None else [c.proposer]
+    needs_drafter = bool({"parallelspec", "mcsd", "mtad"} & set(methods))
+    datastore = None
+    if "sssd" in methods:  # before the target loads: a missing datastore fails fast
+        from drafttrain.verify.datastore import Datastore
+
+        if not Path(c.sssd.datastore).is_dir():
+            raise FileNotFoundError(f"no SSSD datastore at {c.sssd.datastore}: run `python -m scripts.build_datastore`")
+        datastore = Datastore.load(c.sssd.datastore)
     target = load_target(c.target)
-    if c.proposer == "replay":
+    if not needs_drafter:
         drafter = None
     elif ddir is not None:
         drafter = Drafter.from_pretrained(ddir, target).eval()
@@ -197,17 +256,55 @@ def evaluate(cfg) -> dict[str, Any]:
         return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
                           sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
 
-    def spec_proposer(references):
-        if c.proposer == "replay":
-            refs = {tuple(p): r for p, r in zip(prompts, references)}
-            return ReplayProposer(refs, depth=c.replay_depth, accept_prob=c.replay_accept_prob, seed=c.seed)
-        return make_proposer(c, drafter)
+    from drafttrain.verify.mcsd import MCSDConfig
+    from drafttrain.verify.methods import MCSDProposer, MTADProposer, SSSDProposer
+    from drafttrain.verify.mtad import output_perplexity
+    from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter
+
+    sssd_drafter = None
+    if datastore is not None:
+        sssd_drafter = SSSDDrafter(SSSDConfig(max_prefix_len=c.sssd.max_prefix_len, max_depth=c.sssd.max_depth),
+                                   datastore, num_threads=c.sssd.num_threads)  # fmt: skip
+    plans: dict[int, dict[str, Any]] = {}
+
+    def sssd_budget(bs: int) -> int:
+        if bs not in plans:
+            plans[bs] = plan_sssd_budget(c, target, bs)
+            log.info("SSSD planner, batch %d: tree size %d (expected speedup %.2f)", bs, plans[bs]["best_size"],
+                     plans[bs]["expected_speedup"])  # fmt: skip
+        return plans[bs]["best_size"]
+
+    # (label, factory(batch_size, plain outputs) -> proposer) for every speculative run of a batch size
+    variants: list[tuple[str, Any]] = []
+    for m in methods:
+        if m == "replay":
+            variants.append(("replay", lambda bs, refs: ReplayProposer(
+                {tuple(p): r for p, r in zip(prompts, refs)}, depth=c.replay_depth,
+                accept_prob=c.replay_accept_prob, seed=c.seed)))  # fmt: skip
+        elif m == "parallelspec":
+            variants.append(("parallelspec", lambda bs, refs: make_proposer(c, drafter)))
+        elif m == "sssd" and c.sssd.node_budgets is None:
+            variants.append(("sssd", lambda bs, refs: SSSDProposer(sssd_drafter, sssd_budget(bs))))
+        elif m == "sssd":
+            for n in c.sssd.node_budgets:
+                variants.append((f"sssd_n{n}", lambda bs, refs, n=n: SSSDProposer(sssd_drafter, n)))
+        elif m == "mcsd":
+            for w in c.mcsd.target_roots:
+                variants.append((f"mcsd_w{w}", lambda bs, refs, w=w: MCSDProposer(drafter, MCSDConfig(tuple(c.mcsd.ks), w))))
+        elif m == "mtad":
+            variants.append(("mtad", lambda bs, refs: MTADProposer(drafter, c.mtad.num_beams, c.mtad.num_steps,
+                                                                   c.mtad.threshold)))  # fmt: skip
+    lossy = ([f"mcsd_w{w}" for w in c.mcsd.target_roots if w > 1] if "mcsd" in methods else []) + (
+        ["mtad"] if "mtad" in methods else [])  # fmt: skip
+    with_ppl = c.perplexity if c.perplexity is not None else bool(lossy)
 
     if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
         few = prompts[:2] if len(prompts) > 1 else prompts * 2
         for mode in sorted(set(c.modes) | {c.plain_mode}):
             warm = engine(PlainProposer(), 2, mode, max_new_tokens=8).run(few)
-            engine(spec_proposer([r.tokens for r in warm.results]), 2, mode, max_new_tokens=8).run(few)
+            for label, make in variants:  # (the planner is not run for a warm-up)
+                prop = SSSDProposer(sssd_drafter, 8) if label == "sssd" else make(2, [r.tokens for r in warm.results])
+                engine(prop, 2, mode, max_new_tokens=8).run(few)
 
     runs: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -216,26 +313,41 @@ def evaluate(cfg) -> dict[str, Any]:
         plain = engine(PlainProposer(), bs, c.plain_mode).run(prompts, progress=c.progress and f"plain b={bs}")
         plain_rec = _run_record(plain, "plain", c.plain_mode, bs)
         plain_rec["speedup"] = 1.0
-        runs.append(plain_rec)
+        plain_rec["lossless"] = True
         plain_tokens = [r.tokens for r in plain.results]
+        if with_ppl:
+            plain_rec["perplexity"] = output_perplexity(target, prompts, plain_tokens)
+        runs.append(plain_rec)
         outputs[f"plain/b{bs}"] = plain_tokens
-        for mode in c.modes:
-            spec = engine(spec_proposer(plain_tokens), bs, mode).run(prompts, progress=c.progress and f"{mode} b={bs}")
-            rec = _run_record(spec, c.proposer, mode, bs)
-            rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
-            toks = [r.tokens for r in spec.results]
-            outputs[f"{c.proposer}/{mode}/b{bs}"] = toks
-            if sampling.greedy:
-                bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
-                rec["greedy_equal"] = not bad
-                rec["mismatches"] = [ids[i] for i in bad]
-                rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_tokens[i]) for i in bad}
-                if bad:
-                    log.error("b=%d %s: speculative output differs from plain greedy on prompts %s: %s", bs, mode,
-                              rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
-            runs.append(rec)
-            log.info("b=%d %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f", bs, mode,
-                     rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"], rec["padding_ratio"])
+        for label, make in variants:
+            for mode in c.modes:
+                proposer = make(bs, plain_tokens)  # a fresh one per run (proposers keep per-sequence state)
+                lossless = bool(getattr(proposer, "lossless", True))
+                spec = engine(proposer, bs, mode).run(prompts, progress=c.progress and f"{label} {mode} b={bs}")
+                rec = _run_record(spec, label, mode, bs)
+                rec["lossless"] = lossless
+                if label.startswith("sssd"):
+                    rec["node_budget"] = getattr(proposer, "node_budget", None)
+                rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
+                toks = [r.tokens for r in spec.results]
+                outputs[f"{label}/{mode}/b{bs}"] = toks
+                if with_ppl:
+                    rec["perplexity"] = output_perplexity(target, prompts, toks)
+                if sampling.greedy:
+                    bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
+                    rec["greedy_equal"] = not bad
+                    rec["equal_fraction"] = 1 - len(bad) / len(toks)
+                    rec["mismatches"] = [ids[i] for i in bad]
+                    if lossless:
+                        rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_tokens[i])
+                                                     for i in bad}  # fmt: skip
+                        if bad:
+                            log.error("b=%d %s %s: speculative output differs from plain greedy on prompts %s: %s", bs,
+                                      label, mode, rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
+                runs.append(rec)
+                log.info("b=%d %s %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f%s", bs, label,
+                         mode, rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"],
+                         rec["padding_ratio"], "" if lossless else " (lossy)")  # fmt: skip
     results = {
         "command_config": to_dict_eval(c),
         "git_sha": _git_sha(),
@@ -243,13 +355,16 @@ def evaluate(cfg) -> dict[str, Any]:
             "device": str(target.device), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
         },  # fmt: skip
-        "drafter": {"proposer": c.proposer, "checkpoint": str(ddir) if ddir else None,
-                    "untrained": ddir is None and c.proposer == "parallelspec",
+        "drafter": {"proposer": methods[0] if len(methods) == 1 else "+".join(methods), "methods": methods,
+                    "checkpoint": str(ddir) if ddir else None,
+                    "untrained": ddir is None and drafter is not None,
                     "num_mask_tokens": drafter.num_mask_tokens if drafter is not None else None,
-                    "replay_accept_prob": c.replay_accept_prob if c.proposer == "replay" else None},  # fmt: skip
+                    "replay_accept_prob": c.replay_accept_prob if "replay" in methods else None},  # fmt: skip
+        "lossy_methods": lossy,
+        "sssd_planner": {str(b): p for b, p in sorted(plans.items())},
         "prompts": {"set": c.prompts, "ids": ids, "num": len(ids), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)},
         "greedy": sampling.greedy,
-        "greedy_equal": all(r.get("greedy_equal", True) for r in runs) if sampling.greedy else None,
+        "greedy_equal": all(r.get("greedy_equal", True) for r in runs if r["lossless"]) if sampling.greedy else None,
         "runs": runs,
         "total_seconds": time.perf_counter() - t_all,
     }

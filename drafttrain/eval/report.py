@@ -14,20 +14,44 @@ def _plain(results: dict, bs: int) -> dict:
     return next(r for r in results["runs"] if r["method"] == "plain" and r["batch_size"] == bs)
 
 
+def _methods(results: dict) -> list[str]:
+    return list(dict.fromkeys(r["method"] for r in _spec_runs(results)))
+
+
 def _modes(results: dict) -> list[str]:
-    seen: list[str] = []
-    for r in _spec_runs(results):
-        if r["mode"] not in seen:
-            seen.append(r["mode"])
-    return seen
+    """The speculative runs' variants: engine modes for one method; "method/mode" labels for several."""
+    return list(dict.fromkeys(_variant(results, r) for r in _spec_runs(results)))
+
+
+def _variant(results: dict, r: dict) -> str:
+    return r["mode"] if len(_methods(results)) == 1 else f"{r['method']}/{r['mode']}"
 
 
 def _batch_sizes(results: dict) -> list[int]:
     return sorted({r["batch_size"] for r in results["runs"]})
 
 
-def _get(results: dict, bs: int, mode: str) -> dict | None:
-    return next((r for r in _spec_runs(results) if r["batch_size"] == bs and r["mode"] == mode), None)
+def _get(results: dict, bs: int, variant: str) -> dict | None:
+    return next((r for r in _spec_runs(results) if r["batch_size"] == bs and _variant(results, r) == variant), None)
+
+
+def _methods_table(results: dict) -> list[str]:
+    """One row per (batch, method, mode): the comparison of decoding methods (issue: modes report)."""
+    ppl = any("perplexity" in r for r in results["runs"])
+    head = "| batch | method | mode | lossless | τ | tok/s | speedup | mean tree nodes | equal to plain |"
+    head += " perplexity |" if ppl else ""
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for bs in _batch_sizes(results):
+        for r in [_plain(results, bs)] + [r for r in _spec_runs(results) if r["batch_size"] == bs]:
+            eq = "-" if r["method"] == "plain" else (f"{r['equal_fraction']:.0%}" if "equal_fraction" in r else "n/a")
+            name = r["method"] + (f" (n = {r['node_budget']})" if r.get("node_budget") is not None
+                                  and not r["method"].startswith("sssd_n") else "")  # fmt: skip
+            cells = [str(bs), name, r["mode"], "yes" if r.get("lossless", True) else "**no**", f"{r['tau']:.3f}",
+                     f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['mean_tree_nodes']:.1f}", eq]  # fmt: skip
+            if ppl:
+                cells.append(f"{r['perplexity']:.3f}" if "perplexity" in r else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _drafter_line(d: dict) -> str:
@@ -54,8 +78,21 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         f"- plain baseline: engine mode `{cfg['plain_mode']}`; speculative modes: {', '.join(f'`{m}`' for m in modes)}",
     ]
     if results["greedy"]:
-        lines.append(f"- **greedy_equal** (every speculative output == plain output, token for token): "
+        lines.append(f"- **greedy_equal** (every lossless speculative output == plain output, token for token): "
                      f"**{results['greedy_equal']}**")  # fmt: skip
+    if results.get("lossy_methods"):
+        lines.append(f"- lossy methods (output distribution != the target's; perplexity under the target reported): "
+                     f"{', '.join(results['lossy_methods'])}")  # fmt: skip
+    if len(_methods(results)) > 1:
+        lines += ["", "## Methods by batch size", ""] + _methods_table(results)
+    if results.get("sssd_planner"):
+        lines += ["", "## SSSD speculation-length planner (SSSD §3.2)", "",
+                  "Tree size n maximising b·τ(n) / t(b, n + 1): forward times t measured at the start of this run, "
+                  "τ(n) from the grid search's simulated acceptance.", "",
+                  "| batch | chosen n | expected speedup | forward ms by speculation length s = n + 1 |", "|---|---|---|---|"]  # fmt: skip
+        for b, p in results["sssd_planner"].items():
+            fw = ", ".join(f"{s}: {1000 * t:.0f}" for s, t in p["forward_seconds"].items())
+            lines.append(f"| {b} | {p['best_size']} | {p['expected_speedup']:.2f}x | {fw} |")
     lines += ["", "## Throughput and speedup by batch size", ""]
     head = "| batch | plain tok/s | " + " | ".join(f"{m} tok/s | {m} speedup" for m in modes) + " | τ | padded: padding ratio |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -76,7 +113,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         hist = ", ".join(f"{k}: {v}" for k, v in r["accept_hist"].items())
         depth = ", ".join(f"{k}: {v:.2f}" for k, v in r["depth_acceptance"].items())
         eq = r.get("greedy_equal", "n/a")
-        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tau']:.3f} | {r['mean_tree_nodes']:.1f} | {hist} | {depth} | {eq} |")
+        lines.append(f"| {r['batch_size']} | {_variant(results, r)} | {r['tau']:.3f} | {r['mean_tree_nodes']:.1f} | {hist} | {depth} | {eq} |")
     lines += ["", "## Padding (EMS-SD): padded / real slots of the decoding steps", ""]
     lines += ["Input / KV padding ratio: padded input slots / real inputs and skipped cache slots / committed "
               "tokens (EMS-SD Table 1 counts); attention-window padding: padded slots the verification attention "
@@ -84,17 +121,17 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
     lines += ["| batch | mode | input padding | KV padding | padding ratio | attention-window padding | tok/s | draft s | verify-forward s |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in _spec_runs(results):
-        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['input_padding_ratio']:.3f} | {r['kv_padding_ratio']:.3f} | "
+        lines.append(f"| {r['batch_size']} | {_variant(results, r)} | {r['input_padding_ratio']:.3f} | {r['kv_padding_ratio']:.3f} | "
                      f"{r['padding_ratio']:.3f} | {r.get('window_padding_ratio', 0.0):.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['draft_seconds']:.1f} | {r['verify_forward_seconds']:.1f} |")  # fmt: skip
-    mism = [r for r in _spec_runs(results) if r.get("mismatches")]
+    mism = [r for r in _spec_runs(results) if r.get("mismatches") and r.get("lossless", True)]
     if mism:
         lines += ["", "## Mismatches (speculative != plain greedy)", "",
                   "First differing position and the target's top-2 logit gap there (a gap near 1e-5 is a near-tie "
                   "that float reassociation between batch shapes can flip; a large gap is a bug).", ""]  # fmt: skip
         for r in mism:
             diag = r.get("mismatch_diagnosis", {})
-            lines.append(f"- batch {r['batch_size']}, {r['mode']}: " + ", ".join(
+            lines.append(f"- batch {r['batch_size']}, {_variant(results, r)}{'' if r.get('lossless', True) else ' (lossy)'}: " + ", ".join(
                 f"prompt {pid} (position {d['position']}, gap {d['top2_gap']:.2e})" if (d := diag.get(pid)) else f"prompt {pid}"
                 for pid in r["mismatches"]))  # fmt: skip
     if plots:

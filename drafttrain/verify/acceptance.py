@@ -59,10 +59,14 @@ GREEDY = SamplingParams()
 
 @dataclass
 class Acceptance:
-    """path: accepted node indices (root's child first, depth order); bonus: the target's next token after them."""
+    """path: accepted node indices (root's child first, depth order); bonus: the target's next token after them.
+
+    ``bonus=None`` (only from a proposer's own rule, e.g. MCSD with target-sampled roots): no bonus
+    token; the last accepted node becomes the next step's root, so ``path`` must not be empty.
+    """
 
     path: list[int] = field(default_factory=list)
-    bonus: int = -1
+    bonus: int | None = -1
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -467,9 +467,20 @@ class SpecEngine:
     def _commit(self, rows, seqs, trees, logits, hidden) -> None:
         cache = self.cache
         st = self.stats
-        results: list[Acceptance] = [
-            accept(t, lg, self.sampling, self.generator, self.replacement) for t, lg in zip(trees, logits)
-        ]
+        rule = getattr(self.proposer, "accept", None)  # a proposer's own rule (SSSD, MCSD, MTAD) wins
+        if rule is not None:
+            results: list[Acceptance] = [
+                rule(seq.slot, t, lg, self.sampling, self.generator) for seq, t, lg in zip(seqs, trees, logits)
+            ]
+        else:
+            results = [accept(t, lg, self.sampling, self.generator, self.replacement) for t, lg in zip(trees, logits)]
+        # tokens whose K/V this step commits: the root + the accepted path; with no bonus token (MCSD with
+        # target-sampled roots) the last accepted node becomes the next root and is re-fed next step
+        keep = {}
+        for r, acc in zip(rows, results):
+            if acc.bonus is None and not acc.path:
+                raise RuntimeError("an acceptance without a bonus token must accept at least one node")
+            keep[r] = 1 + len(acc.path) if acc.bonus is not None else len(acc.path)
         # keys/values of [root, accepted path] -> contiguous slots [base, base + 1 + m)
         base = {r: (self._write_ptr if self.mode == "padded" else int(cache.lengths[r])) for r in rows}
         mv_rows, mv_src, mv_dst = [], [], []
@@ -482,7 +493,7 @@ class SpecEngine:
         if mv_rows:
             as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
             cache.move(as_t(mv_rows), as_t(mv_src), as_t(mv_dst))
-        a_max = max(1 + len(acc.path) for acc in results)
+        a_max = max(keep.values())
         q = [1 + t.n for t in trees]
         st.forwards += 1
         st.input_tokens += sum(q)
@@ -490,11 +501,11 @@ class SpecEngine:
             st.input_padding += sum(max(q) - n for n in q)
         for r, seq, tree, acc, h in zip(rows, seqs, trees, results, hidden):
             m = len(acc.path)
-            cache.valid[r, base[r] : base[r] + 1 + m] = True
-            cache.lengths[r] += 1 + m
-            st.kv_tokens += 1 + m
+            cache.valid[r, base[r] : base[r] + keep[r]] = True
+            cache.lengths[r] += keep[r]
+            st.kv_tokens += keep[r]
             if self.mode == "padded":
-                st.kv_padding += a_max - (1 + m)
+                st.kv_padding += a_max - keep[r]
             # statistics
             st.seq_steps += 1
             st.tree_nodes += tree.n
@@ -504,7 +515,7 @@ class SpecEngine:
                     st.depth_attempts[d] = st.depth_attempts.get(d, 0) + 1
                     st.depth_accepts[d] = st.depth_accepts.get(d, 0) + int(m >= d)
             # emit accepted drafts + bonus, up to a stop token and max_new_tokens
-            new = tree.tokens[acc.path].tolist() + [acc.bonus]
+            new = tree.tokens[acc.path].tolist() + ([acc.bonus] if acc.bonus is not None else [])
             full = list(new)
             stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
             if stop_at is not None:
@@ -515,13 +526,14 @@ class SpecEngine:
             seq.result.emitted += len(new)
             seq.result.accept_lengths.append(m)
             st.emitted += len(new)
-            seq.pending = acc.bonus
+            seq.pending = full[-1]
             if stop_at is not None and stop_at < len(new):
                 self._finish(r, "stop")
             elif len(seq.generated) >= self.max_new_tokens:
                 self._finish(r, "length")
             else:
-                self.proposer.commit(seq.slot, full, h[[0] + [p + 1 for p in acc.path]])
+                fed = [0] + [p + 1 for p in acc.path]  # rows of [root, path] in this step's input
+                self.proposer.commit(seq.slot, full, h[fed[: len(full)]])
         if self.mode == "padded":
             self._write_ptr += a_max
 

@@ -19,6 +19,13 @@ small integer naming one live sequence (0..batch_size-1, reused after :meth:`~Pr
    accepted sequence, and rejected drafts never enter it.
 4. ``release(slot)`` when the sequence finished; the slot may be started again later.
 
+Optional: ``accept(slot, tree, target_logits, sampling, generator) -> Acceptance`` replaces the
+engine's rule (:func:`~drafttrain.verify.acceptance.accept`) for this proposer's trees (SSSD's
+membership rule, MCSD's target-initialized rule, MTAD's joint-likelihood rule; see
+:mod:`drafttrain.verify.methods`), and ``lossless`` (default True) says whether the output keeps the
+target's distribution. A rule may return ``bonus=None``: then ``commit`` gets the accepted tokens
+only, with the hidden states at [root, path[:-1]], and the last accepted token is the next root.
+
 How the other drafters fit without touching the engine:
 
 - **Medusa** heads read only f_t: keep ``hidden[-1]`` from start/commit (the feature whose LM-head

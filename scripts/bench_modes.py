@@ -1,0 +1,122 @@
+"""Decoding methods side by side on the real target; writes docs/benchmarks/modes.{json,md}.
+
+    python -m scripts.build_datastore       # once: the SSSD datastore (data/datastore/sharegpt)
+    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_modes --checkpoint outputs/mainjob2_eval
+
+For each prompt set (MT-bench, GSM8K) and batch size (1, 8) one harness run
+(:func:`drafttrain.eval.harness.evaluate`) decodes the same prompts with plain decoding, the trained
+ParallelSpec drafter, SSSD (tree size chosen by the speculation-length planner), improved MCSD
+(W_t = 1 and 2) and MTAD, all in the same process on the same engine (EMS-SD unpadded mode), with the
+output perplexity under the target for every run (MCSD W_t > 1 and MTAD are lossy). A second run sweeps
+SSSD's tree size on MT-bench at the same batch sizes: the measured best size beside the planner's choice.
+A hand-written section between ``<!-- analysis -->`` markers in an existing page is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from scripts.bench_verifier import kept_analysis, run_eval
+
+METHODS = "[parallelspec,sssd,mcsd,mtad]"
+
+
+def summary_table(results: dict) -> list[str]:
+    """Method x batch rows of one prompt set: τ, tok/s, speedup, perplexity, lossless."""
+    lines = ["| batch | method | lossless | τ | tok/s | speedup | perplexity | outputs equal to plain |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results["runs"]:
+        name = r["method"] + (f" (n = {r['node_budget']}, planner)" if r["method"] == "sssd" else "")
+        eq = "-" if r["method"] == "plain" else f"{r.get('equal_fraction', float('nan')):.0%}"
+        lines.append(f"| {r['batch_size']} | {name} | {'yes' if r.get('lossless', True) else '**no**'} | {r['tau']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r.get('perplexity', float('nan')):.3f} | {eq} |")  # fmt: skip
+    return lines
+
+
+def planner_table(main: dict, sweep: dict) -> list[str]:
+    """Planner's tree size per batch size vs the best size measured in the sweep."""
+    lines = ["| batch | planner: n | planner: expected speedup | measured best n | its speedup | speedup at the planner's n (main run) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for b, plan in main.get("sssd_planner", {}).items():
+        swept = [r for r in sweep["runs"] if r["method"].startswith("sssd_n") and r["batch_size"] == int(b)]
+        best = max(swept, key=lambda r: r["tokens_per_s"]) if swept else None
+        at_plan = next((r for r in main["runs"] if r["method"] == "sssd" and r["batch_size"] == int(b)), None)
+        best_n = best["node_budget"] if best else "-"
+        best_s = "%.2fx" % best["speedup"] if best else "-"
+        plan_s = "%.2fx" % at_plan["speedup"] if at_plan else "-"
+        lines.append(f"| {b} | {plan['best_size']} | {plan['expected_speedup']:.2f}x | {best_n} | {best_s} | {plan_s} |")
+    lines += ["", "Sweep (MT-bench): speedup by SSSD tree size n", "",
+              "| batch | " + " | ".join(f"n = {r['node_budget']}" for r in sweep["runs"]
+                                       if r["method"].startswith("sssd_n") and r["batch_size"] == sweep["runs"][0]["batch_size"]) + " |"]  # fmt: skip
+    sizes = sorted({r["batch_size"] for r in sweep["runs"]})
+    lines.append("|---" * (1 + sum(1 for r in sweep["runs"] if r["method"].startswith("sssd_n") and r["batch_size"] == sizes[0])) + "|")
+    for b in sizes:
+        cells = [f"{r['speedup']:.2f}x (τ {r['tau']:.2f})" for r in sweep["runs"]
+                 if r["method"].startswith("sssd_n") and r["batch_size"] == b]  # fmt: skip
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="training run folder of a ParallelSpec drafter")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "gsm8k"])
+    ap.add_argument("--sweep", type=int, nargs="*", default=[4, 8, 16, 32, 64], help="SSSD tree sizes swept on MT-bench")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--extra", nargs="*", default=["tree.widths=[4,2,1,1,1]", "tree.budget=8"],
+                    help="extra harness overrides (default: the main job's tree for the ParallelSpec drafter)")
+    ap.add_argument("--out", default="docs/benchmarks/modes")
+    ap.add_argument("--work-dir", default="outputs/bench_modes")
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    base = [f"checkpoint={args.checkpoint}", f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}",
+            f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]", "modes=[unpadded]", f"num_threads={args.threads}",
+            "progress=false", "plots=false", *args.extra]  # fmt: skip
+    results = {name: run_eval(base + [f"prompts={name}", f"methods={METHODS}", f"output_dir={args.work_dir}/{name}"])
+               for name in args.prompt_sets}  # fmt: skip
+    sweep = None
+    if args.sweep:
+        sweep = run_eval(base + ["prompts=mt_bench", "methods=[sssd]", f"sssd.node_budgets=[{','.join(map(str, args.sweep))}]",
+                                 f"output_dir={args.work_dir}/sssd_sweep"])  # fmt: skip
+    command = "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_modes " + shlex.join(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, **results, "sssd_sweep": sweep}, indent=1))
+    first = next(iter(results.values()))
+    m = first["machine"]
+    body = [
+        "# Decoding methods side by side: plain, ParallelSpec, SSSD, improved MCSD, MTAD",
+        "",
+        f"Reproduce (JSON: `{out.with_suffix('.json').name}`):",
+        "",
+        f"```bash\npython -m scripts.build_datastore\n{command}\n```",
+        "",
+        f"Machine: {m['processor']}, {m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}; "
+        f"git {first['git_sha']}. Target `{first['command_config']['target']['name']}`, drafter `{args.checkpoint}` "
+        f"(K = {first['drafter']['num_mask_tokens']}); greedy decoding, {args.num_prompts} prompts per set, "
+        f"{args.max_new_tokens} new tokens, engine mode `unpadded` (EMS-SD), plain baseline in `unpadded_kv`. "
+        "Speedup = tokens/s over plain decoding of the same prompts and batch size in the same run. Perplexity: "
+        "of the outputs under the target (lower = more likely); lossless methods reproduce plain greedy output.",
+        "",
+        kept_analysis(out.with_suffix(".md")),
+        "",
+    ]  # fmt: skip
+    for name, res in results.items():
+        body += [f"## {name}", "", *summary_table(res), ""]
+    if sweep is not None:
+        body += ["## SSSD speculation-length planner vs measured best (MT-bench)", "", *planner_table(results.get("mt_bench", first), sweep), ""]
+    out.with_suffix(".md").write_text("\n".join(body))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
