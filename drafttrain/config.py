@@ -116,9 +116,10 @@ class TrainerConfig:
     # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
     spec_eval_batch_size: int = 16
     # draft tree of the final evaluation (ParallelSpec App. A.3: candidates per depth, max nodes); null = a
-    # chain. With a tree the chain is decoded too (eval/tau_chain). Needs spec_eval_batch_size > 1.
+    # chain. Needs spec_eval_batch_size > 1.
     spec_eval_tree_widths: list[int] | None = None
     spec_eval_tree_budget: int | None = None
+    spec_eval_chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
     progress: bool = True
 
 
@@ -127,6 +128,20 @@ class LoggingConfig:
     wandb: bool = True
     wandb_project: str = "drafttrain"
     wandb_mode: str = "offline"  # used when WANDB_MODE is not set in the environment
+
+
+@dataclass
+class DecisionConfig:
+    """The MCSD early-stop decision model (``+recipe=decision_model``; :mod:`drafttrain.decision`)."""
+
+    data: list[str] = field(default_factory=list)  # jsonl decision logs (scripts.evaluate mcsd.decisions_out=...)
+    hidden: int = 64
+    num_layers: int = 2  # type 2 (MCSD-improved §3.3): two linear layers
+    lr: float = 1e-2
+    epochs: int = 30
+    batch_size: int = 256
+    heldout_fraction: float = 0.2
+    beta: float = 0.4  # early-stop threshold reported on the held-out rows (the paper's 0.4)
 
 
 @dataclass
@@ -141,6 +156,8 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False
+    task: str = "drafter"  # drafter | decision_model (+recipe=decision_model: trains the MCSD early-stop MLP)
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
 
 
 @dataclass
@@ -234,6 +251,14 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
 
 def _check_values(c: TrainConfig) -> None:
     problems = []
+    if c.task not in ("drafter", "decision_model"):
+        problems.append(f"task must be drafter or decision_model, got {c.task!r}")
+    if c.task == "decision_model":
+        d = c.decision
+        if not d.data:
+            problems.append("decision.data must list at least one decision log (jsonl)")
+        if d.epochs < 1 or d.batch_size < 1 or d.num_layers < 1 or d.hidden < 1 or not 0 <= d.heldout_fraction < 1:
+            problems.append("decision needs epochs, batch_size, num_layers, hidden >= 1 and heldout_fraction in [0, 1)")
     dr = c.drafter
     if dr.num_mask_tokens < 0:
         problems.append("drafter.num_mask_tokens must be >= 0")
@@ -385,6 +410,10 @@ class MCSDEvalConfig:
 
     ks: list[int] = field(default_factory=lambda: [3, 2, 1, 1])
     target_roots: list[int] = field(default_factory=lambda: [1, 2])
+    decision_model: str | None = None  # early-stop model folder (+recipe=decision_model); adds an "mcsd_w1_dm" run
+    beta: float = 0.4  # early-stop threshold (§3.3)
+    decisions_out: str | None = None  # append W_t = 1 runs' (level features, accepted) rows here: the model's data
+    decision_topk: int = 8  # k of the logged features
 
 
 @dataclass

@@ -383,6 +383,10 @@ def run(cfg) -> dict[str, Any]:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    if c.task == "decision_model":  # +recipe=decision_model: no target, no drafter (drafttrain/decision.py)
+        from drafttrain.decision import train_decision_model
+
+        return train_decision_model(c)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -599,7 +603,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
             t = c.trainer
             r = evaluate_prompts_batched(target, drafter, prompts, t.spec_eval_max_new_tokens, batch_size=bs,
                                          progress=t.progress, tree_widths=t.spec_eval_tree_widths,
-                                         tree_budget=t.spec_eval_tree_budget, also_chain=True)  # fmt: skip
+                                         tree_budget=t.spec_eval_tree_budget, also_chain=t.spec_eval_chain)  # fmt: skip
         else:
             r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:

@@ -61,3 +61,17 @@ def varied_target(tiny_target):
             if p.dim() == 2:  # embeddings (tied LM head) and linear weights; norms stay 1
                 p.normal_(0.0, 0.3, generator=g)
     return Target(model, tiny_target.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tiny_target, make_drafter):
+    """A training-run-like folder for the tiny target: drafter/ (save_pretrained) + config.json naming it.
+    The drafter's layer is the target's last layer, so it accepts a fair share of drafts."""
+    import json
+
+    run = tmp_path_factory.mktemp("run")
+    drafter = make_drafter(seed=0)
+    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
+    drafter.save_pretrained(run / "drafter")
+    (run / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
+    return run

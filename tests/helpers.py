@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_dict(name: str, overrides: list[str]) -> dict:
+    """Compose ``conf/<name>.yaml`` with Hydra ``overrides`` into a plain dict (no ``hydra`` key)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(name, overrides=overrides)
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    return d
 
 
 def make_batch(target, lengths=(14, 9), prompt=(4, 3), seed=0) -> dict[str, torch.Tensor]:

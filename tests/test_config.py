@@ -7,29 +7,26 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
+import helpers
 from drafttrain import assets
 from drafttrain.config import ConfigError, TrainConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml") if p.stem != "decision_model")  # drafter recipes
 
 
 def compose_dict(overrides: list[str]) -> dict:
     """Compose conf/train.yaml with ``overrides`` into a plain dict (no ``hydra`` key)."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    return d
+    return helpers.compose_dict("train", overrides)
 
 
 def test_there_are_recipes():
-    """Recipe name = drafter name: one recipe per registered drafter, and nothing else."""
+    """Recipe name = drafter name: one recipe per registered drafter, plus the MCSD decision model."""
     from drafttrain.drafters import DRAFTERS
 
     assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "parallelspec", "parallelspec_eagle"}
+    assert {p.stem for p in (CONF / "recipe").glob("*.yaml")} == set(RECIPES) | {"decision_model"}
 
 
 @pytest.mark.parametrize(

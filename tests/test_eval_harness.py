@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from helpers import compose_dict
 
 from drafttrain.config import ConfigError, EvalConfig, validate_eval
 
@@ -19,11 +18,7 @@ CONF = ROOT / "conf"
 
 
 def compose_eval(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("evaluate", overrides=overrides)
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    return d
+    return compose_dict("evaluate", overrides)
 
 
 def test_evaluate_config_composes_and_validates():
@@ -58,17 +53,6 @@ def test_bad_eval_config_fails_early(change, message):
 def test_checkpoint_is_required(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint=PATH"):
         validate_eval(compose_eval([]))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_target, make_drafter):
-    """A training-run-like folder: drafter/ (save_pretrained) + config.json naming the tiny target."""
-    run = tmp_path_factory.mktemp("run")
-    drafter = make_drafter(seed=0)
-    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())  # accepts a fair share of drafts
-    drafter.save_pretrained(run / "drafter")
-    (run / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
-    return run
 
 
 def test_checkpoint_for_another_target_is_rejected(checkpoint):

@@ -12,10 +12,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from drafttrain.cliconfig import validate_into
+from helpers import compose_dict
 from drafttrain.config import ConfigError
 from drafttrain.verify.datastore import Datastore, documents_from_rows, first_answer_split
 from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
@@ -23,14 +22,6 @@ from scripts import bench_sssd_datastore, build_datastore, sssd_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-
-
-def compose_dict(name: str, overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(name, overrides=overrides)
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    return d
 
 
 def test_configs_compose_validate_and_reject_typos():

@@ -266,6 +266,12 @@ def evaluate(cfg) -> dict[str, Any]:
         sssd_drafter = SSSDDrafter(SSSDConfig(max_prefix_len=c.sssd.max_prefix_len, max_depth=c.sssd.max_depth),
                                    datastore, num_threads=c.sssd.num_threads)  # fmt: skip
     plans: dict[int, dict[str, Any]] = {}
+    decision_model = None
+    if "mcsd" in methods and c.mcsd.decision_model:
+        from drafttrain.decision import load_decision_model
+
+        decision_model = load_decision_model(c.mcsd.decision_model)
+    decisions_file = Path(c.mcsd.decisions_out) if "mcsd" in methods and c.mcsd.decisions_out else None
 
     def sssd_budget(bs: int) -> int:
         if bs not in plans:
@@ -289,8 +295,14 @@ def evaluate(cfg) -> dict[str, Any]:
             for n in c.sssd.node_budgets:
                 variants.append((f"sssd_n{n}", lambda bs, refs, n=n: SSSDProposer(sssd_drafter, n)))
         elif m == "mcsd":
+            log_dec = c.mcsd.decisions_out is not None
             for w in c.mcsd.target_roots:
-                variants.append((f"mcsd_w{w}", lambda bs, refs, w=w: MCSDProposer(drafter, MCSDConfig(tuple(c.mcsd.ks), w))))
+                variants.append((f"mcsd_w{w}", lambda bs, refs, w=w: MCSDProposer(
+                    drafter, MCSDConfig(tuple(c.mcsd.ks), w), log_decisions=log_dec and w == 1,
+                    decision_topk=c.mcsd.decision_topk)))  # fmt: skip
+            if decision_model is not None:
+                variants.append(("mcsd_w1_dm", lambda bs, refs: MCSDProposer(
+                    drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=c.mcsd.beta)))  # fmt: skip
         elif m == "mtad":
             variants.append(("mtad", lambda bs, refs: MTADProposer(drafter, c.mtad.num_beams, c.mtad.num_steps,
                                                                    c.mtad.threshold)))  # fmt: skip
@@ -326,6 +338,12 @@ def evaluate(cfg) -> dict[str, Any]:
                 spec = engine(proposer, bs, mode).run(prompts, progress=c.progress and f"{label} {mode} b={bs}")
                 rec = _run_record(spec, label, mode, bs)
                 rec["lossless"] = lossless
+                if decisions_file is not None and getattr(proposer, "decisions", None):
+                    decisions_file.parent.mkdir(parents=True, exist_ok=True)
+                    with decisions_file.open("a") as f:
+                        for row in proposer.decisions:
+                            f.write(json.dumps({**row, "prompts": c.prompts, "batch_size": bs}) + "\n")
+                    rec["decisions_logged"] = len(proposer.decisions)
                 if label.startswith("sssd"):
                     rec["node_budget"] = getattr(proposer, "node_budget", None)
                 rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)

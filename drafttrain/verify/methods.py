@@ -40,7 +40,13 @@ from collections.abc import Sequence
 import torch
 
 from drafttrain.verify.acceptance import GREEDY, Acceptance, SamplingParams, accept, process_logits
-from drafttrain.verify.mcsd import MCSDConfig, grow_mcsd_tree, sample_target_roots, target_initialized_accept
+from drafttrain.verify.mcsd import (
+    MCSDConfig,
+    decision_features_topk,
+    grow_mcsd_tree,
+    sample_target_roots,
+    target_initialized_accept,
+)
 from drafttrain.verify.mtad import beam_draft, mtad_accept
 from drafttrain.verify.proposers import ParallelSpecProposer
 from drafttrain.verify.sssd import SSSDDrafter, membership_accept
@@ -105,14 +111,27 @@ class MCSDProposer(ParallelSpecProposer):
         config: :class:`~drafttrain.verify.mcsd.MCSDConfig`; levels beyond the drafter's depths are
             dropped (W_t = 1: K + 1 levels at most; W_t > 1: K, the roots take depth 1).
         batched: one drafter forward for the whole batch (see :class:`ParallelSpecProposer`).
+        decision_model: optional early-stop model (§3.3; :func:`drafttrain.decision.load_decision_model`)
+            on :func:`level_features`: level l + 1 is grown only while the product of the predicted
+            acceptance of levels 1..l + 1 is >= ``beta`` (0.4 in the paper). W_t = 1 trees only. The
+            decision reads the drafter's distributions, never the drawn tokens, so W_t = 1 stays lossless.
+        decision_topk: k of the features when logging without a model (a model brings its own).
+        log_decisions: collect ``{"features", "label"}`` per level that was reached (its parent level
+            accepted) in :attr:`decisions`: the decision model's training data (``+recipe=decision_model``).
 
     Attributes:
         lossless: ``config.is_lossless`` (W_t == 1).
     """
 
-    def __init__(self, drafter, config: MCSDConfig, batched: bool = True):
+    def __init__(self, drafter, config: MCSDConfig, batched: bool = True, decision_model=None, beta: float = 0.4,
+                 decision_topk: int = 8, log_decisions: bool = False):  # fmt: skip
         super().__init__(drafter, batched=batched)
         self.config = config
+        self.decision_model = decision_model.eval() if decision_model is not None else None
+        self.beta = float(beta)
+        self.decision_topk = int(getattr(decision_model, "topk", decision_topk))
+        self.decisions: list[dict] | None = [] if log_decisions else None  # (features, depth, label) per reached level
+        self._level_feats: dict[int, torch.Tensor] = {}
         self.name = f"mcsd_w{config.num_target_roots}"
         self.lossless = config.is_lossless
         k1 = self.k + 1
@@ -150,7 +169,17 @@ class MCSDProposer(ParallelSpecProposer):
                 # children of a node at depth d are drawn from q_{d+1} (row d; the committed root is depth 0)
                 return probs[[0 if f < 0 else depth_of[f] for f in frontier.tolist()]]
 
-            t = grow_mcsd_tree(step, cfg, roots, generator, greedy=sampling.greedy, replacement=False)
+            stop = None
+            if not rooted and (self.decision_model is not None or self.decisions is not None):
+                feats = level_features(probs[: len(cfg.ks)], self.decision_topk)  # [levels, k + 2]
+                self._level_feats[slot] = feats
+                if self.decision_model is not None:
+                    p_level = self.decision_model.accept_prob(feats)  # [levels]
+
+                    def stop(level, _probs, p_level=p_level):  # grow level + 1 only if some path may reach it
+                        return bool(torch.prod(p_level[: level + 1]) < self.beta)
+
+            t = grow_mcsd_tree(step, cfg, roots, generator, greedy=sampling.greedy, replacement=False, stop=stop)
             if rooted:  # the roots come from the target, not a draft distribution: the rule needs none
                 trees.append(DraftTree(t.tokens, t.parents))
             else:
@@ -170,12 +199,33 @@ class MCSDProposer(ParallelSpecProposer):
             acc = Acceptance(res.accepted_nodes, None)
         else:
             acc = accept(tree, target_logits, sampling, generator, replacement=False)
+            feats = self._level_feats.pop(slot, None)
+            if self.decisions is not None and feats is not None:  # a level is a decision once its parent level was accepted
+                levels = int(tree.depth().max()) if tree.n else 0
+                for lv in range(1, min(levels, len(acc.path) + 1) + 1):
+                    self.decisions.append({"features": feats[lv - 1].tolist(), "label": int(len(acc.path) >= lv)})
             if w == 1 or not acc.path:
                 return acc
             acc = Acceptance(acc.path, None)
         row = target_logits[acc.path[-1] + 1].float()
         self._next[slot] = torch.softmax(row, -1) if sampling.greedy else process_logits(row, sampling)
         return acc
+
+
+def level_features(level_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Decision-model input of each drafted level (MCSD-improved §3.3 type 2, plus the depth).
+
+    A parallel drafter's level l has one distribution q_l for all its nodes, so the early-stop
+    decision is per level: ``[top-k probabilities of q_l, entropy of q_l (nats), l]``.
+
+    Args:
+        level_probs: float [L, v], q_1..q_L. k: top-k size.
+
+    Returns:
+        float [L, k + 2].
+    """
+    depth = torch.arange(1, level_probs.shape[0] + 1, dtype=torch.float32, device=level_probs.device)[:, None]
+    return torch.cat([decision_features_topk(level_probs.float(), k), depth], dim=-1)
 
 
 # =================================================================================================

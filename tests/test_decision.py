@@ -1,0 +1,87 @@
+"""The MCSD decision model end to end on the tiny target: decision rows logged by the harness, the
+``+recipe=decision_model`` training run, bad rows and config typos, and early stopping in MCSD."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain.config import ConfigError
+from drafttrain.decision import load_decision_model, read_decisions, save_decision_model
+from drafttrain.verify.mcsd import DecisionModel
+from helpers import compose_dict
+
+KS = [2, 2, 1, 1]  # K = 3: four levels, 2 + 4 + 4 + 4 nodes when fully grown
+
+
+def _harness(checkpoint, tmp_path, *extra):
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    return evaluate(compose_dict("evaluate", [
+        f"checkpoint={checkpoint}", "target=tiny", "num_prompts=3", "max_new_tokens=10", "batch_sizes=[2]",
+        "modes=[unpadded]", "methods=[mcsd]", "mcsd.target_roots=[1]", f"mcsd.ks=[{','.join(map(str, KS))}]",
+        f"output_dir={tmp_path / 'eval'}", "progress=false", "plots=false", "warmup=false", *extra,
+    ]))  # fmt: skip
+
+
+def test_harness_logs_decisions_and_the_recipe_trains_on_them(checkpoint, tmp_path):
+    from drafttrain.train import compose_config, run
+
+    log = tmp_path / "decisions.jsonl"
+    res = _harness(checkpoint, tmp_path, f"mcsd.decisions_out={log}", "mcsd.decision_topk=4")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    run_rec = next(r for r in res["runs"] if r["method"] == "mcsd_w1")
+    assert len(rows) == run_rec["decisions_logged"] > 0
+    assert all(len(r["features"]) == 4 + 2 and r["label"] in (0, 1) for r in rows)
+    # per step: levels 1..m+1 are reached (m = accepted drafts), the last one rejected unless all were accepted
+    steps = run_rec["sequence_steps"]
+    assert sum(r["label"] == 0 for r in rows) <= steps and sum(r["features"][-1] == 1.0 for r in rows) == steps
+    out = tmp_path / "dm"
+    final = run(compose_config(["+recipe=decision_model", f"decision.data=[{log}]", f"output_dir={out}",
+                                "logging.wandb=false", "decision.epochs=3", "trainer.progress=false"]))  # fmt: skip
+    assert final["kept"] == len(rows) and final["topk"] == 4
+    assert 0.0 <= final["decision/heldout_accuracy"] <= 1.0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    model = load_decision_model(out / "decision_model")
+    assert model.topk == 4 and model(torch.tensor([rows[0]["features"]])).shape == (1,)
+
+
+def test_decision_rows_bad_input_is_counted(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"features": [0.5, 0.1, 1.2, 1], "label": 1}\nnot json\n{"features": [0.1, 0.1, 2.0, 2], "label": 3}\n'
+                 '{"label": 0}\n{"features": [0.2, 0.1, 2.0, 2], "label": 0}\n')  # fmt: skip
+    x, y, counts = read_decisions([str(p)])
+    assert counts == {"read": 5, "kept": 2, "skipped": 3} and x.shape == (2, 4) and y.tolist() == [1.0, 0.0]
+    with pytest.raises(FileNotFoundError, match="mcsd.decisions_out"):
+        read_decisions([str(tmp_path / "missing.jsonl")])
+
+
+def test_decision_recipe_config_errors_before_loading():
+    from drafttrain.train import compose_config
+
+    with pytest.raises(ConfigError, match="decision.data"):
+        compose_config(["+recipe=decision_model"])
+    with pytest.raises(Exception, match="epoch"):
+        compose_config(["+recipe=decision_model", "decision.data=[x]", "decision.epoch=3"])
+
+
+@pytest.mark.parametrize("bias, nodes", [(-50.0, KS[0]), (50.0, 2 + 4 + 4 + 4)])
+def test_decision_model_stops_tree_growth(checkpoint, tmp_path, bias, nodes):
+    """A model that predicts rejection everywhere stops after level 1; one that predicts acceptance grows
+    the full tree; both stay lossless (W_t = 1)."""
+    model = DecisionModel(8 + 2, hidden=4, num_layers=2)
+    with torch.no_grad():
+        for m in model.net:
+            if isinstance(m, torch.nn.Linear):
+                m.weight.zero_()
+                m.bias.zero_()
+        model.net[-1].bias.fill_(bias)
+    save_decision_model(model, tmp_path / "dm", topk=8)
+    res = _harness(checkpoint, tmp_path, f"mcsd.decision_model={tmp_path / 'dm'}")
+    by = {r["method"]: r for r in res["runs"]}
+    assert by["mcsd_w1_dm"]["greedy_equal"] and by["mcsd_w1"]["greedy_equal"]
+    assert by["mcsd_w1_dm"]["mean_tree_nodes"] == pytest.approx(nodes)
+    assert by["mcsd_w1"]["mean_tree_nodes"] == pytest.approx(2 + 4 + 4 + 4)
