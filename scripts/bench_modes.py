@@ -61,9 +61,68 @@ def planner_table(main: dict, sweep: dict) -> list[str]:
     return lines
 
 
+def write_markdown(data: dict, out: Path) -> None:
+    """modes.md from modes.json's dict (the analysis section of an existing page is kept)."""
+    sets = {k: v for k, v in data.items() if isinstance(v, dict) and "runs" in v and k != "sssd_sweep"}
+    first = next(iter(sets.values()))
+    m, cc = first["machine"], first["command_config"]
+    body = [
+        "# Decoding methods side by side: plain, ParallelSpec, SSSD, improved MCSD, MTAD",
+        "",
+        f"Reproduce (JSON: `{out.with_suffix('.json').name}`):",
+        "",
+        f"```bash\npython -m scripts.build_datastore\n{data['command']}\n```",
+        "",
+        f"Machine: {m['processor']}, {m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}; "
+        f"git {first['git_sha']}. Target `{cc['target']['name']}`, drafter `{cc['checkpoint']}` "
+        f"(K = {first['drafter']['num_mask_tokens']}); greedy decoding, {cc['num_prompts']} prompts per set, "
+        f"{cc['max_new_tokens']} new tokens, engine mode `unpadded` (EMS-SD), plain baseline in `unpadded_kv`. "
+        "Speedup = tokens/s over plain decoding of the same prompts and batch size in the same run. Perplexity: "
+        "of the outputs under the target (lower = more likely); lossless methods reproduce plain greedy output.",
+        "",
+        kept_analysis(out.with_suffix(".md")),
+        "",
+    ]  # fmt: skip
+    for name, res in sets.items():
+        body += [f"## {name}", "", *summary_table(res), ""]
+    sweep = data.get("sssd_sweep")
+    if sweep is not None:
+        mt = sets.get("mt_bench", first)
+        body += ["## SSSD speculation-length planner vs measured best (MT-bench)", "", *planner_table(mt, sweep), ""]
+        if data.get("replanned"):
+            r = data["replanned"]
+            body += [f"Planner re-run with forward times measured through the engine (git {r['git_sha']}, "
+                     f"`python -m scripts.bench_modes --replan`):", "",
+                     "| batch | planner: n | expected speedup | forward ms by s = n + 1 |", "|---|---|---|---|"]  # fmt: skip
+            for b, p in r["plans"].items():
+                fw = ", ".join(f"{k}: {1000 * v:.0f}" for k, v in p["forward_seconds"].items())
+                body.append(f"| {b} | {p['best_size']} | {p['expected_speedup']:.2f}x | {fw} |")
+            body.append("")
+    out.with_suffix(".md").write_text("\n".join(body))
+
+
+def replan(out: Path) -> None:
+    """Re-run only the planner (forward times measured now) for the batch sizes of an existing modes.json."""
+    from drafttrain.config import validate_eval
+    from drafttrain.eval.harness import _git_sha, plan_sssd_budget
+    from drafttrain.target import load_target
+
+    data = json.loads(out.with_suffix(".json").read_text())
+    cc = dict(data["mt_bench"]["command_config"])
+    c = validate_eval(cc)
+    target = load_target(c.target)
+    import torch
+
+    if c.num_threads:
+        torch.set_num_threads(c.num_threads)
+    data["replanned"] = {"git_sha": _git_sha(), "plans": {str(b): plan_sssd_budget(c, target, b) for b in c.batch_sizes}}
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    write_markdown(data, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="training run folder of a ParallelSpec drafter")
+    ap.add_argument("--checkpoint", help="training run folder of a ParallelSpec drafter")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -72,12 +131,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=["tree.widths=[4,2,1,1,1]", "tree.budget=8"],
                     help="extra harness overrides (default: the main job's tree for the ParallelSpec drafter)")
+    ap.add_argument("--replan", action="store_true", help="only re-run the SSSD planner for an existing <out>.json")
     ap.add_argument("--out", default="docs/benchmarks/modes")
     ap.add_argument("--work-dir", default="outputs/bench_modes")
     args = ap.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out = Path(args.out)
+    if args.replan:
+        replan(out)
+        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+        return
+    if not args.checkpoint:
+        ap.error("--checkpoint is required")
     base = [f"checkpoint={args.checkpoint}", f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}",
             f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]", "modes=[unpadded]", f"num_threads={args.threads}",
             "progress=false", "plots=false", *args.extra]  # fmt: skip
@@ -88,33 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         sweep = run_eval(base + ["prompts=mt_bench", "methods=[sssd]", f"sssd.node_budgets=[{','.join(map(str, args.sweep))}]",
                                  f"output_dir={args.work_dir}/sssd_sweep"])  # fmt: skip
     command = "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_modes " + shlex.join(sys.argv[1:] if argv is None else argv)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, **results, "sssd_sweep": sweep}, indent=1))
-    first = next(iter(results.values()))
-    m = first["machine"]
-    body = [
-        "# Decoding methods side by side: plain, ParallelSpec, SSSD, improved MCSD, MTAD",
-        "",
-        f"Reproduce (JSON: `{out.with_suffix('.json').name}`):",
-        "",
-        f"```bash\npython -m scripts.build_datastore\n{command}\n```",
-        "",
-        f"Machine: {m['processor']}, {m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}; "
-        f"git {first['git_sha']}. Target `{first['command_config']['target']['name']}`, drafter `{args.checkpoint}` "
-        f"(K = {first['drafter']['num_mask_tokens']}); greedy decoding, {args.num_prompts} prompts per set, "
-        f"{args.max_new_tokens} new tokens, engine mode `unpadded` (EMS-SD), plain baseline in `unpadded_kv`. "
-        "Speedup = tokens/s over plain decoding of the same prompts and batch size in the same run. Perplexity: "
-        "of the outputs under the target (lower = more likely); lossless methods reproduce plain greedy output.",
-        "",
-        kept_analysis(out.with_suffix(".md")),
-        "",
-    ]  # fmt: skip
-    for name, res in results.items():
-        body += [f"## {name}", "", *summary_table(res), ""]
-    if sweep is not None:
-        body += ["## SSSD speculation-length planner vs measured best (MT-bench)", "", *planner_table(results.get("mt_bench", first), sweep), ""]
-    out.with_suffix(".md").write_text("\n".join(body))
+    data = {"command": command, **results, "sssd_sweep": sweep}
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    write_markdown(data, out)
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
 

@@ -199,3 +199,8 @@ def test_bench_modes_writes_tables(checkpoint, sssd_inputs, tmp_path):
     assert sorted({r["node_budget"] for r in saved["sssd_sweep"]["runs"] if r["method"] != "plain"}) == [2, 4]
     assert "| 1 | mtad | **no** |" in md and "| 2 | mcsd_w2 | **no** |" in md
     assert "measured best n" in md and md.count("| 1 | ") >= 7  # plain + 5 methods + the planner row
+    bench_modes.main(["--replan", "--out", str(out)])  # the planner alone, on the saved runs
+    saved2 = json.loads(out.with_suffix(".json").read_text())
+    assert saved2["mt_bench"]["runs"] == saved["mt_bench"]["runs"]
+    assert sorted(saved2["replanned"]["plans"]) == ["1", "2"]
+    assert "Planner re-run" in out.with_suffix(".md").read_text()

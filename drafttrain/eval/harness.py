@@ -93,32 +93,53 @@ def make_proposer(c: EvalConfig, drafter):
     return ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
 
 
-def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, repeats: int = 3) -> dict[tuple[int, int], float]:
-    """Median time of one target forward of ``batch_size`` sequences x s new tokens over a KV cache of
-    ``context`` tokens, for every s in ``lengths`` (the forward-time curve of SSSD §3.2 / Fig. 2).
+def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
+                            mode: str = "unpadded") -> dict[tuple[int, int], float]:  # fmt: skip
+    """Mean time of one verification forward of ``batch_size`` sequences x s tokens (root + a chain of
+    s - 1 drafts) through the engine itself (same cache, masks and attention path as the timed runs),
+    over ``context`` cached tokens, for every s in ``lengths``: the forward-time curve of SSSD §3.2 / Fig. 2.
+
+    The drafts are random tokens (rejected), so every step is one forward at the same context length;
+    a short run at each size comes first as a warm-up.
 
     Returns:
         ``{(batch_size, s): seconds}`` (the table :func:`~drafttrain.verify.sssd.plan_speculation_length` reads).
     """
-    from transformers import DynamicCache
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.tree import DraftTree
 
     g = torch.Generator().manual_seed(0)
     vocab = int(target.config.vocab_size)
-    ctx = torch.randint(0, vocab, (batch_size, context), generator=g, device=target.device)
-    cache = DynamicCache()
+    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch_size)]
+
+    class FixedChain:  # a chain of n random drafts per sequence: the forward shape without drafting cost
+        name, lossless = "timing", True
+
+        def __init__(self, n):
+            self.n = n
+
+        def start(self, slot, prompt_ids, hidden, first_token):
+            pass
+
+        def draft(self, slots, sampling=None, generator=None):
+            return [DraftTree(torch.randint(0, vocab, (self.n,), generator=g), torch.arange(-1, self.n - 1))
+                    for _ in slots]  # fmt: skip
+
+        def commit(self, slot, tokens, hidden):
+            pass
+
+        def release(self, slot):
+            pass
+
+    out = {}
     with torch.no_grad():
-        target.forward(ctx, past_key_values=cache, use_cache=True, with_logits=False)
-        out = {}
         for s in sorted(set(int(x) for x in lengths)):
-            ids = torch.randint(0, vocab, (batch_size, s), generator=g, device=target.device)
-            pos = (context + torch.arange(s, device=target.device)).expand(batch_size, s)
-            times = []
-            for _ in range(repeats + 1):  # the first call of a new shape is a warm-up
-                t0 = time.perf_counter()
-                target.forward(ids, position_ids=pos, past_key_values=cache, use_cache=True)
-                times.append(time.perf_counter() - t0)
-                cache.crop(-s)  # transformers 5: a negative count removes that many tokens
-            out[(batch_size, s)] = float(sorted(times[1:])[len(times[1:]) // 2])
+            for n_steps, keep in ((2, False), (steps, True)):  # warm-up, then timed
+                eng = SpecEngine(target, FixedChain(s - 1), batch_size=batch_size, max_new_tokens=n_steps + 1,
+                                 mode=mode, stop_token_ids=[-1], initial_capacity=context + 2 * (steps + s))  # fmt: skip
+                eng.run(prompts)
+                if keep:
+                    out[(batch_size, s)] = eng.stats.forward_seconds / max(eng.stats.forwards, 1)
     return out
 
 
@@ -136,7 +157,8 @@ def plan_sssd_budget(c: EvalConfig, target, batch_size: int) -> dict[str, Any]:
         raise FileNotFoundError(f"no SSSD τ(n) table at {table}: run `python -m scripts.sssd_grid` "
                                 f"(or pass sssd.node_budgets=[...])")  # fmt: skip
     tau = {int(n): float(t) for n, t in json.loads(table.read_text())["tau_by_size"].items()}
-    fwd = measure_forward_seconds(target, batch_size, [n + 1 for n in tau] + [1], c.sssd.planner_context)
+    fwd = measure_forward_seconds(target, batch_size, [n + 1 for n in tau] + [1], c.sssd.planner_context,
+                                  mode=c.modes[0])  # fmt: skip
     plan = plan_speculation_length(fwd, tau, batch_size)
     return {"batch_size": batch_size, "best_size": plan.best_size, "expected_speedup": plan.speedup,
             "tau_by_size": tau, "forward_seconds": {str(k[1]): v for k, v in fwd.items()},
