@@ -106,30 +106,22 @@ def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256
         ``{(batch_size, s): seconds}`` (the table :func:`~drafttrain.verify.sssd.plan_speculation_length` reads).
     """
     from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.proposers import PlainProposer
     from drafttrain.verify.tree import DraftTree
 
     g = torch.Generator().manual_seed(0)
     vocab = int(target.config.vocab_size)
     prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch_size)]
 
-    class FixedChain:  # a chain of n random drafts per sequence: the forward shape without drafting cost
-        name, lossless = "timing", True
+    class FixedChain(PlainProposer):  # a chain of n random drafts per sequence: the forward shape, no drafting cost
+        name = "timing"
 
         def __init__(self, n):
             self.n = n
 
-        def start(self, slot, prompt_ids, hidden, first_token):
-            pass
-
         def draft(self, slots, sampling=None, generator=None):
             return [DraftTree(torch.randint(0, vocab, (self.n,), generator=g), torch.arange(-1, self.n - 1))
                     for _ in slots]  # fmt: skip
-
-        def commit(self, slot, tokens, hidden):
-            pass
-
-        def release(self, slot):
-            pass
 
     out = {}
     with torch.no_grad():
@@ -328,9 +320,8 @@ def evaluate(cfg) -> dict[str, Any]:
         elif m == "mtad":
             variants.append(("mtad", lambda bs, refs: MTADProposer(drafter, c.mtad.num_beams, c.mtad.num_steps,
                                                                    c.mtad.threshold)))  # fmt: skip
-    lossy = ([f"mcsd_w{w}" for w in c.mcsd.target_roots if w > 1] if "mcsd" in methods else []) + (
-        ["mtad"] if "mtad" in methods else [])  # fmt: skip
-    with_ppl = c.perplexity if c.perplexity is not None else bool(lossy)
+    any_lossy = "mtad" in methods or ("mcsd" in methods and max(c.mcsd.target_roots) > 1)
+    with_ppl = c.perplexity if c.perplexity is not None else any_lossy
 
     if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
         few = prompts[:2] if len(prompts) > 1 else prompts * 2
@@ -400,7 +391,7 @@ def evaluate(cfg) -> dict[str, Any]:
                     "untrained": ddir is None and drafter is not None,
                     "num_mask_tokens": drafter.num_mask_tokens if drafter is not None else None,
                     "replay_accept_prob": c.replay_accept_prob if "replay" in methods else None},  # fmt: skip
-        "lossy_methods": lossy,
+        "lossy_methods": list(dict.fromkeys(r["method"] for r in runs if not r["lossless"])),
         "sssd_planner": {str(b): p for b, p in sorted(plans.items())},
         "prompts": {"set": c.prompts, "ids": ids, "num": len(ids), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)},
         "greedy": sampling.greedy,
