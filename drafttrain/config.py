@@ -425,7 +425,7 @@ class MTADEvalConfig:
     threshold: float = 0.1
 
 
-METHODS = ("parallelspec", "replay", "sssd", "mcsd", "mtad")
+METHODS = ("parallelspec", "drafter", "replay", "sssd", "mcsd", "mtad")  # parallelspec = drafter: the checkpoint's drafter, any recipe
 
 
 @dataclass
@@ -484,14 +484,14 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
         problems.append("max_new_tokens must be >= 1")
     if c.temperature < 0 or not 0 < c.top_p <= 1:
         problems.append("temperature must be >= 0 and top_p in (0, 1]")
-    if c.proposer not in ("parallelspec", "replay"):
-        problems.append("proposer must be parallelspec or replay")
+    if c.proposer not in ("parallelspec", "drafter", "replay"):
+        problems.append("proposer must be parallelspec (= drafter) or replay")
     methods = list(c.methods) if c.methods is not None else [c.proposer]
     if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
         problems.append(f"methods must be distinct names from {list(METHODS)}, got {methods}")
     if "replay" in methods and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
         problems.append("proposer=replay needs temperature=0, replay_accept_prob in [0, 1] and replay_depth >= 1")
-    if c.checkpoint is None and not c.untrained_drafter and {"parallelspec", "mcsd", "mtad"} & set(methods):
+    if c.checkpoint is None and not c.untrained_drafter and {"parallelspec", "drafter", "mcsd", "mtad"} & set(methods):
         problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
     if c.sssd.node_budgets is not None and (not c.sssd.node_budgets or min(c.sssd.node_budgets) < 0):
         problems.append("sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)")

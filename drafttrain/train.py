@@ -623,6 +623,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/tree": f"widths {c.trainer.spec_eval_tree_widths} budget {c.trainer.spec_eval_tree_budget}"}
-           if "tau_chain" in r else {}),
+           if bs > 1 and (c.trainer.spec_eval_tree_widths is not None or c.trainer.spec_eval_tree_budget is not None)
+           else {}),
         "eval/prompts": f"{c.trainer.spec_eval_prompts} ids {','.join(r['id'] for r in rows)}",
     }

@@ -2,7 +2,8 @@
 
 The chi-square tests run the rules as pure functions on a toy target/drafter pair with a vocabulary
 of 8: the target's distribution of the first two emitted tokens is p(x1) p(x2 | x1), and the
-drafter's q is deliberately different from p (and independent of the path, as ParallelSpec's is).
+drafter's q is deliberately different from p (independent of the path, as ParallelSpec's is, or
+conditioned on each candidate's own token, as EAGLE's tree is).
 Each test draws the first two tokens many times with fixed seeds and compares the 64-cell histogram
 with the exact distribution. A correct rule must pass (p-value > 1e-3); the deliberately wrong
 rules (residual not used; q not renormalised after a rejection of a draw without replacement) must
@@ -218,3 +219,35 @@ def test_residual_is_normalised_positive_part():
     q = torch.tensor([0.2, 0.5, 0.3])
     torch.testing.assert_close(_residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
     torch.testing.assert_close(_residual(p, p), p)  # no mass left: p itself
+
+
+def _eagle_tree_step(params):
+    """EAGLE-style tree: 3 draws from q1, and below each depth-1 candidate x, 2 draws from q2[x] (a draft
+    distribution conditioned on the candidate's own token, one row per expanded node)."""
+    g0 = torch.Generator().manual_seed(7)
+    q1 = process_logits(torch.randn(V, generator=g0) * 1.5, params)
+    q2 = process_logits(torch.randn(V, V, generator=g0) * 1.5, params)
+
+    def step(p_root, p2, g):
+        from drafttrain.verify.tree import draft_candidates
+
+        c1 = draft_candidates(q1, 3, True, g).tolist()
+        toks, parents, rows, dist = list(c1), [-1] * len(c1), [q1], [0] * len(c1)
+        for j, x in enumerate(c1):
+            rows.append(q2[x])
+            c2 = draft_candidates(q2[x], 2, True, g).tolist()
+            toks += c2
+            parents += [j] * len(c2)
+            dist += [len(rows) - 1] * len(c2)
+        tree = DraftTree(torch.tensor(toks), torch.tensor(parents), torch.stack(rows), torch.tensor(dist))
+        acc = speculative_sampling_tree(tree, _rows(tree, p_root, p2), g)
+        return tree.tokens[acc.path].tolist() + [acc.bonus]
+
+    return step
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["T1", "T0.7-top_p0.9"])
+def test_tree_rule_with_per_node_draft_rows_is_lossless(params):
+    """The rule with children drawn from their parent's own (path-conditioned) row, as EagleProposer drafts."""
+    counts, exact = _histogram(_eagle_tree_step(params), params)
+    assert _chi2_pvalue(counts, exact) > 1e-3

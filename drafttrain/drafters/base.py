@@ -100,6 +100,12 @@ class Drafter(nn.Module):
     def shared(self) -> SharedTargetModules:
         return self._shared
 
+    @property
+    def draft_depth(self) -> int:
+        """Tokens one :meth:`propose` call drafts after the last item (the rows it returns): ParallelSpec
+        K + 1, Medusa K (heads), EAGLE D (autoregressive steps). Proposers size their default chain by it."""
+        raise NotImplementedError
+
     def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
         raise NotImplementedError
 

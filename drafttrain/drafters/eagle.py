@@ -67,13 +67,17 @@ class EagleDrafter(FeatureLayerDrafter):
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules, init_weights: bool = True):
         super().__init__(config, shared)
-        self.draft_depth = int(self.config["draft_depth"])
-        if self.draft_depth < 1:
-            raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
+        if int(self.config["draft_depth"]) < 1:
+            raise ValueError(f"draft_depth must be >= 1, got {self.config['draft_depth']}")
         self._init_draft_vocab(self.config["draft_vocab_size"])
         if init_weights:
             self.reset_parameters(from_target=bool(self.config["init_from_target_layer"]))
         self._finish()
+
+    @property
+    def draft_depth(self) -> int:
+        """D: the chain :meth:`propose` drafts (D drafter forwards)."""
+        return int(self.config["draft_depth"])
 
     @torch.no_grad()
     def reset_parameters(self, from_target: bool) -> None:

@@ -100,6 +100,11 @@ class MedusaDrafter(Drafter):
         super().set_draft_vocab(token_ids)
         self._copy_target_rows()
 
+    @property
+    def draft_depth(self) -> int:
+        """K: head k drafts depth k (the bonus token itself comes from the target's head)."""
+        return self.num_heads
+
     # -- building blocks ------------------------------------------------------------------------
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Every head's logits from target features: [..., d] -> [..., K, N] float32 (draft vocabulary).

@@ -65,6 +65,11 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
             self.reset_parameters(from_target=bool(self.config["init_from_target_layer"]))
         self._finish()
 
+    @property
+    def draft_depth(self) -> int:
+        """K + 1: the anchor's own next token and the K mask slots (one forward pass)."""
+        return self.num_mask_tokens + 1
+
     def position_weights(self) -> list[float]:
         """Weights of the K + 1 group positions in the loss (Eq. 3: 1, lambda_1..lambda_K)."""
         return group_position_weights(self.num_mask_tokens, float(self.config["loss_decay"]))

@@ -76,21 +76,14 @@ def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 
 def make_proposer(c: EvalConfig, drafter):
-    """The ParallelSpec proposer with the configured tree."""
-    from drafttrain.verify.proposers import ParallelSpecProposer
+    """The drafter's own proposer (:func:`~drafttrain.verify.proposers.proposer_for`) with the configured tree."""
+    from drafttrain.verify.proposers import proposer_for
     from drafttrain.verify.tree import NAMED_CHOICES
 
     choices = c.tree.choices
     if isinstance(choices, str):
         choices = NAMED_CHOICES[choices]
-    widths = c.tree.widths
-    if widths is None and choices is not None:  # a static shape: as wide as it asks, as deep as the drafter
-        k1 = drafter.num_mask_tokens + 1
-        widths = [1 + max((r[t] for r in choices if len(r) > t), default=0) for t in range(k1)]
-    budget = c.tree.budget
-    if budget is None and choices is not None:
-        budget = len(choices)
-    return ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
+    return proposer_for(drafter, widths=c.tree.widths, budget=c.tree.budget, choices=choices)
 
 
 def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
@@ -244,7 +237,7 @@ def evaluate(cfg) -> dict[str, Any]:
     out_dir = Path(c.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods = list(c.methods) if c.methods is not None else [c.proposer]
-    needs_drafter = bool({"parallelspec", "mcsd", "mtad"} & set(methods))
+    needs_drafter = bool({"parallelspec", "drafter", "mcsd", "mtad"} & set(methods))
     datastore = None
     if "sssd" in methods:  # before the target loads: a missing datastore fails fast
         from drafttrain.verify.datastore import Datastore
@@ -261,6 +254,9 @@ def evaluate(cfg) -> dict[str, Any]:
         dcfg = {k: v for k, v in to_dict_drafter(DrafterConfig()).items() if k != "name"}
         torch.manual_seed(c.seed)
         drafter = build_drafter("parallelspec", dcfg, target).eval()
+    if drafter is not None and drafter.name == "eagle" and "mcsd" in methods:
+        raise ValueError("mcsd grows its trees from the per-depth distributions of one drafter pass: use a "
+                         "parallelspec, parallelspec_eagle or medusa checkpoint for it, not an eagle one")
     ids, prompts = load_prompts(c, target.tokenizer)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
     sampling = SamplingParams(c.temperature, c.top_p)
@@ -271,7 +267,7 @@ def evaluate(cfg) -> dict[str, Any]:
                           sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
 
     from drafttrain.verify.mcsd import MCSDConfig
-    from drafttrain.verify.methods import MCSDProposer, MTADProposer, SSSDProposer
+    from drafttrain.verify.methods import MCSDProposer, MTADEagleProposer, MTADProposer, SSSDProposer
     from drafttrain.verify.mtad import output_perplexity
     from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter
 
@@ -301,8 +297,8 @@ def evaluate(cfg) -> dict[str, Any]:
             variants.append(("replay", lambda bs, refs: ReplayProposer(
                 {tuple(p): r for p, r in zip(prompts, refs)}, depth=c.replay_depth,
                 accept_prob=c.replay_accept_prob, seed=c.seed)))  # fmt: skip
-        elif m == "parallelspec":
-            variants.append(("parallelspec", lambda bs, refs: make_proposer(c, drafter)))
+        elif m in ("parallelspec", "drafter"):  # the checkpoint's drafter, drafting its own way (any recipe)
+            variants.append((drafter.name, lambda bs, refs: make_proposer(c, drafter)))
         elif m == "sssd" and c.sssd.node_budgets is None:
             variants.append(("sssd", lambda bs, refs: SSSDProposer(sssd_drafter, sssd_budget(bs))))
         elif m == "sssd":
@@ -318,8 +314,9 @@ def evaluate(cfg) -> dict[str, Any]:
                 variants.append(("mcsd_w1_dm", lambda bs, refs: MCSDProposer(
                     drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=c.mcsd.beta)))  # fmt: skip
         elif m == "mtad":
-            variants.append(("mtad", lambda bs, refs: MTADProposer(drafter, c.mtad.num_beams, c.mtad.num_steps,
-                                                                   c.mtad.threshold)))  # fmt: skip
+            mtad_cls = MTADEagleProposer if drafter.name == "eagle" else MTADProposer  # joint q vs per-depth marginals
+            variants.append(("mtad", lambda bs, refs: mtad_cls(drafter, c.mtad.num_beams, c.mtad.num_steps,
+                                                               c.mtad.threshold)))  # fmt: skip
     any_lossy = "mtad" in methods or ("mcsd" in methods and max(c.mcsd.target_roots) > 1)
     with_ppl = c.perplexity if c.perplexity is not None else any_lossy
 
@@ -389,7 +386,9 @@ def evaluate(cfg) -> dict[str, Any]:
         "drafter": {"proposer": methods[0] if len(methods) == 1 else "+".join(methods), "methods": methods,
                     "checkpoint": str(ddir) if ddir else None,
                     "untrained": ddir is None and drafter is not None,
-                    "num_mask_tokens": drafter.num_mask_tokens if drafter is not None else None,
+                    "name": drafter.name if drafter is not None else None,
+                    "draft_depth": drafter.draft_depth if drafter is not None else None,
+                    "num_mask_tokens": getattr(drafter, "num_mask_tokens", None),
                     "replay_accept_prob": c.replay_accept_prob if "replay" in methods else None},  # fmt: skip
         "lossy_methods": list(dict.fromkeys(r["method"] for r in runs if not r["lossless"])),
         "sssd_planner": {str(b): p for b, p in sorted(plans.items())},

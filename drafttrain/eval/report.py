@@ -59,7 +59,9 @@ def _drafter_line(d: dict) -> str:
         return (f"none: replay proposer (a chain of the plain output's next tokens, each right with probability "
                 f"{d['replay_accept_prob']}; drafting costs nothing, so this measures the verifier alone)")  # fmt: skip
     name = f"`{d['checkpoint']}`" if d["checkpoint"] else "untrained ParallelSpec drafter (real drafting costs; τ is meaningless)"
-    return f"{name} (K = {d['num_mask_tokens']})"
+    if d.get("draft_depth") is None:  # reports written before the drafter's name and depth were recorded
+        return f"{name} (K = {d['num_mask_tokens']})"
+    return f"{name} ({d.get('name')}, draft depth {d['draft_depth']})"
 
 
 def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:

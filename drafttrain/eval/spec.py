@@ -167,8 +167,8 @@ def evaluate_prompts_batched(
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
     Plain decoding (:class:`~drafttrain.verify.proposers.PlainProposer`) and greedy chain speculative
-    decoding (:class:`~drafttrain.verify.proposers.ParallelSpecProposer` with its default chain of
-    depth K + 1; Medusa / EAGLE drafters through their ``propose``) both run in
+    decoding (the drafter's own proposer, :func:`~drafttrain.verify.proposers.proposer_for`, with its
+    default chain: ParallelSpec K + 1, Medusa K heads, EAGLE D autoregressive steps) both run in
     :class:`~drafttrain.verify.engine.SpecEngine` with ``batch_size`` sequences at a time (continuous
     batching, EMS-SD unpadded KV cache). On a CPU a batch-1 forward of the target is bound by reading
     its weights, so a batch of 16 costs little more than one sequence: the evaluation takes minutes
@@ -190,7 +190,7 @@ def evaluate_prompts_batched(
         the keys of :func:`evaluate_prompts` plus ``batch_size`` and ``mode``.
     """
     from drafttrain.verify.engine import SpecEngine
-    from drafttrain.verify.proposers import ParallelSpecProposer, PlainProposer
+    from drafttrain.verify.proposers import PlainProposer, proposer_for
 
     stop = target.eos_token_id
 
@@ -200,11 +200,11 @@ def evaluate_prompts_batched(
 
     plain = engine(PlainProposer()).run(prompts, progress=progress and f"spec-eval plain b={batch_size}")
     tree = tree_widths is not None or tree_budget is not None
-    proposer = ParallelSpecProposer(drafter, widths=tree_widths, budget=tree_budget)
+    proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget)
     spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
     chain = None
     if tree and also_chain:
-        chain = engine(ParallelSpecProposer(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
+        chain = engine(proposer_for(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
         outs = [s.tokens] + ([chain.results[i].tokens] if chain is not None else [])

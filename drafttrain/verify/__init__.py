@@ -19,7 +19,7 @@ from drafttrain.verify.acceptance import (
 )
 from drafttrain.verify.cache import RaggedKVCache
 from drafttrain.verify.engine import MODES, EngineRun, EngineStats, SequenceResult, SpecEngine
-from drafttrain.verify.proposers import ParallelSpecProposer, PlainProposer, Proposer
+from drafttrain.verify.proposers import EagleProposer, ParallelSpecProposer, PlainProposer, Proposer, proposer_for
 from drafttrain.verify.tree import (
     EAGLE_DEFAULT_CHOICES,
     MEDUSA_DEFAULT_CHOICES,
@@ -34,7 +34,8 @@ from drafttrain.verify.tree import (
 __all__ = [
     "GREEDY", "Acceptance", "SamplingParams", "accept", "accept_greedy", "process_logits",
     "speculative_sampling_chain", "speculative_sampling_tree", "RaggedKVCache", "MODES", "EngineRun",
-    "EngineStats", "SequenceResult", "SpecEngine", "ParallelSpecProposer", "PlainProposer", "Proposer",
+    "EngineStats", "SequenceResult", "SpecEngine", "EagleProposer", "ParallelSpecProposer", "PlainProposer", "Proposer",
+    "proposer_for",
     "EAGLE_DEFAULT_CHOICES", "MEDUSA_DEFAULT_CHOICES", "DraftTree", "TreeTemplate", "best_first_template",
     "chain_template", "parallelspec_tree", "template_from_choices",
 ]  # fmt: skip

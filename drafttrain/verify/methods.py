@@ -28,7 +28,8 @@ trained drafter is ParallelSpec's parallel one: one forward gives q_1..q_{K+1} f
 the root, the same for every node at a depth (as Medusa heads), so "the drafter's distribution after
 node x at depth d" is q_{d+1} whatever x is, and MTAD's joint draft likelihood is the product of the
 per-depth marginals. That is what these classes do (they reuse :class:`ParallelSpecProposer`'s drafter
-KV cache and batched forward); with an autoregressive drafter the same rules apply unchanged.
+KV cache and batched forward). With an autoregressive drafter (EAGLE) the beams' joint likelihood is
+the product of true conditionals: :class:`MTADEagleProposer` (same acceptance rule).
 
 Shape letters: n tree nodes, v vocabulary, K mask tokens, W target roots, B beams.
 """
@@ -48,7 +49,7 @@ from drafttrain.verify.mcsd import (
     target_initialized_accept,
 )
 from drafttrain.verify.mtad import beam_draft, mtad_accept
-from drafttrain.verify.proposers import ParallelSpecProposer
+from drafttrain.verify.proposers import EagleProposer, ParallelSpecProposer
 from drafttrain.verify.sssd import SSSDDrafter, membership_accept
 from drafttrain.verify.tree import DraftTree
 
@@ -134,7 +135,7 @@ class MCSDProposer(ParallelSpecProposer):
         self._level_feats: dict[int, torch.Tensor] = {}
         self.name = f"mcsd_w{config.num_target_roots}"
         self.lossless = config.is_lossless
-        k1 = self.k + 1
+        k1 = self.depth
         self._cfg1 = MCSDConfig(config.ks[:k1], 1)  # W_t = 1 shape (also the W_t > 1 mode's first step)
         self._cfg_w = MCSDConfig(config.ks[: max(k1 - 1, 1)], config.num_target_roots)
         self._next: dict[int, torch.Tensor] = {}  # slot -> target distribution after the next root [v]
@@ -254,7 +255,7 @@ class MTADProposer(ParallelSpecProposer):
         if num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {num_beams}")
         self.num_beams = int(num_beams)
-        self.num_steps = self.k + 1 if num_steps is None else min(int(num_steps), self.k + 1)
+        self.num_steps = self.depth if num_steps is None else min(int(num_steps), self.depth)
         if self.num_steps < 1:
             raise ValueError("num_steps must be >= 1")
         self.threshold = float(threshold)
@@ -283,13 +284,114 @@ class MTADProposer(ParallelSpecProposer):
 
     def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
         """Longest prefix whose joint target/draft likelihood ratio passes τ, then one target token."""
-        lg = target_logits.float() if sampling.greedy else torch.log(process_logits(target_logits, sampling))
-        n, lp = tree.n, self._draft_lp.pop(slot)
-        accepted, bonus = mtad_accept(lg[None], tree.tokens[None].to(lg.device), lp[None].to(lg.device), self.threshold,
-                                      generator, greedy=sampling.greedy)  # fmt: skip
-        m = int(accepted[0])
-        assert m <= n
-        return Acceptance(list(range(m)), int(bonus[0]))
+        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
 
 
-__all__ = ["SSSDProposer", "MCSDProposer", "MTADProposer"]
+def _mtad_acceptance(tree: DraftTree, draft_lp: torch.Tensor, target_logits, threshold: float,
+                     sampling: SamplingParams, generator) -> Acceptance:  # fmt: skip
+    lg = target_logits.float() if sampling.greedy else torch.log(process_logits(target_logits, sampling))
+    accepted, bonus = mtad_accept(lg[None], tree.tokens[None].to(lg.device), draft_lp[None].to(lg.device), threshold,
+                                  generator, greedy=sampling.greedy)  # fmt: skip
+    m = int(accepted[0])
+    assert m <= tree.n
+    return Acceptance(list(range(m)), int(bonus[0]))
+
+
+class MTADEagleProposer(EagleProposer):
+    """MTAD with an autoregressive drafter (EAGLE): beams scored by the drafter's true joint likelihood.
+
+    MTAD §3.2 assumes an auxiliary model with a joint distribution q(x_{1:K} | context) = prod_t
+    q(x_t | context, x_{<t}); an EAGLE drafter is one (each step conditions on the beam's own tokens
+    and predicted features), unlike the per-depth marginals of a parallel drafter (:class:`MTADProposer`).
+    Each beam step is one drafter forward over the new beam prefixes with tree attention (each prefix's
+    item sees the committed items and its own earlier items, at position = root position + length),
+    as :class:`~drafttrain.verify.proposers.EagleProposer` expands a tree; the speculative items are
+    cropped afterwards. Acceptance as :class:`MTADProposer`: **lossy**.
+
+    Args:
+        drafter: an EAGLE drafter.
+        num_beams: B; num_steps: K draft tokens (default the drafter's ``draft_depth``).
+        threshold: τ of ``min(1, P_i / Q_i) >= τ``.
+    """
+
+    name = "mtad"
+    lossless = False
+
+    def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1):
+        super().__init__(drafter)
+        if num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+        self.num_beams = int(num_beams)
+        self.num_steps = int(drafter.draft_depth) if num_steps is None else int(num_steps)
+        if self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+        self.threshold = float(threshold)
+        self._draft_lp: dict[int, torch.Tensor] = {}
+
+    def release(self, slot) -> None:
+        super().release(slot)
+        self._draft_lp.pop(slot, None)
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        trees = []
+        for slot in slots:
+            d = self._beam_one(slot, sampling, generator)
+            self._draft_lp[slot] = d.draft_log_probs
+            trees.append(DraftTree(d.tokens, d.parents))
+        return trees
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
+
+    @torch.no_grad()
+    def _beam_one(self, slot: int, sampling: SamplingParams, generator):
+        from drafttrain import layout as L
+
+        d, st = self.drafter, self._state[slot]
+        cache = st["cache"]
+        dtype, device = d.fc.weight.dtype, st["feats"].device
+        past, n_new = cache.get_seq_length(), st["ids"].numel()
+        pos, mask = L.inference_layout(n_new, 0, dtype=dtype, past=past)
+        logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos.to(device), mask.to(device), cache)
+        st["ids"] = st["feats"] = None
+        committed = past + n_new
+
+        def logq(lg: torch.Tensor) -> torch.Tensor:  # [q, N] draft-vocab logits -> [q, v] log q
+            full = d.full_vocab_logits(lg)
+            return torch.log_softmax(full.float(), -1) if sampling.greedy else torch.log(process_logits(full, sampling))
+
+        # beam prefix -> (drafter-cache index of the item ending it, its predicted feature, log q of the next token)
+        known: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {(): (committed - 1, f[0, -1], logq(logits[0, -1:])[0])}
+        spec = 0
+
+        def step(beams: torch.Tensor) -> torch.Tensor:
+            nonlocal spec
+            t = beams.shape[1]
+            prefixes = [tuple(b) for b in beams.tolist()]
+            new = [p for p in dict.fromkeys(prefixes) if p not in known]
+            if new:
+                q = len(new)
+                allowed = torch.zeros(q, committed + spec + q, dtype=torch.bool)
+                allowed[:, :committed] = True
+                for j, p in enumerate(new):
+                    for l in range(1, t):
+                        allowed[j, known[p[:l]][0]] = True
+                    allowed[j, committed + spec + j] = True
+                ids = torch.tensor([[p[-1] for p in new]], dtype=torch.long, device=device)
+                feats = torch.stack([known[p[:-1]][1] for p in new])[None]
+                pos = torch.full((1, q), committed - 1 + t, dtype=torch.long, device=device)
+                lg, fo = d.draft_step(ids, feats, pos, L.additive_mask(allowed, dtype)[None, None].to(device), cache)
+                rows = logq(lg[0])
+                for j, p in enumerate(new):
+                    known[p] = (committed + spec + j, fo[0, j], rows[j])
+                spec += q
+            return torch.stack([known[p][2] for p in prefixes])
+
+        try:
+            return beam_draft(step, self.num_beams, self.num_steps, sample=not sampling.greedy, generator=generator)
+        finally:
+            if spec:
+                cache.crop(-spec)
+
+
+__all__ = ["SSSDProposer", "MCSDProposer", "MTADProposer", "MTADEagleProposer"]

@@ -26,15 +26,17 @@ membership rule, MCSD's target-initialized rule, MTAD's joint-likelihood rule; s
 target's distribution. A rule may return ``bonus=None``: then ``commit`` gets the accepted tokens
 only, with the hidden states at [root, path[:-1]], and the last accepted token is the next root.
 
-How the other drafters fit without touching the engine:
+The drafters' proposers (:func:`proposer_for` picks one):
 
-- **Medusa** heads read only f_t: keep ``hidden[-1]`` from start/commit (the feature whose LM-head
-  argmax is the root/bonus token); ``draft`` applies head k to it for depth k + 1 and fills a static
-  tree (``TreeTemplate.fill`` with the per-head top-k / draws, ``dist_index`` = head index).
-- **EAGLE** keeps a drafter KV cache like :class:`ParallelSpecProposer`; ``draft`` runs its
-  autoregressive tree expansion (one drafter forward per depth over the current frontier, children
-  = top-k of each node's own distribution, ``draft_probs`` row per expanded node, ``dist_index`` =
-  the parent's row) and must crop its cache back to the committed items before returning.
+- **ParallelSpec** (:class:`ParallelSpecProposer`): one drafter forward per step for the whole batch
+  gives K + 1 per-depth distributions; the tree is the best-first top-k per depth or a static shape.
+- **Medusa** heads read only f_t: the same class keeps ``hidden[-1]`` from start/commit (the feature
+  whose LM-head argmax is the root/bonus token) and ``propose`` applies head k for depth k; with
+  Medusa's choice list the tree is Medusa's Cartesian-product tree (``dist_index`` = head index).
+- **EAGLE** (:class:`EagleProposer`) keeps a drafter KV cache per sequence; ``draft`` runs the
+  autoregressive tree expansion (one drafter forward per depth over the current frontier, children =
+  top-k / draws of each node's own distribution, ``draft_probs`` row per expanded node, ``dist_index``
+  = the parent's row) and crops its cache back to the committed items before returning.
 
 Shape letters: P prompt length, d hidden, v vocab, K mask tokens, n tree nodes.
 """
@@ -135,10 +137,12 @@ class ReplayProposer:
 
 
 class ParallelSpecProposer:
-    """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, K + 1, v]``
-    (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`): one drafter forward gives the K + 1
-    distributions after the root, turned into a tree by :func:`~drafttrain.verify.tree.parallelspec_tree`
-    (ParallelSpec Algorithm 1, Appendix A.3).
+    """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, D, v]``
+    (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`: D = K + 1 from one forward;
+    :class:`~drafttrain.drafters.medusa.MedusaDrafter`: D = K heads on the root's feature): the D
+    per-depth distributions after the root, turned into a tree by
+    :func:`~drafttrain.verify.tree.parallelspec_tree` (ParallelSpec Algorithm 1, Appendix A.3; with
+    Medusa's choice list this is Medusa's Cartesian-product tree).
 
     With a ParallelSpec drafter (it has ``items``, ``decode``, ``logits``, ``mask_embed``) and
     ``batched=True`` the drafter runs **one forward per step for the whole batch**: every sequence's
@@ -149,8 +153,9 @@ class ParallelSpecProposer:
 
     Args:
         drafter: the drafter (eval mode is set here).
-        widths: candidates per depth (default: a chain, one per depth for all K + 1 depths).
-        budget: maximum tree nodes (default: one per depth).
+        widths: candidates per depth (default: a chain, one per depth for all D depths; with ``choices``:
+            as wide as the choice list asks, up to depth D).
+        budget: maximum tree nodes (default: one per depth; with ``choices``: the list's length).
         choices: optional static shape (a Medusa-style choice list) instead of the best-first shape.
         batched: use the batched path when the drafter supports it.
     """
@@ -167,9 +172,15 @@ class ParallelSpecProposer:
     ):
         self.drafter = drafter.eval() if hasattr(drafter, "eval") else drafter
         self.k = int(getattr(drafter, "num_mask_tokens", 0))
-        self.widths = list(widths) if widths is not None else [1] * (self.k + 1)
-        self.budget = int(budget) if budget is not None else len(self.widths)
+        self.depth = depth = int(getattr(drafter, "draft_depth", self.k + 1))  # rows of one propose call (Medusa: K heads)
         self.template: TreeTemplate | None = template_from_choices(choices) if choices is not None else None
+        if widths is None and self.template is not None:  # a static shape: as wide as it asks, as deep as the drafter
+            widths = [1 + max((r[t] for r in self.template.ranks if len(r) > t), default=-1) for t in range(depth)]
+            widths = [w for w in widths if w > 0]
+        self.widths = list(widths) if widths is not None else [1] * depth
+        if budget is None:
+            budget = self.template.n if self.template is not None else len(self.widths)
+        self.budget = int(budget)
         self.batched = batched and all(hasattr(drafter, a) for a in ("items", "decode", "logits", "mask_embed"))
         self._state: dict[int, dict] = {}
         self._cache = None  # batched path: one-layer RaggedKVCache, row = slot
@@ -265,3 +276,275 @@ class ParallelSpecProposer:
             cache.lengths[slot] += ni
             st["ids"] = st["feats"] = None
         return list(logits)
+
+
+class EagleProposer:
+    """EAGLE's autoregressive tree drafting (Li et al. 2024, "EAGLE", section 4.3 and its static tree).
+
+    Each step first appends the slot's new items (accepted tokens + bonus with the target's true
+    features) to the drafter's KV cache; the last item's output is the root's distribution and
+    predicted feature. The tree then grows **one drafter forward per depth**: every node of the
+    previous depth that has children in the template becomes an item (its token, the predicted feature
+    of the item that drafted it), all of them in one forward with tree attention (each sees the
+    committed items, its own ancestors and itself, at position = root position + depth); a node's
+    children are the first m candidates of *its own* distribution (top-m under greedy; m draws without
+    replacement from the processed distribution under sampling). So, unlike Medusa/ParallelSpec trees,
+    the candidates below a node are conditioned on the node's token. The speculative items are cropped
+    from the cache before returning: the cache holds exactly the committed items again.
+
+    Lossless under sampling: every node's children are successive draws without replacement from the
+    row ``draft_probs[dist_index]`` (the parent's own distribution) and the shape is the template's,
+    trimmed only where a distribution's support is smaller than the width (a property of the
+    distribution, not of the draws), which is what
+    :func:`~drafttrain.verify.acceptance.speculative_sampling_tree` needs.
+
+    Cost: ``max_depth`` drafter forwards per sequence per step (the serial drafting ParallelSpec
+    removes); sequences are drafted one after another, each with its own ``DynamicCache``.
+
+    Args:
+        drafter: an EAGLE drafter (``draft_step``, ``items``, ``forward_inputs``, ``full_vocab_logits``,
+            ``draft_depth``); eval mode is set here.
+        choices: static tree shape (a Medusa-style rank-tuple list such as
+            :data:`~drafttrain.verify.tree.EAGLE_DEFAULT_CHOICES`); default: a chain of the drafter's
+            ``draft_depth`` (the drafter's :meth:`propose`, verified as a chain).
+        budget: keep only the first ``budget`` nodes of the template in (depth, ranks) order (with
+            ``widths``: of the dynamic tree, by value).
+        widths: without ``choices``: under greedy decoding, EAGLE-2's dynamic tree (:meth:`_draft_dynamic`):
+            ``len(widths)`` depths, the ``expand`` most confident nodes of each depth get ``widths[t - 1]``
+            children, the ``budget`` most confident nodes are kept (default budget: sum of widths). Under
+            sampling (where a shape chosen by the drawn tokens' probabilities would bias the rule): the
+            static tree where every node at depth t has ``widths[t - 1]`` children, cut to ``budget``.
+        expand: nodes expanded per depth in the dynamic tree (default ``widths[0]``).
+
+    Raises:
+        ValueError: a bad choice list (see :func:`~drafttrain.verify.tree.template_from_choices`).
+    """
+
+    name = "eagle"
+
+    def __init__(self, drafter, choices: Sequence[Sequence[int]] | None = None, budget: int | None = None,
+                 widths: Sequence[int] | None = None, expand: int | None = None):  # fmt: skip
+        import itertools
+
+        from drafttrain.verify.tree import chain_template
+
+        self.drafter = drafter.eval() if hasattr(drafter, "eval") else drafter
+        self.dynamic = choices is None and widths is not None
+        if self.dynamic:
+            self.widths = [int(w) for w in widths]
+            if not self.widths or min(self.widths) < 1:
+                raise ValueError(f"widths must be positive ints, got {list(widths)}")
+            self.expand = int(expand) if expand is not None else self.widths[0]
+            self.budget = int(budget) if budget is not None else sum(self.widths)
+            if self.expand < 1 or self.budget < 1:
+                raise ValueError("expand and budget must be >= 1")
+            # under sampling: the static tree where every node at depth t gets widths[t - 1] children
+            choices = [r for t in range(1, len(widths) + 1) for r in itertools.product(*(range(w) for w in widths[:t]))]
+        tpl = template_from_choices(choices) if choices is not None else chain_template(int(drafter.draft_depth))
+        if budget is not None and budget < tpl.n:
+            tpl = template_from_choices(tpl.ranks[: max(int(budget), 0)])  # a (depth, ranks) prefix is a tree
+        self.template = tpl
+        self._parents = tpl.parents.tolist()
+        self._depth = [len(r) for r in tpl.ranks]
+        self._kids: list[list[int]] = [[] for _ in range(tpl.n + 1)]  # entry 0: the root's children
+        for i, p in enumerate(self._parents):
+            self._kids[p + 1].append(i)
+        self._state: dict[int, dict] = {}
+
+    # -- protocol -------------------------------------------------------------------------------
+    def start(self, slot, prompt_ids, hidden, first_token) -> None:
+        from transformers import DynamicCache
+
+        ids = torch.tensor(list(prompt_ids)[1:] + [int(first_token)], dtype=torch.long, device=hidden.device)
+        self._state[slot] = {"ids": ids, "feats": hidden, "cache": DynamicCache()}
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        return [self._draft_one(slot, sampling, generator) for slot in slots]
+
+    def commit(self, slot, tokens, hidden) -> None:
+        st = self._state[slot]
+        st["ids"] = torch.tensor(list(tokens), dtype=torch.long, device=hidden.device)
+        st["feats"] = hidden
+
+    def release(self, slot) -> None:
+        self._state.pop(slot, None)
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _append_items(self, st: dict):
+        """Feed the slot's pending items into its drafter cache. Returns (root logits [N] over the draft
+        vocabulary, root predicted feature [d], committed item count)."""
+        from drafttrain import layout as L
+
+        d, cache = self.drafter, st["cache"]
+        device = st["feats"].device
+        past, n_new = cache.get_seq_length(), st["ids"].numel()
+        pos, mask = L.inference_layout(n_new, 0, dtype=d.fc.weight.dtype, past=past)
+        logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos.to(device), mask.to(device), cache)
+        st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
+        return logits[0, -1], f[0, -1], past + n_new
+
+    def _forward_level(self, cache, committed: int, spec: int, tokens, feats, ancestors, depth: int):
+        """One drafter forward over q speculative items at one depth, with tree attention.
+
+        Args:
+            tokens: q token ids; feats: [q, d] the predicted feature each item reads (its parent's output);
+            ancestors: per item, the drafter-cache indices of its speculative ancestors' items;
+            committed / spec: committed items / speculative items already in ``cache``; depth: t.
+
+        Returns:
+            (logits [q, N], predicted features [q, d]); the q items are appended to ``cache`` at
+            indices committed + spec + j.
+        """
+        from drafttrain import layout as L
+
+        d = self.drafter
+        q = len(tokens)
+        allowed = torch.zeros(q, committed + spec + q, dtype=torch.bool)
+        allowed[:, :committed] = True
+        for j, anc in enumerate(ancestors):
+            allowed[j, list(anc)] = True
+            allowed[j, committed + spec + j] = True
+        device = feats.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        pos = torch.full((1, q), committed - 1 + depth, dtype=torch.long, device=device)
+        mask = L.additive_mask(allowed, d.fc.weight.dtype)[None, None].to(device)
+        lg, fo = d.draft_step(ids, feats[None], pos, mask, cache)
+        return lg[0], fo[0]
+
+    def _probs(self, lg: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """[..., N] draft-vocabulary logits -> [..., v] probabilities (softmax under greedy, processed under sampling)."""
+        full = self.drafter.full_vocab_logits(lg)
+        return torch.softmax(full.float(), dim=-1) if sampling.greedy else process_logits(full, sampling)
+
+    @torch.no_grad()
+    def _draft_one(self, slot: int, sampling: SamplingParams, generator) -> DraftTree:
+        if self.dynamic and sampling.greedy:
+            return self._draft_dynamic(slot)
+        from drafttrain.verify.tree import draft_candidates
+
+        st = self._state[slot]
+        cache = st["cache"]
+        root_lg, root_f, committed = self._append_items(st)
+        rows = [self._probs(root_lg, sampling)]  # row 0: the root's distribution
+        row_feat = [root_f]  # predicted feature that goes with each row's children
+        n = self.template.n
+        tokens: list[int | None] = [None] * n
+        own_row: dict[int, int] = {}  # expanded node -> its row
+        cache_index: dict[int, int] = {}  # expanded node -> its item's slot in the drafter cache
+        spec = 0  # speculative items appended
+        for depth in range(1, self.template.max_depth + 1):
+            level = [i for i in range(n) if self._depth[i] == depth]
+            for parent in dict.fromkeys(self._parents[i] for i in level):  # fill this depth's tokens
+                row = 0 if parent < 0 else own_row.get(parent)
+                if row is None:
+                    continue  # parent was dropped (a distribution with a small support)
+                kids = self._kids[parent + 1]
+                cands = draft_candidates(rows[row], len(kids), not sampling.greedy, generator).tolist()
+                for c in kids:
+                    r = self.template.ranks[c][-1]
+                    if r < len(cands):
+                        tokens[c] = cands[r]
+            expand = [i for i in level if tokens[i] is not None and self._kids[i + 1]]
+            if not expand:
+                break
+            feats = torch.stack([row_feat[0 if self._parents[i] < 0 else own_row[self._parents[i]]] for i in expand])
+            lg, fo = self._forward_level(cache, committed, spec, [tokens[i] for i in expand], feats,
+                                         [self._ancestor_slots(i, cache_index) for i in expand], depth)  # fmt: skip
+            probs = self._probs(lg, sampling)
+            for j, i in enumerate(expand):
+                own_row[i] = len(rows)
+                cache_index[i] = committed + spec + j
+                rows.append(probs[j])
+                row_feat.append(fo[j])
+            spec += len(expand)
+        if spec:
+            cache.crop(-spec)
+        keep = [i for i in range(n) if tokens[i] is not None]  # ancestor-closed: children only under kept nodes
+        new_index = {i: j for j, i in enumerate(keep)}
+        parents = torch.tensor([new_index[self._parents[i]] if self._parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+        toks = torch.tensor([tokens[i] for i in keep], dtype=torch.long)
+        if sampling.greedy:
+            return DraftTree(toks, parents)
+        dist = [0 if self._parents[i] < 0 else own_row[self._parents[i]] for i in keep]
+        return DraftTree(toks, parents, torch.stack(rows), torch.tensor(dist))
+
+    def _ancestor_slots(self, i: int, cache_index: dict[int, int]) -> list[int]:
+        out, a = [], self._parents[i]
+        while a >= 0:
+            out.append(cache_index[a])
+            a = self._parents[a]
+        return out
+
+    @torch.no_grad()
+    def _draft_dynamic(self, slot: int) -> DraftTree:
+        """EAGLE-2's context-aware dynamic tree (Li et al. 2024, "EAGLE-2", section 4), greedy only.
+
+        A node's value is its path's draft confidence (product of the drafter's probabilities along it).
+        Expansion: at each depth t the ``expand`` most valuable nodes of that depth are fed to the drafter
+        (one forward) and each gets its top ``widths[t]`` children; after ``len(widths)`` depths the
+        ``budget`` most valuable nodes of the whole tree are kept (reranking). A child is never worth more
+        than its parent, so the kept set is ancestor-closed (ties go to the shallower node).
+        """
+        st = self._state[slot]
+        cache = st["cache"]
+        root_lg, root_f, committed = self._append_items(st)
+        greedy = SamplingParams()
+        # node: (token, parent, value, depth); built in depth order
+        toks, parents, values, depths = [], [], [], []
+        p0 = self._probs(root_lg, greedy)
+        top = torch.topk(p0, self.widths[0])
+        frontier_feat = {-1: root_f}
+        cache_index: dict[int, int] = {}
+        for v, t in zip(top.values.tolist(), top.indices.tolist()):
+            toks.append(t), parents.append(-1), values.append(v), depths.append(1)
+        spec = 0
+        for depth in range(1, len(self.widths)):
+            level = [i for i in range(len(toks)) if depths[i] == depth]
+            expand = sorted(level, key=lambda i: -values[i])[: self.expand]
+            feats = torch.stack([frontier_feat[parents[i]] for i in expand])
+            anc = []
+            for i in expand:
+                a, lst = parents[i], []
+                while a >= 0:
+                    lst.append(cache_index[a])
+                    a = parents[a]
+                anc.append(lst)
+            lg, fo = self._forward_level(cache, committed, spec, [toks[i] for i in expand], feats, anc, depth)
+            probs = self._probs(lg, greedy)
+            top = torch.topk(probs, self.widths[depth], dim=-1)
+            for j, i in enumerate(expand):
+                cache_index[i] = committed + spec + j
+                frontier_feat[i] = fo[j]
+                for v, t in zip(top.values[j].tolist(), top.indices[j].tolist()):
+                    toks.append(t), parents.append(i), values.append(values[i] * v), depths.append(depth + 1)
+            spec += len(expand)
+        if spec:
+            cache.crop(-spec)
+        keep = sorted(range(len(toks)), key=lambda i: (-values[i], depths[i], i))[: self.budget]
+        keep.sort(key=lambda i: (depths[i], i))  # parents first
+        new_index = {i: j for j, i in enumerate(keep)}
+        assert all(parents[i] < 0 or parents[i] in new_index for i in keep), "reranked tree is not ancestor-closed"
+        return DraftTree(torch.tensor([toks[i] for i in keep], dtype=torch.long),
+                         torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long))
+
+
+def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
+                 choices: Sequence[Sequence[int]] | None = None):  # fmt: skip
+    """The proposer that drafts the way ``drafter`` was built to.
+
+    - EAGLE (:class:`~drafttrain.drafters.eagle.EagleDrafter`): :class:`EagleProposer` (autoregressive
+      tree; ``choices`` static shape, or ``widths`` children per node at each depth, default a chain of
+      ``draft_depth``).
+    - ParallelSpec (both integrations) and Medusa: :class:`ParallelSpecProposer`, whose trees come from
+      one set of per-depth distributions (the K + 1 slots of one ParallelSpec forward, or the K Medusa
+      heads on the root's feature: Medusa's Cartesian-product tree when ``choices`` is its choice list).
+
+    Returns:
+        a :class:`Proposer` whose ``name`` is the drafter's.
+    """
+    if getattr(drafter, "name", None) == "eagle":
+        prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths)
+    else:
+        prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
+        prop.name = getattr(drafter, "name", prop.name)
+    return prop

@@ -1,0 +1,134 @@
+"""Each recipe's drafter through the batched verifier with its own proposer: chain vs draft trees.
+
+    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_trees --runs outputs/bench_recipes
+
+For every training run folder under ``--runs`` (one per recipe, e.g. from ``scripts.bench_recipes``),
+every tree of ``TREES[recipe]`` and every prompt set, one harness run
+(:func:`drafttrain.eval.harness.evaluate`, EMS-SD unpadded mode) decodes the same prompts with plain
+decoding and with the drafter's own proposer (:func:`drafttrain.verify.proposers.proposer_for`:
+ParallelSpec / Medusa per-depth trees, EAGLE's autoregressive trees), at each batch size. Greedy
+decoding: every speculative output is checked token for token against plain decoding. Writes
+``--out``.json and ``--out``.md (a hand-written section between ``<!-- analysis -->`` markers in an
+existing page is kept). Finished (recipe, tree, prompt set) runs are kept in ``--work-dir`` and
+skipped when the command is run again (interrupt and resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from scripts.bench_verifier import kept_analysis, run_eval
+
+# recipe -> [(label, harness overrides)]; the chain is each drafter's own depth (ParallelSpec K + 1,
+# Medusa K heads, EAGLE D steps)
+TREES: dict[str, list[tuple[str, list[str]]]] = {
+    "parallelspec": [("chain", []), ("best-first top-[4,2,1,1,1], 8 nodes", ["tree.widths=[4,2,1,1,1]", "tree.budget=8"])],
+    "parallelspec_eagle": [("chain", []), ("best-first top-[4,2,1,1,1], 8 nodes", ["tree.widths=[4,2,1,1,1]", "tree.budget=8"])],
+    "medusa": [("chain", []), ("best-first top-[4,2,1,1], 8 nodes", ["tree.widths=[4,2,1,1]", "tree.budget=8"]),
+               ("Medusa's choice list, first 16 nodes", ["tree.choices=medusa_default", "tree.budget=16"])],
+    "eagle": [("chain", []), ("EAGLE-2 dynamic [4,2,2,1,1], 8 nodes", ["tree.widths=[4,2,2,1,1]", "tree.budget=8"]),
+              ("EAGLE's default tree (25 nodes)", ["tree.choices=eagle_default"])],
+}  # fmt: skip
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| recipe | tree | prompts | batch | τ | nodes/step | tok/s | plain tok/s | speedup | equal to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['recipe']} | {r['tree']} | {r['prompts']} | {r['batch_size']} | {r['tau']:.3f} | "
+                     f"{r['nodes_per_step']:.1f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {'yes' if r['greedy_equal'] else '**no**'} |")  # fmt: skip
+    return lines
+
+
+def rows_of(recipe: str, tree: str, prompts: str, res: dict) -> list[dict]:
+    plain = {r["batch_size"]: r for r in res["runs"] if r["method"] == "plain"}
+    out = []
+    for r in res["runs"]:
+        if r["method"] == "plain":
+            continue
+        out.append({"recipe": recipe, "tree": tree, "prompts": prompts, "batch_size": r["batch_size"], "tau": r["tau"],
+                    "nodes_per_step": r.get("mean_tree_nodes", float("nan")), "tokens_per_s": r["tokens_per_s"],
+                    "plain_tokens_per_s": plain[r["batch_size"]]["tokens_per_s"], "speedup": r["speedup"],
+                    "greedy_equal": bool(r.get("greedy_equal")), "accept_hist": r.get("accept_hist")})  # fmt: skip
+    return out
+
+
+def write_markdown(data: dict, out: Path) -> None:
+    md = out.with_suffix(".md")
+    analysis = kept_analysis(md)
+    a = data["args"]
+    lines = [
+        "# Draft trees per recipe through the batched verifier",
+        "",
+        "Reproduce (training runs from `python -m scripts.bench_recipes`):",
+        "",
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        f"Greedy decoding, {a['num_prompts']} prompts per set, at most {a['max_new_tokens']} new tokens, EMS-SD "
+        f"unpadded engine, {a['threads']} torch threads on this machine ({data.get('machine', '?')}). Each row is one "
+        "harness run: plain decoding and the recipe's drafter through its own proposer on the same prompts, in one "
+        "process, speedup = their tokens/s ratio. τ = tokens emitted per sequence-step (DESIGN.md §3).",
+        "",
+        *table(data["rows"]),
+        "",
+        analysis,
+        "",
+    ]
+    md.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default="outputs/bench_recipes", help="folder with one training run folder per recipe")
+    ap.add_argument("--recipes", nargs="+", default=list(TREES))
+    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "gsm8k"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/benchmarks/trees")
+    ap.add_argument("--work-dir", default="outputs/bench_trees")
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    work = Path(args.work_dir)
+    rows, machine = [], None
+    for recipe in args.recipes:
+        ckpt = Path(args.runs) / recipe
+        if not (ckpt / "drafter").is_dir():
+            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
+            continue
+        for t, (label, overrides) in enumerate(TREES[recipe]):
+            for prompts in args.prompt_sets:
+                done = work / f"{recipe}-{t}-{prompts}.json"
+                if not done.exists():
+                    res = run_eval([
+                        f"checkpoint={ckpt}", "methods=[drafter]", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
+                        f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
+                        "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
+                        f"output_dir={work / f'{recipe}-{t}-{prompts}'}", *overrides,
+                    ])  # fmt: skip
+                    done.parent.mkdir(parents=True, exist_ok=True)
+                    done.write_text(json.dumps(res))
+                res = json.loads(done.read_text())
+                machine = res.get("machine")
+                rows += rows_of(recipe, label, prompts, res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"command": "python -m scripts.bench_trees " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "args": vars(args), "machine": machine, "rows": rows}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    write_markdown(data, out)
+    print("\n".join(table(rows)))
+
+
+if __name__ == "__main__":
+    main()
