@@ -58,6 +58,12 @@ def rows_of(recipe: str, tree: str, prompts: str, res: dict) -> list[dict]:
     return out
 
 
+def _machine(m: dict | None) -> str:
+    if not m:
+        return "machine not recorded"
+    return f"{m.get('processor', '?')} CPU, {m.get('torch_threads', '?')} torch threads, torch {m.get('torch', '?')}"
+
+
 def write_markdown(data: dict, out: Path) -> None:
     md = out.with_suffix(".md")
     analysis = kept_analysis(md)
@@ -72,7 +78,7 @@ def write_markdown(data: dict, out: Path) -> None:
         "```",
         "",
         f"Greedy decoding, {a['num_prompts']} prompts per set, at most {a['max_new_tokens']} new tokens, EMS-SD "
-        f"unpadded engine, {a['threads']} torch threads on this machine ({data.get('machine', '?')}). Each row is one "
+        f"unpadded engine, {_machine(data.get('machine'))}. Each row is one "
         "harness run: plain decoding and the recipe's drafter through its own proposer on the same prompts, in one "
         "process, speedup = their tokens/s ratio. τ = tokens emitted per sequence-step (DESIGN.md §3).",
         "",
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", default="smollm2", help="the target config the runs were trained for")
     ap.add_argument("--out", default="docs/benchmarks/trees")
     ap.add_argument("--work-dir", default="outputs/bench_trees")
     args = ap.parse_args(argv)
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 done = work / f"{recipe}-{t}-{prompts}.json"
                 if not done.exists():
                     res = run_eval([
-                        f"checkpoint={ckpt}", "methods=[drafter]", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
+                        f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
                         f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
                         "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
                         f"output_dir={work / f'{recipe}-{t}-{prompts}'}", *overrides,

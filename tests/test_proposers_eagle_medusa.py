@@ -293,3 +293,30 @@ def test_harness_evaluates_eagle_and_medusa_checkpoints(tiny_target, tmp_path, n
     assert spec[name]["greedy_equal"] and spec[name]["tau"] > 1.2  # the tiny target's drafter accepts drafts
     assert res["drafter"]["name"] == name and res["drafter"]["draft_depth"] == (4 if name == "eagle" else 3)
     assert f"{name}, draft depth" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_bench_trees_script_runs_and_resumes(tiny_target, tmp_path, monkeypatch):
+    """scripts.bench_trees on tiny EAGLE and Medusa runs: one row per (recipe, tree), outputs equal to plain,
+    JSON + markdown written; a second invocation reuses the finished runs instead of decoding again."""
+    import json
+
+    from scripts import bench_trees
+
+    torch.set_num_threads(1)
+    runs = tmp_path / "runs"
+    for name in ("eagle", "medusa"):
+        _drafter(name, tiny_target).save_pretrained(runs / name / "drafter")
+        (runs / name / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
+    args = ["--runs", str(runs), "--recipes", "eagle", "medusa", "--prompt-sets", "mt_bench", "--batch-sizes", "2",
+            "--num-prompts", "2", "--max-new-tokens", "6", "--threads", "1", "--target", "tiny",
+            "--out", str(tmp_path / "trees"), "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    bench_trees.main(args)
+    data = json.loads((tmp_path / "trees.json").read_text())
+    labels = [(r["recipe"], r["tree"]) for r in data["rows"]]
+    assert labels == [("eagle", t) for t, _ in bench_trees.TREES["eagle"]] + [("medusa", t) for t, _ in bench_trees.TREES["medusa"]]
+    assert all(r["greedy_equal"] and r["batch_size"] == 2 and r["tau"] >= 1.0 for r in data["rows"])
+    md = (tmp_path / "trees.md").read_text()
+    assert "| eagle | EAGLE's default tree (25 nodes) | mt_bench | 2 |" in md
+    monkeypatch.setattr(bench_trees, "run_eval", lambda overrides: pytest.fail("finished runs must be reused"))
+    bench_trees.main(args)
+    assert json.loads((tmp_path / "trees.json").read_text())["rows"] == data["rows"]
