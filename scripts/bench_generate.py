@@ -183,8 +183,12 @@ def main() -> None:
                                       f"generation.batch_size={args.batch_size} output_dir={work}/full-bs{args.batch_size}")
         OUT.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
-    (OUT / f"{NAME}.md").write_text(markdown(results))
-    print((OUT / f"{NAME}.md").read_text())
+    from scripts.bench_verifier import kept_analysis
+
+    md = OUT / f"{NAME}.md"
+    analysis = kept_analysis(md)  # the hand-written section between <!-- analysis --> markers survives
+    md.write_text(markdown(results).rstrip("\n") + "\n\n" + analysis + "\n")
+    print(md.read_text())
 
 
 def markdown(results: dict) -> str:
