@@ -345,23 +345,16 @@ class MTADEagleProposer(EagleProposer):
 
     @torch.no_grad()
     def _beam_one(self, slot: int, sampling: SamplingParams, generator):
-        from drafttrain import layout as L
-
-        d, st = self.drafter, self._state[slot]
+        st = self._state[slot]
         cache = st["cache"]
-        dtype, device = d.fc.weight.dtype, st["feats"].device
-        past, n_new = cache.get_seq_length(), st["ids"].numel()
-        pos, mask = L.inference_layout(n_new, 0, dtype=dtype, past=past)
-        logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos.to(device), mask.to(device), cache)
-        st["ids"] = st["feats"] = None
-        committed = past + n_new
+        root_lg, root_f, committed = self._append_items(st)
 
-        def logq(lg: torch.Tensor) -> torch.Tensor:  # [q, N] draft-vocab logits -> [q, v] log q
-            full = d.full_vocab_logits(lg)
-            return torch.log_softmax(full.float(), -1) if sampling.greedy else torch.log(process_logits(full, sampling))
+        def logq(lg: torch.Tensor) -> torch.Tensor:  # [..., N] draft-vocab logits -> [..., v] log q
+            return torch.log(self._probs(lg, sampling)) if not sampling.greedy else torch.log_softmax(
+                self.drafter.full_vocab_logits(lg).float(), -1)
 
         # beam prefix -> (drafter-cache index of the item ending it, its predicted feature, log q of the next token)
-        known: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {(): (committed - 1, f[0, -1], logq(logits[0, -1:])[0])}
+        known: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {(): (committed - 1, root_f, logq(root_lg))}
         spec = 0
 
         def step(beams: torch.Tensor) -> torch.Tensor:
@@ -369,22 +362,14 @@ class MTADEagleProposer(EagleProposer):
             t = beams.shape[1]
             prefixes = [tuple(b) for b in beams.tolist()]
             new = [p for p in dict.fromkeys(prefixes) if p not in known]
-            if new:
-                q = len(new)
-                allowed = torch.zeros(q, committed + spec + q, dtype=torch.bool)
-                allowed[:, :committed] = True
+            if new:  # one drafter forward over the new prefixes' last tokens, tree attention over their own items
+                feats = torch.stack([known[p[:-1]][1] for p in new])
+                ancestors = [[known[p[:l]][0] for l in range(1, t)] for p in new]
+                lg, fo = self._forward_level(cache, committed, spec, [p[-1] for p in new], feats, ancestors, t)
+                rows = logq(lg)
                 for j, p in enumerate(new):
-                    for l in range(1, t):
-                        allowed[j, known[p[:l]][0]] = True
-                    allowed[j, committed + spec + j] = True
-                ids = torch.tensor([[p[-1] for p in new]], dtype=torch.long, device=device)
-                feats = torch.stack([known[p[:-1]][1] for p in new])[None]
-                pos = torch.full((1, q), committed - 1 + t, dtype=torch.long, device=device)
-                lg, fo = d.draft_step(ids, feats, pos, L.additive_mask(allowed, dtype)[None, None].to(device), cache)
-                rows = logq(lg[0])
-                for j, p in enumerate(new):
-                    known[p] = (committed + spec + j, fo[0, j], rows[j])
-                spec += q
+                    known[p] = (committed + spec + j, fo[j], rows[j])
+                spec += len(new)
             return torch.stack([known[p][2] for p in prefixes])
 
         try:
