@@ -382,12 +382,15 @@ class TreeConfig:
 
     ``widths``: candidates per depth (null = a chain over all K + 1 depths); ``budget``: maximum nodes
     (null = one per depth); ``choices``: a static shape instead of the best-first one: ``eagle_default``,
-    ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``.
+    ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``. ``batched_drafting``: the
+    drafter drafts the whole batch in shared forwards (ParallelSpec: one forward; EAGLE: one per
+    depth); false = one sequence at a time, each with its own drafter cache (a reference to compare).
     """
 
     widths: list[int] | None = None
     budget: int | None = None
     choices: Any = None
+    batched_drafting: bool = True
 
 
 @dataclass

@@ -106,8 +106,10 @@ def summarize(out_root: Path, recipe: str) -> dict:
     gsm = out / "eval_gsm8k.json"
     gsm8k = json.loads(gsm.read_text()) if gsm.is_file() else {}
     config = json.loads((out / "config.json").read_text())
+    launch = out / "bench_command.json"
     return {
         "recipe": recipe,
+        "launch": json.loads(launch.read_text()) if launch.is_file() else None,  # argv (extra overrides included)
         "drafter": config["drafter"],
         "steps": final["step"],
         "stopped_by_time_budget": final["stopped_by_time_budget"],

@@ -142,13 +142,14 @@ def _fresh_path_probs(drafter, items_ids, items_feats, path_tokens, sampling):
 
 @pytest.mark.parametrize("sampling, dynamic", [(SamplingParams(), False), (SamplingParams(temperature=0.9), False),
                                                (SamplingParams(), True)], ids=["greedy", "T0.9", "dynamic"])
-def test_eagle_tree_children_come_from_their_own_path(varied_target, prompts, sampling, dynamic):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-seq"])
+def test_eagle_tree_children_come_from_their_own_path(varied_target, prompts, sampling, dynamic, batched):
     target = varied_target
     drafter = _drafter("eagle", target, seed=3)
     if dynamic:  # EAGLE-2: 5 depths, 3 nodes expanded per depth, 3/2/2/2/2 children, the 12 best kept
-        prop = EagleProposer(drafter, widths=[3, 2, 2, 2, 2], expand=3, budget=12)
+        prop = EagleProposer(drafter, widths=[3, 2, 2, 2, 2], expand=3, budget=12, batched=batched)
     else:
-        prop = EagleProposer(drafter, choices=EAGLE_DEFAULT_CHOICES)
+        prop = EagleProposer(drafter, choices=EAGLE_DEFAULT_CHOICES, batched=batched)
     p = prompts[1]
     full = target.generate_greedy([p], 6, stop_token_id=-1, return_features=False)[0]["tokens"]
     feats = target.features(torch.tensor([full]))[0]  # f_0 .. f_{len-1}
@@ -159,7 +160,7 @@ def test_eagle_tree_children_come_from_their_own_path(varied_target, prompts, sa
     prop.commit(0, full[len(p) + 1 : len(p) + 4], feats[len(p) : len(p) + 3])
     tree = prop.draft([0], sampling, g)[0]
     committed = len(p) + 3
-    assert prop._state[0]["cache"].get_seq_length() == committed  # speculative items cropped
+    assert prop.committed_length(0) == committed  # speculative items never committed
     assert tree.n == (12 if dynamic else len(EAGLE_DEFAULT_CHOICES))
     assert tree.max_depth == 5 or dynamic
     items_ids = torch.tensor(full[1 : committed + 1])
@@ -320,3 +321,83 @@ def test_bench_trees_script_runs_and_resumes(tiny_target, tmp_path, monkeypatch)
     monkeypatch.setattr(bench_trees, "run_eval", lambda overrides: pytest.fail("finished runs must be reused"))
     bench_trees.main(args)
     assert json.loads((tmp_path / "trees.json").read_text())["rows"] == data["rows"]
+
+
+@pytest.mark.parametrize("kind", ["tree-T0.8", "dynamic-greedy", "chain-greedy"])
+def test_eagle_batched_drafting_equals_per_sequence(varied_target, prompts, kind):
+    """The batched EAGLE proposer (one drafter forward per depth for the whole batch, one ragged cache)
+    drafts the same trees as drafting each sequence alone with its own DynamicCache: same tokens, same
+    accepted lengths at every step, same outputs under sampling with the same seed, for prompts of
+    different lengths that finish at different steps (slots are refilled: continuous batching)."""
+    drafter = _drafter("eagle", varied_target, seed=4)
+    sampling = SamplingParams(temperature=0.8) if kind.startswith("tree") else SamplingParams()
+    make = {
+        "tree-T0.8": lambda b: EagleProposer(drafter, choices=EAGLE_DEFAULT_CHOICES, batched=b),
+        "dynamic-greedy": lambda b: EagleProposer(drafter, widths=[3, 2, 2, 1], expand=2, budget=9, batched=b),
+        "chain-greedy": lambda b: EagleProposer(drafter, batched=b),
+    }[kind]
+    stops = _stops(varied_target, prompts)
+    runs = {}
+    for batched in (True, False):
+        prop = make(batched)
+        runs[batched] = SpecEngine(varied_target, prop, batch_size=3, max_new_tokens=NEW, stop_token_ids=stops,
+                                   sampling=sampling, seed=11).run(prompts)  # fmt: skip
+        assert prop.batched is batched
+    a, b = runs[True].results, runs[False].results
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.accept_lengths for r in a] == [r.accept_lengths for r in b]
+    if sampling.greedy:  # the stop ids come from greedy outputs: sequences finished at different steps
+        assert len({len(r.tokens) for r in a}) > 1
+
+
+def test_eagle_batched_trees_match_per_sequence_trees(varied_target, prompts):
+    """Direct check of one batched draft call: per slot, the tree's tokens, parents and draft rows equal
+    the per-sequence proposer's, and the drafter cache holds exactly the committed items afterwards."""
+    drafter = _drafter("eagle", varied_target, seed=6)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9)
+    props = {b: EagleProposer(drafter, choices=EAGLE_DEFAULT_CHOICES, batched=b) for b in (True, False)}
+    trees = {}
+    for b, prop in props.items():
+        for slot, p in enumerate(prompts[:4]):
+            full = varied_target.generate_greedy([p], 4, stop_token_id=-1, return_features=False)[0]["tokens"]
+            feats = varied_target.features(torch.tensor([full]))[0]
+            prop.start(slot, p, feats[: len(p)], full[len(p)])
+        g = torch.Generator().manual_seed(2)
+        prop.draft(range(4), sampling, g)
+        for slot, p in enumerate(prompts[:4]):  # commit 1..3 items per slot (different lengths)
+            full = varied_target.generate_greedy([p], 4, stop_token_id=-1, return_features=False)[0]["tokens"]
+            feats = varied_target.features(torch.tensor([full]))[0]
+            m = 1 + slot % 3
+            prop.commit(slot, full[len(p) + 1 : len(p) + 1 + m], feats[len(p) : len(p) + m])
+        trees[b] = prop.draft([3, 0, 2, 1], sampling, g)
+        assert [prop.committed_length(s) for s in range(4)] == [len(p) + 1 + s % 3 for s, p in enumerate(prompts[:4])]
+    for tb, tu in zip(trees[True], trees[False]):
+        assert tb.tokens.tolist() == tu.tokens.tolist() and tb.parents.tolist() == tu.parents.tolist()
+        assert tb.dist_index.tolist() == tu.dist_index.tolist()
+        torch.testing.assert_close(tb.draft_probs, tu.draft_probs, atol=2e-5, rtol=1e-4)
+
+
+def test_bench_drafting_script_runs_and_resumes(tiny_target, tmp_path, monkeypatch):
+    """scripts.bench_drafting on a tiny EAGLE run: a batched and a per-sequence row per batch size, same τ,
+    outputs equal to plain, the ratio recorded; a second invocation reuses the finished runs."""
+    import json
+
+    from scripts import bench_drafting
+
+    torch.set_num_threads(1)
+    runs = tmp_path / "runs"
+    _drafter("eagle", tiny_target).save_pretrained(runs / "eagle" / "drafter")
+    (runs / "eagle" / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
+    args = ["--runs", str(runs), "--recipes", "eagle", "--batch-sizes", "1", "3", "--num-prompts", "3",
+            "--max-new-tokens", "6", "--threads", "1", "--target", "tiny", "--out", str(tmp_path / "drafting"),
+            "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    bench_drafting.main(args)
+    rows = json.loads((tmp_path / "drafting.json").read_text())["rows"]
+    assert [(r["batch_size"], r["drafting"]) for r in rows] == [(1, "batched"), (1, "per-sequence"), (3, "batched"),
+                                                                (3, "per-sequence")]  # fmt: skip
+    assert all(r["greedy_equal"] for r in rows)
+    assert rows[0]["same_tau"] and rows[2]["same_tau"] and rows[2]["ratio"] > 0
+    assert "| eagle | EAGLE-2 dynamic [4,2,2,1,1], 8 nodes | 3 | batched |" in (tmp_path / "drafting.md").read_text()
+    monkeypatch.setattr(bench_drafting, "run_eval", lambda overrides: pytest.fail("finished runs must be reused"))
+    bench_drafting.main(args)
+    assert json.loads((tmp_path / "drafting.json").read_text())["rows"] == rows

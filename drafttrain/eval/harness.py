@@ -83,7 +83,8 @@ def make_proposer(c: EvalConfig, drafter):
     choices = c.tree.choices
     if isinstance(choices, str):
         choices = NAMED_CHOICES[choices]
-    return proposer_for(drafter, widths=c.tree.widths, budget=c.tree.budget, choices=choices)
+    return proposer_for(drafter, widths=c.tree.widths, budget=c.tree.budget, choices=choices,
+                        batched=c.tree.batched_drafting)
 
 
 def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,

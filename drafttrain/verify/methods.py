@@ -306,7 +306,8 @@ class MTADEagleProposer(EagleProposer):
     Each beam step is one drafter forward over the new beam prefixes with tree attention (each prefix's
     item sees the committed items and its own earlier items, at position = root position + length),
     as :class:`~drafttrain.verify.proposers.EagleProposer` expands a tree; the speculative items are
-    cropped afterwards. Acceptance as :class:`MTADProposer`: **lossy**.
+    cropped afterwards; sequences are drafted one after another (each with its own ``DynamicCache``).
+    Acceptance as :class:`MTADProposer`: **lossy**.
 
     Args:
         drafter: an EAGLE drafter.
@@ -318,7 +319,7 @@ class MTADEagleProposer(EagleProposer):
     lossless = False
 
     def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1):
-        super().__init__(drafter)
+        super().__init__(drafter, batched=False)  # beams are drafted one sequence at a time
         if num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {num_beams}")
         self.num_beams = int(num_beams)

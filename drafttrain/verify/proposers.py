@@ -33,10 +33,11 @@ The drafters' proposers (:func:`proposer_for` picks one):
 - **Medusa** heads read only f_t: the same class keeps ``hidden[-1]`` from start/commit (the feature
   whose LM-head argmax is the root/bonus token) and ``propose`` applies head k for depth k; with
   Medusa's choice list the tree is Medusa's Cartesian-product tree (``dist_index`` = head index).
-- **EAGLE** (:class:`EagleProposer`) keeps a drafter KV cache per sequence; ``draft`` runs the
-  autoregressive tree expansion (one drafter forward per depth over the current frontier, children =
-  top-k / draws of each node's own distribution, ``draft_probs`` row per expanded node, ``dist_index``
-  = the parent's row) and crops its cache back to the committed items before returning.
+- **EAGLE** (:class:`EagleProposer`) keeps a drafter KV cache (one ragged cache for the batch);
+  ``draft`` runs the autoregressive tree expansion for the whole batch at once (one drafter forward
+  per depth over every sequence's frontier, children = top-k / draws of each node's own distribution,
+  ``draft_probs`` row per expanded node, ``dist_index`` = the parent's row); the speculative items
+  never become committed.
 
 Shape letters: P prompt length, d hidden, v vocab, K mask tokens, n tree nodes.
 """
@@ -136,6 +137,26 @@ class ReplayProposer:
         self._state.pop(slot, None)
 
 
+def _reset_drafter_row(drafter, cache, slot: int, like: torch.Tensor):
+    """Give ``slot`` an empty row in a one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` for a
+    drafter's decoder layer (created on first use, grown by rows as slots appear). Returns the cache."""
+    from types import SimpleNamespace
+
+    from drafttrain.verify.cache import RaggedKVCache
+
+    if cache is None:
+        attn = drafter.layer.self_attn
+        n_kv = attn.config.num_key_value_heads
+        cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
+                              head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
+        cache = RaggedKVCache(cfg, 0, 256, drafter.fc.weight.dtype, like.device)
+    if slot >= cache.batch_size:
+        cache.add_rows(slot + 1 - cache.batch_size)
+    cache.valid[slot] = False
+    cache.lengths[slot] = 0
+    return cache
+
+
 class ParallelSpecProposer:
     """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, D, v]``
     (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`: D = K + 1 from one forward;
@@ -225,21 +246,7 @@ class ParallelSpecProposer:
         return out
 
     def _reset_row(self, slot: int, like: torch.Tensor) -> None:
-        from types import SimpleNamespace
-
-        from drafttrain.verify.cache import RaggedKVCache
-
-        if self._cache is None:
-            attn = self.drafter.layer.self_attn
-            n_kv = attn.config.num_key_value_heads
-            cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
-                                  head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
-            dtype = self.drafter.fc.weight.dtype
-            self._cache = RaggedKVCache(cfg, 0, 256, dtype, like.device)
-        if slot >= self._cache.batch_size:
-            self._cache.add_rows(slot + 1 - self._cache.batch_size)
-        self._cache.valid[slot] = False
-        self._cache.lengths[slot] = 0
+        self._cache = _reset_drafter_row(self.drafter, self._cache, slot, like)
 
     @torch.no_grad()
     def _draft_logits_batched(self, slots) -> list[torch.Tensor]:
@@ -289,8 +296,8 @@ class EagleProposer:
     committed items, its own ancestors and itself, at position = root position + depth); a node's
     children are the first m candidates of *its own* distribution (top-m under greedy; m draws without
     replacement from the processed distribution under sampling). So, unlike Medusa/ParallelSpec trees,
-    the candidates below a node are conditioned on the node's token. The speculative items are cropped
-    from the cache before returning: the cache holds exactly the committed items again.
+    the candidates below a node are conditioned on the node's token. The speculative items never
+    become committed: after drafting the cache holds exactly the committed items again.
 
     Lossless under sampling: every node's children are successive draws without replacement from the
     row ``draft_probs[dist_index]`` (the parent's own distribution) and the shape is the template's,
@@ -298,8 +305,16 @@ class EagleProposer:
     distribution, not of the draws), which is what
     :func:`~drafttrain.verify.acceptance.speculative_sampling_tree` needs.
 
-    Cost: ``max_depth`` drafter forwards per sequence per step (the serial drafting ParallelSpec
-    removes); sequences are drafted one after another, each with its own ``DynamicCache``.
+    Batching (``batched=True``, the default): the whole batch drafts together, so a step costs
+    1 + (tree depth - 1) drafter forwards whatever the batch size: one forward appends every
+    sequence's new items, then one forward per depth carries every sequence's frontier. The drafter
+    keeps one one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` (row = slot, each row at its
+    own length, as the target's cache in the engine); each sequence's inputs are laid out ``[B, q_max]``
+    with its own tree mask (committed slots + its ancestors' speculative slots + itself). Speculative
+    items are written after the row's committed slots but never marked valid, and the next step's
+    items overwrite them: nothing to crop. ``batched=False`` drafts one sequence after another, each
+    with its own ``DynamicCache`` (the reference the batched path is tested against: same trees; under
+    sampling the same draws, since both visit sequences and depths in the same order).
 
     Args:
         drafter: an EAGLE drafter (``draft_step``, ``items``, ``forward_inputs``, ``full_vocab_logits``,
@@ -309,12 +324,13 @@ class EagleProposer:
             ``draft_depth`` (the drafter's :meth:`propose`, verified as a chain).
         budget: keep only the first ``budget`` nodes of the template in (depth, ranks) order (with
             ``widths``: of the dynamic tree, by value).
-        widths: without ``choices``: under greedy decoding, EAGLE-2's dynamic tree (:meth:`_draft_dynamic`):
+        widths: without ``choices``: under greedy decoding, EAGLE-2's dynamic tree (:class:`_DynamicTree`):
             ``len(widths)`` depths, the ``expand`` most confident nodes of each depth get ``widths[t - 1]``
             children, the ``budget`` most confident nodes are kept (default budget: sum of widths). Under
             sampling (where a shape chosen by the drawn tokens' probabilities would bias the rule): the
             static tree where every node at depth t has ``widths[t - 1]`` children, cut to ``budget``.
         expand: nodes expanded per depth in the dynamic tree (default ``widths[0]``).
+        batched: draft the whole batch in shared forwards (see above).
 
     Raises:
         ValueError: a bad choice list (see :func:`~drafttrain.verify.tree.template_from_choices`).
@@ -323,7 +339,7 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, drafter, choices: Sequence[Sequence[int]] | None = None, budget: int | None = None,
-                 widths: Sequence[int] | None = None, expand: int | None = None):  # fmt: skip
+                 widths: Sequence[int] | None = None, expand: int | None = None, batched: bool = True):  # fmt: skip
         import itertools
 
         from drafttrain.verify.tree import chain_template
@@ -349,17 +365,53 @@ class EagleProposer:
         self._kids: list[list[int]] = [[] for _ in range(tpl.n + 1)]  # entry 0: the root's children
         for i, p in enumerate(self._parents):
             self._kids[p + 1].append(i)
+        self.batched = bool(batched)
         self._state: dict[int, dict] = {}
+        self._cache = None  # batched: one-layer RaggedKVCache, row = slot
 
     # -- protocol -------------------------------------------------------------------------------
     def start(self, slot, prompt_ids, hidden, first_token) -> None:
-        from transformers import DynamicCache
-
         ids = torch.tensor(list(prompt_ids)[1:] + [int(first_token)], dtype=torch.long, device=hidden.device)
-        self._state[slot] = {"ids": ids, "feats": hidden, "cache": DynamicCache()}
+        st = {"ids": ids, "feats": hidden}
+        if self.batched:
+            self._cache = _reset_drafter_row(self.drafter, self._cache, slot, hidden)
+        else:
+            from transformers import DynamicCache
 
+            st["cache"] = DynamicCache()
+        self._state[slot] = st
+
+    @torch.no_grad()
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
-        return [self._draft_one(slot, sampling, generator) for slot in slots]
+        slots = list(slots)
+        if not slots:
+            return []
+        if self.batched:
+            roots = self._append_batched(slots)
+        else:
+            roots = [self._append_items(self._state[s]) for s in slots]
+        build = _DynamicTree if self.dynamic and sampling.greedy else _StaticTree
+        trees = [build(self, lg, f, sampling, generator) for lg, f, _ in roots]
+        committed = [c for _, _, c in roots]
+        spec = [0] * len(slots)  # speculative items written per sequence
+        while True:
+            reqs = [t.request() for t in trees]  # each sequence's next depth: (tokens, feats, ancestors, depth)
+            live = [i for i, r in enumerate(reqs) if r is not None]
+            if not live:
+                break
+            if self.batched:
+                outs = self._forward_levels_batched([slots[i] for i in live], [reqs[i] for i in live],
+                                                    [committed[i] for i in live], [spec[i] for i in live])  # fmt: skip
+            else:
+                outs = [self._forward_level(self._state[slots[i]]["cache"], committed[i], spec[i], *reqs[i]) for i in live]
+            for i, (lg, fo) in zip(live, outs):
+                trees[i].absorb(lg, fo, committed[i] + spec[i])
+                spec[i] += len(reqs[i][0])
+        if not self.batched:
+            for s, n in zip(slots, spec):
+                if n:
+                    self._state[s]["cache"].crop(-n)
+        return [t.tree() for t in trees]
 
     def commit(self, slot, tokens, hidden) -> None:
         st = self._state[slot]
@@ -369,7 +421,13 @@ class EagleProposer:
     def release(self, slot) -> None:
         self._state.pop(slot, None)
 
-    # -- drafting -------------------------------------------------------------------------------
+    def committed_length(self, slot: int) -> int:
+        """Items in ``slot``'s drafter KV cache (= the committed items: speculative ones never count)."""
+        if self.batched:
+            return int(self._cache.lengths[slot])
+        return self._state[slot]["cache"].get_seq_length()
+
+    # -- drafting: one sequence, its own DynamicCache -------------------------------------------
     def _append_items(self, st: dict):
         """Feed the slot's pending items into its drafter cache. Returns (root logits [N] over the draft
         vocabulary, root predicted feature [d], committed item count)."""
@@ -411,125 +469,218 @@ class EagleProposer:
         lg, fo = d.draft_step(ids, feats[None], pos, mask, cache)
         return lg[0], fo[0]
 
+    # -- drafting: the whole batch, one RaggedKVCache ---------------------------------------------
+    def _ragged_forward(self, rows, xs, pos, masks, slot_ids, extra=None):
+        """One drafter forward of per-row inputs over the ragged cache (:func:`~drafttrain.verify.cache.batched_layout`).
+
+        Args:
+            rows: cache rows (slots); xs: per row [q_i, d] inputs; pos: per row [q_i] int64 positions;
+            masks: per row [q_i, q_i] bool (the inputs among themselves); slot_ids: per row [q_i] int64
+            cache slots they are written to; extra: per row, per input, further cache slots it may read
+            (its speculative ancestors).
+
+        Returns:
+            per row (logits [q_i, N] float32, predicted features [q_i, d]).
+        """
+        from drafttrain.verify.cache import batched_layout
+
+        cache = self._cache
+        cache.ensure_capacity(max(int(s[0]) for s in slot_ids) + max(s.numel() for s in slot_ids))
+        lay = batched_layout(cache, list(rows), masks, slot_ids, xs[0].dtype)
+        for b, per_input in enumerate(extra or []):
+            for j, anc in enumerate(per_input):
+                if anc:  # batched_layout read window starts at slot 0: kv index = cache slot
+                    lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long)] = 0.0
+        cache.set_plan(lay.plan)
+        try:
+            lg, f = self.drafter.forward_inputs(lay.scatter(xs, 0.0), lay.scatter(pos), lay.mask, cache)
+        finally:
+            cache.set_plan(None)
+        return list(zip(lay.gather(lg), lay.gather(f)))
+
+    def _append_batched(self, slots):
+        """Every slot's pending items in one forward; they become committed. Returns per slot
+        (root logits [N], root predicted feature [d], committed item count)."""
+        from drafttrain.layout import inference_layout
+
+        d, cache = self.drafter, self._cache
+        sts = [self._state[s] for s in slots]
+        n = [st["ids"].numel() for st in sts]
+        u = d.items(torch.cat([st["ids"] for st in sts])[None], torch.cat([st["feats"] for st in sts])[None])[0]
+        pos, masks, slot_ids = [], [], []
+        for slot, ni in zip(slots, n):
+            past = int(cache.lengths[slot])
+            p, m = inference_layout(ni, 0, dtype=torch.float32, past=past)
+            pos.append(p[0].to(u.device))
+            masks.append(m[0, 0, :, past:] == 0)  # causal among the new items
+            slot_ids.append(past + torch.arange(ni, device=u.device))
+        outs = self._ragged_forward(slots, list(torch.split(u, n)), pos, masks, slot_ids)
+        roots = []
+        for slot, st, ni, (lg, f) in zip(slots, sts, n, outs):
+            past = int(cache.lengths[slot])
+            cache.valid[slot, past : past + ni] = True
+            cache.lengths[slot] += ni
+            st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
+            roots.append((lg[-1], f[-1], past + ni))
+        return roots
+
+    def _forward_levels_batched(self, slots, reqs, committed, spec):
+        """One forward over every listed slot's next depth (``reqs[i]`` = (tokens, feats [q_i, d],
+        ancestors, depth)); slot i's items go to cache slots committed[i] + spec[i] + j and see the
+        committed items, their ancestors and themselves. Returns per slot (logits [q_i, N], f^ [q_i, d])."""
+        d = self.drafter
+        q = [len(r[0]) for r in reqs]
+        device = reqs[0][1].device
+        ids = torch.tensor([t for r in reqs for t in r[0]], dtype=torch.long, device=device)
+        u = d.items(ids[None], torch.cat([r[1] for r in reqs])[None])[0]
+        pos = [torch.full((qi,), c - 1 + r[3], dtype=torch.long, device=device) for qi, c, r in zip(q, committed, reqs)]
+        masks = [torch.eye(qi, dtype=torch.bool) for qi in q]  # same-depth nodes never see each other
+        slot_ids = [c + s + torch.arange(qi, device=device) for c, s, qi in zip(committed, spec, q)]
+        return self._ragged_forward(slots, list(torch.split(u, q)), pos, masks, slot_ids, [r[2] for r in reqs])
+
     def _probs(self, lg: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """[..., N] draft-vocabulary logits -> [..., v] probabilities (softmax under greedy, processed under sampling)."""
         full = self.drafter.full_vocab_logits(lg)
         return torch.softmax(full.float(), dim=-1) if sampling.greedy else process_logits(full, sampling)
 
-    @torch.no_grad()
-    def _draft_one(self, slot: int, sampling: SamplingParams, generator) -> DraftTree:
-        if self.dynamic and sampling.greedy:
-            return self._draft_dynamic(slot)
+
+class _StaticTree:
+    """One sequence's tree of an :class:`EagleProposer` template, grown one depth per :meth:`request`.
+
+    ``request()`` fills the next depth's tokens from their parents' rows (top-m or m draws without
+    replacement) and returns the items to feed, (tokens, feats [q, d], ancestor cache slots, depth), or
+    None when done; ``absorb(logits, feats, first_slot)`` takes that forward's outputs (each expanded
+    node's own distribution becomes a row); ``tree()`` returns the :class:`DraftTree`.
+    """
+
+    def __init__(self, prop: EagleProposer, root_lg, root_f, sampling: SamplingParams, generator):
+        self.p, self.sampling, self.generator = prop, sampling, generator
+        self.rows = [prop._probs(root_lg, sampling)]  # row 0: the root's distribution
+        self.row_feat = [root_f]  # predicted feature that goes with each row's children
+        self.tokens: list[int | None] = [None] * prop.template.n
+        self.own_row: dict[int, int] = {}  # expanded node -> its row
+        self.cache_index: dict[int, int] = {}  # expanded node -> its item's slot in the drafter cache
+        self.depth, self.done, self.expand = 0, False, []
+
+    def request(self):
         from drafttrain.verify.tree import draft_candidates
 
-        st = self._state[slot]
-        cache = st["cache"]
-        root_lg, root_f, committed = self._append_items(st)
-        rows = [self._probs(root_lg, sampling)]  # row 0: the root's distribution
-        row_feat = [root_f]  # predicted feature that goes with each row's children
-        n = self.template.n
-        tokens: list[int | None] = [None] * n
-        own_row: dict[int, int] = {}  # expanded node -> its row
-        cache_index: dict[int, int] = {}  # expanded node -> its item's slot in the drafter cache
-        spec = 0  # speculative items appended
-        for depth in range(1, self.template.max_depth + 1):
-            level = [i for i in range(n) if self._depth[i] == depth]
-            for parent in dict.fromkeys(self._parents[i] for i in level):  # fill this depth's tokens
-                row = 0 if parent < 0 else own_row.get(parent)
-                if row is None:
-                    continue  # parent was dropped (a distribution with a small support)
-                kids = self._kids[parent + 1]
-                cands = draft_candidates(rows[row], len(kids), not sampling.greedy, generator).tolist()
-                for c in kids:
-                    r = self.template.ranks[c][-1]
-                    if r < len(cands):
-                        tokens[c] = cands[r]
-            expand = [i for i in level if tokens[i] is not None and self._kids[i + 1]]
-            if not expand:
-                break
-            feats = torch.stack([row_feat[0 if self._parents[i] < 0 else own_row[self._parents[i]]] for i in expand])
-            lg, fo = self._forward_level(cache, committed, spec, [tokens[i] for i in expand], feats,
-                                         [self._ancestor_slots(i, cache_index) for i in expand], depth)  # fmt: skip
-            probs = self._probs(lg, sampling)
-            for j, i in enumerate(expand):
-                own_row[i] = len(rows)
-                cache_index[i] = committed + spec + j
-                rows.append(probs[j])
-                row_feat.append(fo[j])
-            spec += len(expand)
-        if spec:
-            cache.crop(-spec)
-        keep = [i for i in range(n) if tokens[i] is not None]  # ancestor-closed: children only under kept nodes
-        new_index = {i: j for j, i in enumerate(keep)}
-        parents = torch.tensor([new_index[self._parents[i]] if self._parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
-        toks = torch.tensor([tokens[i] for i in keep], dtype=torch.long)
-        if sampling.greedy:
-            return DraftTree(toks, parents)
-        dist = [0 if self._parents[i] < 0 else own_row[self._parents[i]] for i in keep]
-        return DraftTree(toks, parents, torch.stack(rows), torch.tensor(dist))
+        p = self.p
+        if self.done or self.depth >= p.template.max_depth:
+            self.done = True
+            return None
+        self.depth += 1
+        level = [i for i in range(p.template.n) if p._depth[i] == self.depth]
+        for parent in dict.fromkeys(p._parents[i] for i in level):  # fill this depth's tokens
+            row = 0 if parent < 0 else self.own_row.get(parent)
+            if row is None:
+                continue  # parent was dropped (a distribution with a small support)
+            kids = p._kids[parent + 1]
+            cands = draft_candidates(self.rows[row], len(kids), not self.sampling.greedy, self.generator).tolist()
+            for c in kids:
+                r = p.template.ranks[c][-1]
+                if r < len(cands):
+                    self.tokens[c] = cands[r]
+        self.expand = [i for i in level if self.tokens[i] is not None and p._kids[i + 1]]
+        if not self.expand:
+            self.done = True
+            return None
+        feats = torch.stack([self.row_feat[self._row_of_parent(i)] for i in self.expand])
+        ancestors = [self._ancestor_slots(i) for i in self.expand]
+        return [self.tokens[i] for i in self.expand], feats, ancestors, self.depth
 
-    def _ancestor_slots(self, i: int, cache_index: dict[int, int]) -> list[int]:
-        out, a = [], self._parents[i]
+    def absorb(self, lg: torch.Tensor, fo: torch.Tensor, first_slot: int) -> None:
+        probs = self.p._probs(lg, self.sampling)
+        for j, i in enumerate(self.expand):
+            self.own_row[i] = len(self.rows)
+            self.cache_index[i] = first_slot + j
+            self.rows.append(probs[j])
+            self.row_feat.append(fo[j])
+
+    def _row_of_parent(self, i: int) -> int:
+        par = self.p._parents[i]
+        return 0 if par < 0 else self.own_row[par]
+
+    def _ancestor_slots(self, i: int) -> list[int]:
+        out, a = [], self.p._parents[i]
         while a >= 0:
-            out.append(cache_index[a])
-            a = self._parents[a]
+            out.append(self.cache_index[a])
+            a = self.p._parents[a]
         return out
 
-    @torch.no_grad()
-    def _draft_dynamic(self, slot: int) -> DraftTree:
-        """EAGLE-2's context-aware dynamic tree (Li et al. 2024, "EAGLE-2", section 4), greedy only.
-
-        A node's value is its path's draft confidence (product of the drafter's probabilities along it).
-        Expansion: at each depth t the ``expand`` most valuable nodes of that depth are fed to the drafter
-        (one forward) and each gets its top ``widths[t]`` children; after ``len(widths)`` depths the
-        ``budget`` most valuable nodes of the whole tree are kept (reranking). A child is never worth more
-        than its parent, so the kept set is ancestor-closed (ties go to the shallower node).
-        """
-        st = self._state[slot]
-        cache = st["cache"]
-        root_lg, root_f, committed = self._append_items(st)
-        greedy = SamplingParams()
-        # node: (token, parent, value, depth); built in depth order
-        toks, parents, values, depths = [], [], [], []
-        p0 = self._probs(root_lg, greedy)
-        top = torch.topk(p0, self.widths[0])
-        frontier_feat = {-1: root_f}
-        cache_index: dict[int, int] = {}
-        for v, t in zip(top.values.tolist(), top.indices.tolist()):
-            toks.append(t), parents.append(-1), values.append(v), depths.append(1)
-        spec = 0
-        for depth in range(1, len(self.widths)):
-            level = [i for i in range(len(toks)) if depths[i] == depth]
-            expand = sorted(level, key=lambda i: -values[i])[: self.expand]
-            feats = torch.stack([frontier_feat[parents[i]] for i in expand])
-            anc = []
-            for i in expand:
-                a, lst = parents[i], []
-                while a >= 0:
-                    lst.append(cache_index[a])
-                    a = parents[a]
-                anc.append(lst)
-            lg, fo = self._forward_level(cache, committed, spec, [toks[i] for i in expand], feats, anc, depth)
-            probs = self._probs(lg, greedy)
-            top = torch.topk(probs, self.widths[depth], dim=-1)
-            for j, i in enumerate(expand):
-                cache_index[i] = committed + spec + j
-                frontier_feat[i] = fo[j]
-                for v, t in zip(top.values[j].tolist(), top.indices[j].tolist()):
-                    toks.append(t), parents.append(i), values.append(values[i] * v), depths.append(depth + 1)
-            spec += len(expand)
-        if spec:
-            cache.crop(-spec)
-        keep = sorted(range(len(toks)), key=lambda i: (-values[i], depths[i], i))[: self.budget]
-        keep.sort(key=lambda i: (depths[i], i))  # parents first
+    def tree(self) -> DraftTree:
+        p = self.p
+        keep = [i for i in range(p.template.n) if self.tokens[i] is not None]  # ancestor-closed
         new_index = {i: j for j, i in enumerate(keep)}
-        assert all(parents[i] < 0 or parents[i] in new_index for i in keep), "reranked tree is not ancestor-closed"
-        return DraftTree(torch.tensor([toks[i] for i in keep], dtype=torch.long),
-                         torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long))
+        parents = torch.tensor([new_index[p._parents[i]] if p._parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+        toks = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
+        if self.sampling.greedy:
+            return DraftTree(toks, parents)
+        dist = [self._row_of_parent(i) for i in keep]
+        return DraftTree(toks, parents, torch.stack(self.rows), torch.tensor(dist))
+
+
+class _DynamicTree:
+    """EAGLE-2's context-aware dynamic tree (Li et al. 2024, "EAGLE-2", section 4), greedy only; same
+    ``request`` / ``absorb`` / ``tree`` steps as :class:`_StaticTree`.
+
+    A node's value is its path's draft confidence (product of the drafter's probabilities along it).
+    Expansion: at each depth t the ``expand`` most valuable nodes of that depth are fed to the drafter
+    (one forward) and each gets its top ``widths[t]`` children; after ``len(widths)`` depths the
+    ``budget`` most valuable nodes of the whole tree are kept (reranking). A child is never worth more
+    than its parent, so the kept set is ancestor-closed (ties go to the shallower node).
+    """
+
+    def __init__(self, prop: EagleProposer, root_lg, root_f, sampling: SamplingParams, generator):
+        self.p = prop
+        self.toks, self.parents, self.values, self.depths = [], [], [], []  # nodes in depth order
+        top = torch.topk(prop._probs(root_lg, GREEDY), prop.widths[0])
+        for v, t in zip(top.values.tolist(), top.indices.tolist()):
+            self._add(t, -1, v, 1)
+        self.feat = {-1: root_f}  # expanded node -> its predicted feature (the root's: -1)
+        self.cache_index: dict[int, int] = {}
+        self.depth, self.expand = 0, []
+
+    def _add(self, tok: int, parent: int, value: float, depth: int) -> None:
+        self.toks.append(tok), self.parents.append(parent), self.values.append(value), self.depths.append(depth)
+
+    def request(self):
+        self.depth += 1
+        if self.depth >= len(self.p.widths):
+            return None
+        level = [i for i in range(len(self.toks)) if self.depths[i] == self.depth]
+        self.expand = sorted(level, key=lambda i: -self.values[i])[: self.p.expand]
+        feats = torch.stack([self.feat[self.parents[i]] for i in self.expand])
+        ancestors = []
+        for i in self.expand:
+            a, lst = self.parents[i], []
+            while a >= 0:
+                lst.append(self.cache_index[a])
+                a = self.parents[a]
+            ancestors.append(lst)
+        return [self.toks[i] for i in self.expand], feats, ancestors, self.depth
+
+    def absorb(self, lg: torch.Tensor, fo: torch.Tensor, first_slot: int) -> None:
+        top = torch.topk(self.p._probs(lg, GREEDY), self.p.widths[self.depth], dim=-1)
+        for j, i in enumerate(self.expand):
+            self.cache_index[i] = first_slot + j
+            self.feat[i] = fo[j]
+            for v, t in zip(top.values[j].tolist(), top.indices[j].tolist()):
+                self._add(t, i, self.values[i] * v, self.depth + 1)
+
+    def tree(self) -> DraftTree:
+        n = len(self.toks)
+        keep = sorted(range(n), key=lambda i: (-self.values[i], self.depths[i], i))[: self.p.budget]
+        keep.sort(key=lambda i: (self.depths[i], i))  # parents first
+        new_index = {i: j for j, i in enumerate(keep)}
+        assert all(self.parents[i] < 0 or self.parents[i] in new_index for i in keep), "reranked tree is not ancestor-closed"
+        return DraftTree(torch.tensor([self.toks[i] for i in keep], dtype=torch.long),
+                         torch.tensor([new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+                                      dtype=torch.long))  # fmt: skip
 
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
-                 choices: Sequence[Sequence[int]] | None = None):  # fmt: skip
+                 choices: Sequence[Sequence[int]] | None = None, batched: bool = True):  # fmt: skip
     """The proposer that drafts the way ``drafter`` was built to.
 
     - EAGLE (:class:`~drafttrain.drafters.eagle.EagleDrafter`): :class:`EagleProposer` (autoregressive
@@ -539,12 +690,14 @@ def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | Non
       one set of per-depth distributions (the K + 1 slots of one ParallelSpec forward, or the K Medusa
       heads on the root's feature: Medusa's Cartesian-product tree when ``choices`` is its choice list).
 
+    ``batched``: draft the whole batch in shared drafter forwards (False: one sequence at a time).
+
     Returns:
         a :class:`Proposer` whose ``name`` is the drafter's.
     """
     if getattr(drafter, "name", None) == "eagle":
-        prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths)
+        prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths, batched=batched)
     else:
-        prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices)
+        prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices, batched=batched)
         prop.name = getattr(drafter, "name", prop.name)
     return prop

@@ -1,0 +1,120 @@
+"""Batched vs one-sequence-at-a-time drafting through the batched verifier, side by side.
+
+    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_drafting --runs outputs/bench_recipes
+
+For each recipe's training run under ``--runs`` and each batch size, two harness runs
+(:func:`drafttrain.eval.harness.evaluate`, EMS-SD unpadded engine, greedy, same prompts) differ only in
+``tree.batched_drafting``: the drafter drafts the whole batch in shared forwards (EAGLE: one forward
+for every sequence's new items, then one per tree depth carrying every sequence's frontier;
+ParallelSpec: one forward) or one sequence after another with its own drafter cache. Both are
+checked token for token against plain decoding, and their τ must agree (same trees). The ratio of
+their tokens/s is the gain of batching the drafter. Writes ``--out``.json and ``--out``.md (a
+hand-written section between ``<!-- analysis -->`` markers is kept); finished harness runs are kept
+in ``--work-dir`` and skipped when the command is run again (interrupt and resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from scripts.bench_trees import TREES, _machine
+from scripts.bench_verifier import kept_analysis, run_eval
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| recipe | tree | batch | drafting | τ | tok/s | plain tok/s | speedup | batched / per-sequence | equal to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") is not None else ""
+        lines.append(f"| {r['recipe']} | {r['tree']} | {r['batch_size']} | {r['drafting']} | {r['tau']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {ratio} | "
+                     f"{'yes' if r['greedy_equal'] else '**no**'} |")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default="outputs/bench_recipes", help="folder with one training run folder per recipe")
+    ap.add_argument("--recipes", nargs="+", default=["eagle", "parallelspec"])
+    ap.add_argument("--tree-index", type=int, default=1, help="which of scripts.bench_trees.TREES[recipe] (1: the 8-node tree)")
+    ap.add_argument("--prompts", default="mt_bench")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--out", default="docs/benchmarks/drafting")
+    ap.add_argument("--work-dir", default="outputs/bench_drafting")
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    work = Path(args.work_dir)
+    rows, machine = [], None
+    for recipe in args.recipes:
+        ckpt = Path(args.runs) / recipe
+        if not (ckpt / "drafter").is_dir():
+            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
+            continue
+        label, overrides = TREES[recipe][args.tree_index]
+        for bs in args.batch_sizes:
+            got = {}
+            for batched in (True, False):
+                name = f"{recipe}-b{bs}-{'batched' if batched else 'perseq'}"
+                done = work / f"{name}.json"
+                if not done.exists():
+                    res = run_eval([
+                        f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={args.prompts}",
+                        f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{bs}]",
+                        "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
+                        f"output_dir={work / name}", f"tree.batched_drafting={str(batched).lower()}", *overrides,
+                    ])  # fmt: skip
+                    done.parent.mkdir(parents=True, exist_ok=True)
+                    done.write_text(json.dumps(res))
+                res = json.loads(done.read_text())
+                machine = res.get("machine")
+                plain = next(r for r in res["runs"] if r["method"] == "plain")
+                spec = next(r for r in res["runs"] if r["method"] != "plain")
+                got[batched] = {"recipe": recipe, "tree": label, "batch_size": bs,
+                                "drafting": "batched" if batched else "per-sequence", "tau": spec["tau"],
+                                "tokens_per_s": spec["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+                                "speedup": spec["speedup"], "greedy_equal": bool(spec.get("greedy_equal"))}  # fmt: skip
+            got[True]["ratio"] = got[True]["tokens_per_s"] / got[False]["tokens_per_s"]
+            got[True]["same_tau"] = abs(got[True]["tau"] - got[False]["tau"]) < 1e-9
+            rows += [got[True], got[False]]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"command": "python -m scripts.bench_drafting " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "args": vars(args), "machine": machine, "rows": rows}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    md = out.with_suffix(".md")
+    analysis = kept_analysis(md)
+    a = data["args"]
+    md.write_text("\n".join([
+        "# Batched vs per-sequence drafting through the batched verifier",
+        "",
+        "Reproduce (training runs from `python -m scripts.bench_recipes`):",
+        "",
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        f"Greedy decoding, {a['num_prompts']} {a['prompts']} prompts, at most {a['max_new_tokens']} new tokens, EMS-SD "
+        f"unpadded engine, {_machine(machine)}. Each row is one harness run (plain decoding and the drafter on the "
+        "same prompts in one process); the two rows of a batch size differ only in `tree.batched_drafting`. "
+        "The last-but-one column is the tokens/s ratio of the pair.",
+        "",
+        *table(rows),
+        "",
+        analysis,
+        "",
+    ]))
+    print("\n".join(table(rows)))
+
+
+if __name__ == "__main__":
+    main()
