@@ -506,3 +506,31 @@ def test_subsample_keeps_ceil_ratio():
     got = L.subsample(c, 0.25, torch.Generator().manual_seed(0))
     assert got.numel() == math.ceil(2.5) and set(got.tolist()) <= set(c.tolist())
     assert torch.equal(L.subsample(c, 1.0), c)
+
+
+def test_draft_head_rows_cache_follows_the_draft_vocabulary(tiny_target):
+    """vocab_logits reuses the gathered LM-head rows, and a new draft vocabulary (or a head whose weights
+    changed in place) is picked up: every result equals the head applied and sliced from scratch."""
+    torch.manual_seed(0)
+    d = build_drafter("eagle", {"draft_depth": 2, "draft_vocab_size": 64}, tiny_target)
+    head = tiny_target.lm_head
+    f = torch.randn(3, head.weight.shape[1])
+
+    def fresh():
+        return F.linear(f, head.weight[d.d2t]).float()
+
+    torch.testing.assert_close(d.vocab_logits(f), fresh())
+    first = d.draft_head_rows()[0]
+    assert d.draft_head_rows()[0] is first  # cached
+    d.set_draft_vocab(torch.arange(100, 164))
+    torch.testing.assert_close(d.vocab_logits(f), fresh())
+    assert d.draft_head_rows()[0] is not first
+    old = head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            head.weight.mul_(2.0)
+        torch.testing.assert_close(d.vocab_logits(f), fresh())
+    finally:
+        with torch.no_grad():
+            head.weight.copy_(old)
+    torch.testing.assert_close(d.target_logits(f), fresh())
