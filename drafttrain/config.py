@@ -415,6 +415,7 @@ class MCSDEvalConfig:
     target_roots: list[int] = field(default_factory=lambda: [1, 2])
     decision_model: str | None = None  # early-stop model folder (+recipe=decision_model); adds an "mcsd_w1_dm" run
     beta: float = 0.4  # early-stop threshold (§3.3)
+    betas: list[float] | None = None  # a threshold sweep instead: one "mcsd_w1_dm_b<beta>" run per value
     decisions_out: str | None = None  # append W_t = 1 runs' (level features, accepted) rows here: the model's data
     decision_topk: int = 8  # k of the logged features
 

@@ -6,8 +6,12 @@
    GSM8K prompts that the evaluation below does not use (``prompt_offset``), logging every reached
    level's features and whether the target accepted it (``mcsd.decisions_out``).
 2. **Training**: ``train.py +recipe=decision_model`` on those rows (run in-process here, same code).
-3. **Use**: MCSD with and without the model (early stop at beta) on the evaluation prompts, batch 1 and
-   8, same run, same plain baseline: τ, mean tree size, tokens/s, speedup.
+3. **Use**: MCSD without the model and with it at every threshold of ``--betas`` (early stop at beta)
+   on the evaluation prompts, batch 1 and 8, same run, same plain baseline: τ, mean tree size,
+   tokens/s, speedup.
+
+The labels are kept in ``--work-dir`` (``labels.done``): running the command again retrains and
+re-evaluates on them without decoding the label prompts again.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--beta", type=float, default=0.4)
+    ap.add_argument("--beta", type=float, default=0.4, help="threshold of the training summary")
+    ap.add_argument("--betas", type=float, nargs="+", default=[0.4, 0.2, 0.1],
+                    help="thresholds evaluated side by side (one MCSD + decision model run each)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="extra harness overrides")
     ap.add_argument("--out", default="docs/benchmarks/decision_model")
@@ -42,21 +48,24 @@ def main(argv: list[str] | None = None) -> None:
 
     work = Path(args.work_dir)
     log_path = work / "decisions.jsonl"
-    log_path.unlink(missing_ok=True)
+    labelled = work / "labels.done"  # labels are reused when the command is run again
+    if not labelled.exists():
+        log_path.unlink(missing_ok=True)
     base = [f"checkpoint={args.checkpoint}", "modes=[unpadded]", "methods=[mcsd]", "mcsd.target_roots=[1]",
             f"max_new_tokens={args.max_new_tokens}", f"num_threads={args.threads}", "progress=false", "plots=false",
             *args.extra]  # fmt: skip
     sets = ["mt_bench", "gsm8k"]
-    for name in sets:
+    for name in sets if not labelled.exists() else []:
         run_eval(base + [f"prompts={name}", f"prompt_offset={args.label_offset}", f"num_prompts={args.label_prompts}",
                          "batch_sizes=[8]", f"mcsd.decisions_out={log_path}", "warmup=false",
                          f"output_dir={work}/labels_{name}"])  # fmt: skip
+    labelled.write_text("ok")
     train_cmd = ["+recipe=decision_model", f"decision.data=[{log_path}]", f"decision.beta={args.beta}",
                  f"output_dir={work}/dm", "logging.wandb=false", "trainer.progress=false"]  # fmt: skip
     trained = run(compose_config(train_cmd))
     evals = {name: run_eval(base + [f"prompts={name}", f"num_prompts={args.num_prompts}",
                                     f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
-                                    f"mcsd.decision_model={work}/dm/decision_model", f"mcsd.beta={args.beta}",
+                                    f"mcsd.decision_model={work}/dm/decision_model", f"mcsd.betas=[{','.join(map(str, args.betas))}]",
                                     f"output_dir={work}/eval_{name}"])
              for name in sets}  # fmt: skip
     command = "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_decision " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -73,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Drafter `{args.checkpoint}`; MCSD W_t = 1, levels {evals['mt_bench']['command_config']['mcsd']['ks']}; "
         f"labels from {args.label_prompts} MT-bench + {args.label_prompts} GSM8K prompts starting at index "
-        f"{args.label_offset} (batch 8, {args.max_new_tokens} new tokens), evaluation on prompts 0..{args.num_prompts - 1}. "
+        f"{args.label_offset} (batch 8, {args.max_new_tokens} new tokens), evaluation on prompts 0..{args.num_prompts - 1} "
+        f"at beta in {args.betas} (`mcsd_w1_dm_b<beta>`). "
         "Training command (what this script runs in-process):",
         "",
         f"```bash\naccelerate launch --config_file conf/accelerate/cpu.yaml train.py {shlex.join(train_cmd)}\n```",

@@ -85,3 +85,45 @@ def test_decision_model_stops_tree_growth(checkpoint, tmp_path, bias, nodes):
     assert by["mcsd_w1_dm"]["greedy_equal"] and by["mcsd_w1"]["greedy_equal"]
     assert by["mcsd_w1_dm"]["mean_tree_nodes"] == pytest.approx(nodes)
     assert by["mcsd_w1"]["mean_tree_nodes"] == pytest.approx(2 + 4 + 4 + 4)
+
+
+def test_beta_sweep_runs_one_variant_per_threshold(checkpoint, tmp_path):
+    """mcsd.betas=[...] adds one early-stop run per threshold. With a model that predicts acceptance 0.5 at
+    every level, level l + 1 is grown while 0.5^(l + 1) (its predicted chance to be reached and accepted)
+    >= beta: beta 0.3 stops after level 1, 0.2 grows level 2, 0.1 level 3, 0.05 all four; lossless."""
+    model = DecisionModel(8 + 2, hidden=4, num_layers=2)
+    with torch.no_grad():
+        for m in model.net:
+            if isinstance(m, torch.nn.Linear):
+                m.weight.zero_()
+                m.bias.zero_()  # sigmoid(0) = 0.5
+    save_decision_model(model, tmp_path / "dm", topk=8)
+    res = _harness(checkpoint, tmp_path, f"mcsd.decision_model={tmp_path / 'dm'}", "mcsd.betas=[0.3,0.2,0.1,0.05]")
+    by = {r["method"]: r for r in res["runs"]}
+    assert "mcsd_w1_dm" not in by
+    nodes = [by[f"mcsd_w1_dm_b{b}"]["mean_tree_nodes"] for b in ("0.3", "0.2", "0.1", "0.05")]
+    assert nodes == pytest.approx([2, 2 + 4, 2 + 4 + 4, 2 + 4 + 4 + 4])
+    assert all(by[f"mcsd_w1_dm_b{b}"]["greedy_equal"] for b in ("0.3", "0.2", "0.1", "0.05"))
+
+
+def test_bench_decision_script_sweeps_beta_and_reuses_labels(checkpoint, tmp_path, monkeypatch):
+    """scripts.bench_decision on the tiny checkpoint: labels, training, one evaluation run per beta (+ MCSD
+    without the model), JSON + markdown; a second invocation reuses the labels (no label decoding)."""
+    import json
+
+    from scripts import bench_decision
+
+    torch.set_num_threads(1)
+    args = ["--checkpoint", str(checkpoint), "--label-prompts", "2", "--num-prompts", "2", "--max-new-tokens", "6",
+            "--batch-sizes", "2", "--betas", "0.3", "0.1", "--threads", "1", "--out", str(tmp_path / "dm"),
+            "--work-dir", str(tmp_path / "work"), "--extra", "target=tiny", "warmup=false"]  # fmt: skip
+    bench_decision.main(args)
+    data = json.loads((tmp_path / "dm.json").read_text())
+    methods = [r["method"] for r in data["mt_bench"]["runs"]]
+    assert {"plain", "mcsd_w1", "mcsd_w1_dm_b0.3", "mcsd_w1_dm_b0.1"} <= set(methods)
+    assert "| 2 | mcsd_w1_dm_b0.1 |" in (tmp_path / "dm.md").read_text()
+    calls = []
+    real = bench_decision.run_eval
+    monkeypatch.setattr(bench_decision, "run_eval", lambda ov: calls.append(ov) or real(ov))
+    bench_decision.main(args)
+    assert len(calls) == 2 and not any("mcsd.decisions_out" in o for ov in calls for o in ov)  # the two evaluations only

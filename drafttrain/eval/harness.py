@@ -312,8 +312,10 @@ def evaluate(cfg) -> dict[str, Any]:
                     drafter, MCSDConfig(tuple(c.mcsd.ks), w), log_decisions=log_dec and w == 1,
                     decision_topk=c.mcsd.decision_topk)))  # fmt: skip
             if decision_model is not None:
-                variants.append(("mcsd_w1_dm", lambda bs, refs: MCSDProposer(
-                    drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=c.mcsd.beta)))  # fmt: skip
+                betas = [("mcsd_w1_dm", c.mcsd.beta)] if not c.mcsd.betas else [(f"mcsd_w1_dm_b{b:g}", b) for b in c.mcsd.betas]
+                for label, beta in betas:
+                    variants.append((label, lambda bs, refs, beta=beta: MCSDProposer(
+                        drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=beta)))  # fmt: skip
         elif m == "mtad":
             mtad_cls = MTADEagleProposer if drafter.name == "eagle" else MTADProposer  # joint q vs per-depth marginals
             variants.append(("mtad", lambda bs, refs: mtad_cls(drafter, c.mtad.num_beams, c.mtad.num_steps,
