@@ -157,6 +157,71 @@ def _reset_drafter_row(drafter, cache, slot: int, like: torch.Tensor):
     return cache
 
 
+def _ragged_decode(drafter, cache, rows, xs, pos, masks, slot_ids, extra=None) -> list[torch.Tensor]:
+    """One drafter-layer forward of per-row inputs over a ragged drafter cache
+    (:func:`~drafttrain.verify.cache.batched_layout`, ``[B, q_max]``, each row at its own offset).
+
+    Args:
+        drafter: a drafter with ``decode`` (one decoder layer).
+        cache: the one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` (row = slot); grown as needed.
+        rows: cache rows (slots); xs: per row [q_i, d] inputs; pos: per row [q_i] int64 positions;
+        masks: per row [q_i, q_i] bool (the inputs among themselves); slot_ids: per row [q_i] int64
+            cache slots they are written to (consecutive); extra: per row, per input, further
+            (uncommitted) cache slots it may read, e.g. its speculative ancestors.
+
+    Returns:
+        per row the layer's hidden states [q_i, d] (pre-norm). Keys/values are written at ``slot_ids``;
+        nothing is marked committed (see :func:`_commit_new_items`).
+    """
+    from drafttrain.verify.cache import batched_layout
+
+    cache.ensure_capacity(max(int(s[0]) for s in slot_ids) + max(s.numel() for s in slot_ids))
+    lay = batched_layout(cache, list(rows), masks, slot_ids, xs[0].dtype)
+    for b, per_input in enumerate(extra or []):
+        for j, anc in enumerate(per_input):
+            if anc:  # the read window starts at slot 0: kv index = cache slot
+                lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long)] = 0.0
+    cache.set_plan(lay.plan)
+    try:
+        h = drafter.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), past_key_values=cache, use_cache=True)
+    finally:
+        cache.set_plan(None)
+    return lay.gather(h)
+
+
+def _new_items_layout(drafter, cache, slots, states, num_mask_tokens: int = 0):
+    """Inputs of one drafting forward that appends every slot's pending items (``states[i]["ids"]`` [n_i],
+    ``["feats"]`` [n_i, d]), each followed by the drafter's K [MASK] inputs (ParallelSpec; K = 0 for
+    EAGLE), in ParallelSpec's inference layout (:func:`drafttrain.layout.inference_layout`) at the
+    row's own offset. Returns (xs, pos, masks, slot_ids, n) for :func:`_ragged_decode`."""
+    from drafttrain.layout import inference_layout
+
+    n = [st["ids"].numel() for st in states]
+    u = drafter.items(torch.cat([st["ids"] for st in states])[None], torch.cat([st["feats"] for st in states])[None])[0]
+    xs, pos, masks, slot_ids = [], [], [], []
+    for slot, ui, ni in zip(slots, torch.split(u, n), n):
+        past = int(cache.lengths[slot])
+        p, m = inference_layout(ni, num_mask_tokens, dtype=torch.float32, past=past)
+        xs.append(torch.cat([ui, drafter.mask_embed.to(ui.dtype)]) if num_mask_tokens else ui)  # [n_i + K, d]
+        pos.append(p[0].to(u.device))
+        masks.append(m[0, 0, :, past:] == 0)  # [q_i, q_i] this call's own part
+        slot_ids.append(past + torch.arange(ni + num_mask_tokens, device=u.device))
+    return xs, pos, masks, slot_ids, n
+
+
+def _commit_new_items(cache, slots, states, n) -> list[int]:
+    """Mark each slot's n_i just-written items committed (their keys/values stay; anything written after
+    them, [MASK] slots or speculative tree items, is not). Returns the committed counts."""
+    out = []
+    for slot, st, ni in zip(slots, states, n):
+        past = int(cache.lengths[slot])
+        cache.valid[slot, past : past + ni] = True
+        cache.lengths[slot] += ni
+        st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
+        out.append(past + ni)
+    return out
+
+
 class ParallelSpecProposer:
     """Drafts with any drafter exposing ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, D, v]``
     (:class:`~drafttrain.drafters.parallelspec.ParallelSpecDrafter`: D = K + 1 from one forward;
@@ -252,36 +317,13 @@ class ParallelSpecProposer:
     def _draft_logits_batched(self, slots) -> list[torch.Tensor]:
         """One drafter forward for all ``slots``: items + K masks each, ParallelSpec's inference layout
         (:func:`drafttrain.layout.inference_layout`) at each sequence's own cache offset."""
-        from drafttrain.layout import inference_layout
-        from drafttrain.verify.cache import batched_layout
-
-        d, cache, k = self.drafter, self._cache, self.k
+        d, cache = self.drafter, self._cache
         sts = [self._state[s] for s in slots]
-        n = [st["ids"].numel() for st in sts]
-        u = d.items(torch.cat([st["ids"] for st in sts])[None], torch.cat([st["feats"] for st in sts])[None])[0]
-        xs, pos, masks, slot_ids = [], [], [], []
-        for slot, ui, ni in zip(slots, torch.split(u, n), n):
-            past = int(cache.lengths[slot])
-            p, m = inference_layout(ni, k, dtype=torch.float32, past=past)
-            xs.append(torch.cat([ui, d.mask_embed.to(ui.dtype)]))  # [n_i + K, d]
-            pos.append(p[0].to(u.device))
-            masks.append(m[0, 0, :, past:] == 0)  # [q_i, q_i] this call's own part
-            slot_ids.append(past + torch.arange(ni + k, device=u.device))
-        cache.ensure_capacity(max(int(cache.lengths[s]) for s in slots) + max(n) + k)
-        lay = batched_layout(cache, list(slots), masks, slot_ids, u.dtype)
-        cache.set_plan(lay.plan)
-        try:
-            h = d.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), past_key_values=cache, use_cache=True)
-        finally:
-            cache.set_plan(None)
-        hs = lay.gather(h)
+        xs, pos, masks, slot_ids, n = _new_items_layout(d, cache, slots, sts, self.k)
+        hs = _ragged_decode(d, cache, slots, xs, pos, masks, slot_ids)
         last = torch.stack([hi[ni - 1 :] for hi, ni in zip(hs, n)])  # [B, K + 1, d]: anchor + K mask slots
         logits = d.full_vocab_logits(d.logits(last))  # [B, K + 1, v]
-        for slot, st, ni in zip(slots, sts, n):  # commit the items (not the mask slots: propose's crop)
-            past = int(cache.lengths[slot])
-            cache.valid[slot, past : past + ni] = True
-            cache.lengths[slot] += ni
-            st["ids"] = st["feats"] = None
+        _commit_new_items(cache, slots, sts, n)  # the items, not the mask slots (propose's crop)
         return list(logits)
 
 
@@ -471,58 +513,25 @@ class EagleProposer:
 
     # -- drafting: the whole batch, one RaggedKVCache ---------------------------------------------
     def _ragged_forward(self, rows, xs, pos, masks, slot_ids, extra=None):
-        """One drafter forward of per-row inputs over the ragged cache (:func:`~drafttrain.verify.cache.batched_layout`).
-
-        Args:
-            rows: cache rows (slots); xs: per row [q_i, d] inputs; pos: per row [q_i] int64 positions;
-            masks: per row [q_i, q_i] bool (the inputs among themselves); slot_ids: per row [q_i] int64
-            cache slots they are written to; extra: per row, per input, further cache slots it may read
-            (its speculative ancestors).
-
-        Returns:
-            per row (logits [q_i, N] float32, predicted features [q_i, d]).
-        """
-        from drafttrain.verify.cache import batched_layout
-
-        cache = self._cache
-        cache.ensure_capacity(max(int(s[0]) for s in slot_ids) + max(s.numel() for s in slot_ids))
-        lay = batched_layout(cache, list(rows), masks, slot_ids, xs[0].dtype)
-        for b, per_input in enumerate(extra or []):
-            for j, anc in enumerate(per_input):
-                if anc:  # batched_layout read window starts at slot 0: kv index = cache slot
-                    lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long)] = 0.0
-        cache.set_plan(lay.plan)
-        try:
-            lg, f = self.drafter.forward_inputs(lay.scatter(xs, 0.0), lay.scatter(pos), lay.mask, cache)
-        finally:
-            cache.set_plan(None)
-        return list(zip(lay.gather(lg), lay.gather(f)))
+        """:func:`_ragged_decode` + EAGLE's head: per row (logits [q_i, N] float32, predicted features [q_i, d])."""
+        d = self.drafter
+        out = []
+        for h in _ragged_decode(d, self._cache, rows, xs, pos, masks, slot_ids, extra):
+            f = d.predict_features(h)
+            out.append((d.vocab_logits(f), f))
+        return out
 
     def _append_batched(self, slots):
         """Every slot's pending items in one forward; they become committed. Returns per slot
         (root logits [N], root predicted feature [d], committed item count)."""
-        from drafttrain.layout import inference_layout
-
-        d, cache = self.drafter, self._cache
         sts = [self._state[s] for s in slots]
-        n = [st["ids"].numel() for st in sts]
-        u = d.items(torch.cat([st["ids"] for st in sts])[None], torch.cat([st["feats"] for st in sts])[None])[0]
-        pos, masks, slot_ids = [], [], []
-        for slot, ni in zip(slots, n):
-            past = int(cache.lengths[slot])
-            p, m = inference_layout(ni, 0, dtype=torch.float32, past=past)
-            pos.append(p[0].to(u.device))
-            masks.append(m[0, 0, :, past:] == 0)  # causal among the new items
-            slot_ids.append(past + torch.arange(ni, device=u.device))
-        outs = self._ragged_forward(slots, list(torch.split(u, n)), pos, masks, slot_ids)
-        roots = []
-        for slot, st, ni, (lg, f) in zip(slots, sts, n, outs):
-            past = int(cache.lengths[slot])
-            cache.valid[slot, past : past + ni] = True
-            cache.lengths[slot] += ni
-            st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
-            roots.append((lg[-1], f[-1], past + ni))
-        return roots
+        d = self.drafter
+        xs, pos, masks, slot_ids, n = _new_items_layout(d, self._cache, slots, sts)
+        hs = _ragged_decode(d, self._cache, slots, xs, pos, masks, slot_ids)
+        f = d.predict_features(torch.stack([h[-1] for h in hs]))  # [B, d]: only the last item drafts
+        lg = d.vocab_logits(f)  # [B, N]
+        committed = _commit_new_items(self._cache, slots, sts, n)
+        return list(zip(lg, f, committed))
 
     def _forward_levels_batched(self, slots, reqs, committed, spec):
         """One forward over every listed slot's next depth (``reqs[i]`` = (tokens, feats [q_i, d],
