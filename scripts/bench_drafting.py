@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from scripts.bench_trees import TREES, _machine
+from scripts.bench_trees import TREES, _machine, cached, recipe_runs
 from scripts.bench_verifier import kept_analysis, run_eval
 
 
@@ -55,27 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir)
     rows, machine = [], None
-    for recipe in args.recipes:
-        ckpt = Path(args.runs) / recipe
-        if not (ckpt / "drafter").is_dir():
-            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
-            continue
+    for recipe, ckpt in recipe_runs(args.runs, args.recipes):
         label, overrides = TREES[recipe][args.tree_index]
         for bs in args.batch_sizes:
             got = {}
             for batched in (True, False):
                 name = f"{recipe}-b{bs}-{'batched' if batched else 'perseq'}"
-                done = work / f"{name}.json"
-                if not done.exists():
-                    res = run_eval([
-                        f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={args.prompts}",
-                        f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{bs}]",
-                        "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
-                        f"output_dir={work / name}", f"tree.batched_drafting={str(batched).lower()}", *overrides,
-                    ])  # fmt: skip
-                    done.parent.mkdir(parents=True, exist_ok=True)
-                    done.write_text(json.dumps(res))
-                res = json.loads(done.read_text())
+                res = cached(work / f"{name}.json", lambda: run_eval([
+                    f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={args.prompts}",
+                    f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{bs}]",
+                    "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
+                    f"output_dir={work / name}", f"tree.batched_drafting={str(batched).lower()}", *overrides,
+                ]))  # fmt: skip
                 machine = res.get("machine")
                 plain = next(r for r in res["runs"] if r["method"] == "plain")
                 spec = next(r for r in res["runs"] if r["method"] != "plain")

@@ -35,6 +35,26 @@ TREES: dict[str, list[tuple[str, list[str]]]] = {
 }  # fmt: skip
 
 
+def cached(path: Path, compute) -> dict:
+    """``compute()``'s result, kept as JSON at ``path``: computed once, read back on every later call
+    (how the benchmark scripts resume after an interruption)."""
+    if not path.exists():
+        res = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res))
+    return json.loads(path.read_text())
+
+
+def recipe_runs(runs: str | Path, recipes: list[str]):
+    """(recipe, training run folder) for every recipe with a saved drafter under ``runs`` (others are skipped, said on stderr)."""
+    for recipe in recipes:
+        ckpt = Path(runs) / recipe
+        if (ckpt / "drafter").is_dir():
+            yield recipe, ckpt
+        else:
+            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = ["| recipe | tree | prompts | batch | τ | nodes/step | tok/s | plain tok/s | speedup | equal to plain |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -108,24 +128,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir)
     rows, machine = [], None
-    for recipe in args.recipes:
-        ckpt = Path(args.runs) / recipe
-        if not (ckpt / "drafter").is_dir():
-            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
-            continue
+    for recipe, ckpt in recipe_runs(args.runs, args.recipes):
         for t, (label, overrides) in enumerate(TREES[recipe]):
             for prompts in args.prompt_sets:
-                done = work / f"{recipe}-{t}-{prompts}.json"
-                if not done.exists():
-                    res = run_eval([
-                        f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
-                        f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
-                        "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
-                        f"output_dir={work / f'{recipe}-{t}-{prompts}'}", *overrides,
-                    ])  # fmt: skip
-                    done.parent.mkdir(parents=True, exist_ok=True)
-                    done.write_text(json.dumps(res))
-                res = json.loads(done.read_text())
+                res = cached(work / f"{recipe}-{t}-{prompts}.json", lambda: run_eval([
+                    f"checkpoint={ckpt}", f"target={args.target}", "methods=[drafter]", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
+                    f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
+                    "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
+                    f"output_dir={work / f'{recipe}-{t}-{prompts}'}", *overrides,
+                ]))  # fmt: skip
                 machine = res.get("machine")
                 rows += rows_of(recipe, label, prompts, res)
     out = Path(args.out)
