@@ -515,11 +515,10 @@ class EagleProposer:
     def _ragged_forward(self, rows, xs, pos, masks, slot_ids, extra=None):
         """:func:`_ragged_decode` + EAGLE's head: per row (logits [q_i, N] float32, predicted features [q_i, d])."""
         d = self.drafter
-        out = []
-        for h in _ragged_decode(d, self._cache, rows, xs, pos, masks, slot_ids, extra):
-            f = d.predict_features(h)
-            out.append((d.vocab_logits(f), f))
-        return out
+        hs = _ragged_decode(d, self._cache, rows, xs, pos, masks, slot_ids, extra)
+        f = d.predict_features(torch.cat(hs))  # one head matmul for the batch (the head's weight is read once)
+        q = [h.shape[0] for h in hs]
+        return list(zip(torch.split(d.vocab_logits(f), q), torch.split(f, q)))
 
     def _append_batched(self, slots):
         """Every slot's pending items in one forward; they become committed. Returns per slot
