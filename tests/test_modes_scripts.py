@@ -90,11 +90,9 @@ def test_build_datastore_from_rows_and_selfdistill_folders(rows_dir, tmp_path):
 
 def test_build_datastore_tokenizes_a_jsonl_with_the_chat_template(tmp_path):
     from drafttrain import assets
+    from helpers import need_input
 
-    try:
-        assets.converted_target_dir()
-    except assets.MissingAssetError as err:
-        pytest.skip(str(err))
+    need_input(assets.converted_target_dir)  # missing package: fail with the install command, never skip
     convs = tmp_path / "c.jsonl"
     convs.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
                                                        {"role": "assistant", "content": f"answer number {i} is here"}]})

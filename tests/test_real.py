@@ -6,12 +6,11 @@ conversion, the frozen-target contract and greedy equality hold where the main j
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from drafttrain import assets
+from helpers import need_input
 from drafttrain.config import TargetConfig
 from drafttrain.data.sources import load_eval_prompts
 from drafttrain.data.template import prompt_ids
@@ -24,18 +23,16 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def real_target():
-    try:
-        assets.smollm2_gguf()
-    except assets.MissingAssetError as e:
-        pytest.skip(str(e))
+    need_input(assets.smollm2_gguf)  # not installed: fail with the install command (never skip)
     return load_target(TargetConfig())
 
 
 def test_conversion_is_cached_and_reused(real_target):
-    """The GGUF is converted once: a second call returns the same folder at once."""
-    t0 = time.perf_counter()
+    """The GGUF is converted once: a second call returns the same folder and rewrites nothing."""
     folder = assets.converted_target_dir()
-    assert time.perf_counter() - t0 < 1.0
+    stamps = {p: p.stat().st_mtime_ns for p in folder.iterdir()}
+    assert assets.converted_target_dir() == folder
+    assert {p: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
     assert (folder / "config.json").is_file() and (folder / "drafttrain_conversion.json").is_file()
     assert any(folder.glob("*.safetensors"))
 

@@ -247,7 +247,7 @@ def test_resume_replays_the_uninterrupted_run(resume_runs):
 @pytest.mark.parametrize("override", ["drafter.num_mask_tokes=3", "+drafter.num_mask_tokes=3"])
 def test_typo_fails_before_loading_anything(override, tmp_path):
     """A typo'd key (plain override: Hydra refuses it; '+' append: our schema refuses it) exits non-zero
-    naming the key, within seconds, before any model or data is loaded."""
+    naming the key before any model or data is loaded (no model load in the log, no cache written)."""
     proc, seconds = launch(f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", override)
     text = output(proc)
     assert proc.returncode != 0
@@ -255,4 +255,3 @@ def test_typo_fails_before_loading_anything(override, tmp_path):
     assert "Loading weights" not in text
     assert "self-distill" not in text.lower()
     assert not (tmp_path / "cache").exists()
-    assert seconds < 60, seconds
