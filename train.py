@@ -1,5 +1,7 @@
 """Hydra entry point: `accelerate launch train.py +recipe=NAME [overrides]`. Safe to import."""
 
+from drafttrain.assets import offline_by_default
+
 import hydra
 from omegaconf import DictConfig
 
@@ -19,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    offline_by_default()  # HF_HUB_OFFLINE=1 unless set: before any Hugging Face library is imported
     main()

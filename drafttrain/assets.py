@@ -37,6 +37,25 @@ MT_BENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 GSM8K_FILE = "data/gsm8k/test.jsonl"
 _CONVERSION_VERSION = 1
 
+#: Environment variables that keep Hugging Face libraries off the network (hub, transformers, datasets).
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def offline_by_default() -> dict[str, str]:
+    """Set ``HF_HUB_OFFLINE=1`` (and the transformers / datasets equivalents) unless the user set them.
+
+    Every entry point (``train.py``, and ``scripts/__init__.py`` for every ``python -m scripts.X``)
+    calls this first thing, before any Hugging Face library is imported (they read these variables
+    at import time). drafttrain never downloads: a hub id where a local folder is expected then fails
+    with our error instead of a silent download. Set ``HF_HUB_OFFLINE=0`` yourself to allow the hub.
+
+    Returns:
+        The variables as they now are.
+    """
+    for name in OFFLINE_ENV:
+        os.environ.setdefault(name, "1")
+    return {name: os.environ[name] for name in OFFLINE_ENV}
+
 
 class MissingAssetError(FileNotFoundError):
     """A packaged model or data file is not installed. The message names the install command."""

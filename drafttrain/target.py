@@ -294,6 +294,12 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
     """HF folder of the target: ``cfg.path`` if given, else the (converted, cached) packaged GGUF."""
     if cfg.path:
         path = Path(cfg.path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"target.path={cfg.path} is not a local folder. drafttrain never downloads (it runs with "
+                f"HF_HUB_OFFLINE=1): if this is a Hugging Face hub id, download it yourself first, e.g. "
+                f"`huggingface-cli download {cfg.path} --local-dir models/target`, then pass target.path=models/target"
+            )
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target.path={path} is not a Hugging Face model folder (no config.json)")
         return path
