@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafttrain.data.shards import ShardStore, atomic_write_text, quiet
+from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ def load_feature_cache(path: str | Path, ds=None):
     meta_path = path / META
     if not meta_path.is_file():
         raise FeatureCacheError(f"no finished feature cache in {path}: run `python -m scripts.cache_features` to completion")
-    meta = json.loads(meta_path.read_text())
+    rerun = "rerun `python -m scripts.cache_features` with the same arguments (it rebuilds what is missing)"
+    meta = read_json(meta_path, f"delete it and {rerun}")
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise FeatureCacheError(
             f"{path}: feature cache schema version {meta.get('schema_version')}, this code reads {SCHEMA_VERSION}; rebuild it"
@@ -231,7 +232,7 @@ def load_feature_cache(path: str | Path, ds=None):
             raise FeatureCacheError(f"{path} was built for another dataset ({meta['rows']} rows, input_ids "
                                     f"fingerprint {meta['dataset_fingerprint']}); rebuild it for this one")
     n = -(-meta["rows"] // meta["shard_size"])
-    parts = [datasets.load_from_disk(str(path / f"shard_{i:05d}")) for i in range(n)]
+    parts = [load_dataset_folder(path / f"shard_{i:05d}", f"delete {path / f'shard_{i:05d}'} and {rerun}") for i in range(n)]
     if not parts:
         return datasets.Dataset.from_dict({k: [] for k in cache_features_schema(meta["hidden_size"], meta["dtype"], meta["top_k"])})
     return datasets.concatenate_datasets(parts)

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import GenerationConfig
-from drafttrain.data.shards import ShardStore, atomic_write_text, quiet
+from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 from drafttrain.data.sources import LoadStats
 from drafttrain.data.template import AssistantTurn, TemplateError, end_of_turn_ids, iter_assistant_turns, render_text
 from drafttrain.sampling import SamplingParams, row_generator
@@ -525,12 +525,14 @@ def load_generated(path: str | Path):
     path = Path(path).expanduser()
     for folder in (path / DATASET_DIR, path):
         if (folder / "dataset_info.json").is_file():
-            state = json.loads((folder / "state.json").read_text())
+            fix = (f"delete {folder} and rerun the command that wrote it (scripts.generate_data: the same "
+                   f"command; it reassembles the dataset from its shards)")
+            state = read_json(folder / "state.json", fix)
             if not state.get("_data_files"):  # a saved empty dataset: datasets cannot load it back
-                info = json.loads((folder / "dataset_info.json").read_text())
+                info = read_json(folder / "dataset_info.json", fix)
                 feats = datasets.Features.from_dict(info["features"])
                 return datasets.Dataset.from_dict({k: [] for k in feats}, features=feats)
-            return datasets.load_from_disk(str(folder))
+            return load_dataset_folder(folder, fix)
     raise FileNotFoundError(
         f"no generated dataset in {path} (expected {path / DATASET_DIR}); run "
         f"`python -m scripts.generate_data output_dir={path}` to completion first"

@@ -25,6 +25,39 @@ class JobMismatchError(RuntimeError):
     """The folder holds shards of a different job (other inputs or settings)."""
 
 
+class CorruptFileError(RuntimeError):
+    """A file or folder cannot be decoded (truncated, overwritten, a disk error). The message names it
+    and says what to do (usually: delete it and rerun the same command, which rebuilds it)."""
+
+
+def read_json(path: str | Path, fix: str):
+    """``json.loads`` of a file; undecodable -> :class:`CorruptFileError` naming ``path`` and ``fix``.
+
+    Raises:
+        CorruptFileError: the file is not valid JSON / UTF-8.
+        FileNotFoundError: the file does not exist.
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptFileError(f"{path} is corrupt ({err}); {fix}") from None
+
+
+def load_dataset_folder(path: str | Path, fix: str):
+    """``datasets.load_from_disk`` of a folder; unreadable -> :class:`CorruptFileError` naming it and ``fix``.
+
+    Raises:
+        CorruptFileError: a missing, truncated or corrupt Arrow file / state file in the folder.
+    """
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as err:  # pyarrow (ArrowInvalid, OSError "Expected to be able to read ..."), json, missing files
+        raise CorruptFileError(f"{path} cannot be read ({type(err).__name__}: {err}); {fix}") from None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -51,14 +84,15 @@ class ShardStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = self.root / MANIFEST
+        fix = f"delete the folder {self.root} and rerun the same command (its shards are made again)"
         if self.path.is_file() and reset_on_mismatch:
-            old = json.loads(self.path.read_text()).get("job", {}).get("fingerprint")
+            old = read_json(self.path, fix).get("job", {}).get("fingerprint")
             if old != job["fingerprint"]:
                 for shard in self.root.glob("shard_*"):
                     shutil.rmtree(shard)
                 self.path.unlink()
         if self.path.is_file():
-            manifest = json.loads(self.path.read_text())
+            manifest = read_json(self.path, fix)
             old = manifest.get("job", {}).get("fingerprint")
             if old != job["fingerprint"]:
                 raise JobMismatchError(
@@ -74,7 +108,8 @@ class ShardStore:
         return self.root / f"shard_{i:05d}"
 
     def is_done(self, i: int) -> bool:
-        return str(i) in self.manifest["shards"]
+        """Shard ``i`` is recorded and its folder exists (a deleted shard folder is made again)."""
+        return str(i) in self.manifest["shards"] and self.shard_dir(i).is_dir()
 
     def info(self, i: int) -> dict:
         """What was recorded with shard ``i`` (KeyError if it is not done)."""
@@ -92,10 +127,14 @@ class ShardStore:
         atomic_write_text(self.path, json.dumps(self.manifest, indent=1))  # the shard counts from here on
 
     def load(self, i: int):
-        """Shard ``i`` as a memory-mapped ``datasets.Dataset``."""
-        import datasets
+        """Shard ``i`` as a memory-mapped ``datasets.Dataset``.
 
-        return datasets.load_from_disk(str(self.shard_dir(i)))
+        Raises:
+            CorruptFileError: the shard's files are truncated or corrupt (the message says to delete the
+                shard folder and rerun: a recorded shard whose folder is missing is made again).
+        """
+        d = self.shard_dir(i)
+        return load_dataset_folder(d, f"delete {d} and rerun the same command (that shard alone is made again)")
 
     def set(self, key: str, value) -> None:
         """Record a job-level value (e.g. that the final dataset was written)."""

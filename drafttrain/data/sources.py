@@ -81,9 +81,12 @@ def iter_json_array_records(path: str | Path, stats: LoadStats | None = None) ->
 
     The file text is read into memory, but records are decoded lazily with
     ``json.JSONDecoder().raw_decode``, so stopping after N records decodes only N records.
-    Whitespace and commas between records are skipped. An undecodable tail (a file cut in the
-    middle of a record) ends the iteration cleanly: it is logged and, if ``stats`` is given,
-    counted as one ``read`` and one ``skipped["truncated record"]``.
+    Whitespace and commas between records are skipped. An undecodable record in the middle of the
+    file (a bad escape, a missing comma) is skipped: its end is found by matching brackets outside
+    strings (:func:`_record_end`), it is logged and counted as one ``read`` and one
+    ``skipped["malformed record"]``, and reading goes on with the next record. An undecodable tail
+    (a file cut in the middle of a record: no matching bracket before the end) ends the iteration
+    cleanly, counted as one ``read`` and one ``skipped["truncated record"]``.
 
     Args:
         path: file whose first non-whitespace character is ``[``.
@@ -113,12 +116,50 @@ def iter_json_array_records(path: str | Path, stats: LoadStats | None = None) ->
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as err:
-            log.warning("%s: stopping at undecodable tail at char %d of %d (%s)", path, i, n, err.msg)
+            end = _record_end(text, i)
+            if end is None:
+                log.warning("%s: stopping at undecodable tail at char %d of %d (%s)", path, i, n, err.msg)
+                if stats is not None:
+                    stats.read += 1
+                    stats.skipped["truncated record"] += 1
+                return
+            log.warning("%s: skipping an undecodable record at chars %d-%d (%s)", path, i, end, err.msg)
             if stats is not None:
                 stats.read += 1
-                stats.skipped["truncated record"] += 1
-            return
+                stats.skipped["malformed record"] += 1
+            i = max(end, i + 1)  # (a stray '}' or ']' at the top level: step over it)
+            continue
         yield record
+
+
+def _record_end(text: str, i: int) -> int | None:
+    """End (exclusive) of the JSON value starting at ``text[i]``, found by matching ``{}``/``[]`` outside
+    strings (escapes honoured), without decoding it; None if the text ends first (a truncated record).
+    A scalar value ends at the next top-level ``,`` or ``]``.
+    """
+    depth, in_str, esc, n = 0, False, False, len(text)
+    for j in range(i, n):
+        ch = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            if depth == 0:  # the array's own ']' after a scalar
+                return j
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        elif ch == "," and depth == 0:
+            return j
+    return None
 
 
 def _clean_conversation(record: object, fallback_id: str) -> tuple[dict | None, str | None]:
