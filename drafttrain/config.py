@@ -245,8 +245,88 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
         key = getattr(e, "full_key", None)
         raise ConfigError(f"invalid config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
     out = OmegaConf.to_object(merged)
+    problems = numeric_problems(out)
+    if problems:
+        raise ConfigError("; ".join(problems))
     _CHECKS[schema](out)
     return out
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric config key: ``low``/``high`` bounds (None = unbounded), inclusive or not."""
+
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+
+    def ok(self, x: float) -> bool:
+        if self.low is not None and (x < self.low or (x == self.low and not self.low_inclusive)):
+            return False
+        return self.high is None or (x < self.high or (x == self.high and self.high_inclusive))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>=' if self.low_inclusive else '>'} {self.low}"
+        return f"in {'[' if self.low_inclusive else '('}{self.low}, {self.high}{']' if self.high_inclusive else ')'}"
+
+
+GE0, GE1, GT0 = Range(0), Range(1), Range(0, low_inclusive=False)
+UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Range(0, 1, True, False)
+
+#: The range of every numeric key of every schema (ints, floats, optional ones, lists of them), by class
+#: and field name. ``None`` (an optional key left unset) is always allowed. ``tests/test_config_values.py``
+#: fails for a numeric field missing here, and checks each range is enforced. Semantics of 0 where it
+#: is allowed: ``*_every`` = only at the end / never periodic, ``draft_vocab_size`` = the full vocabulary,
+#: ``num_mask_tokens`` = no mask tokens, ``heldout`` / ``spec_eval_num_prompts`` = none, ``top_k`` = none.
+NUMERIC_RANGES: dict[str, dict[str, Range]] = {
+    "TargetConfig": dict(hidden_size=GE1, intermediate_size=GE1, num_hidden_layers=GE1, num_attention_heads=GE1,
+                         num_key_value_heads=GE1, seed=GE0),
+    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), max_new_tokens=GE1, max_prompt_length=GE1,
+                       distill_batch_size=GE1, heldout=GE0),
+    "DrafterConfig": dict(num_mask_tokens=GE0, num_heads=GE1, draft_depth=GE1, loss_decay=GT0, anchor_ratio=UNIT_OPEN_LOW,
+                          draft_vocab_size=GE0, kd_weight=UNIT, reg_weight=GE0, cls_weight=GE0, feature_noise=GE0),
+    "OptimConfig": dict(lr=GT0, weight_decay=GE0, betas=UNIT_OPEN_HIGH, warmup_steps=GE0, min_lr_ratio=UNIT,
+                        max_grad_norm=GT0),
+    "TrainerConfig": dict(max_steps=GE1, max_minutes=GT0, micro_batch_size=GE1, grad_accum_steps=GE1,
+                          length_group_steps=GE1, log_every=GE1, eval_every=GE0, save_every=GE0, keep_checkpoints=GE1,
+                          num_threads=GE1, spec_eval_every=GE0, spec_eval_num_prompts=GE0, spec_eval_offset=GE0,
+                          spec_eval_stride=GE1, spec_eval_max_new_tokens=GE1, spec_eval_batch_size=GE1,
+                          spec_eval_tree_widths=GE1, spec_eval_tree_budget=GE1),
+    "TrainConfig": dict(seed=GE0),
+    "DecisionConfig": dict(hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
+                           beta=UNIT),
+    "GenerateConfig": dict(max_conversations=GE1, num_threads=GE1, max_minutes=GT0),
+    "GenerationConfig": dict(max_new_tokens=GE1, max_length=Range(2), max_prompt_length=GE1, max_turns=GE1, batch_size=GE1,
+                             max_batch_tokens=GE1, max_padding=GE0, shard_size=GE1),
+    "SamplingConfig": dict(temperature=GE0, top_p=UNIT_OPEN_LOW, seed=GE0),
+    "CacheFeaturesConfig": dict(top_k=GE0, batch_size=GE1, shard_size=GE1, num_threads=GE1),
+    "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, num_prompts=GE1, prompt_offset=GE0, max_new_tokens=GE1,
+                       batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
+    "TreeConfig": dict(widths=GE1, budget=GE1),
+    "SSSDEvalConfig": dict(node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1, num_threads=GE1),
+    "MCSDEvalConfig": dict(ks=GE1, target_roots=GE1, beta=UNIT, betas=UNIT, decision_topk=GE1),
+    "MTADEvalConfig": dict(num_beams=GE1, num_steps=GE1, threshold=GE0),
+}  # fmt: skip
+
+
+def numeric_problems(obj, prefix: str = "") -> list[str]:
+    """Every numeric value of a config (dataclass instance, nested ones included) outside its
+    :data:`NUMERIC_RANGES` range, as ``"trainer.log_every must be >= 1, got 0"``."""
+    problems = []
+    ranges = NUMERIC_RANGES.get(type(obj).__name__, {})
+    for f in fields(obj):
+        v, key = getattr(obj, f.name), prefix + f.name
+        if hasattr(v, "__dataclass_fields__"):
+            problems += numeric_problems(v, key + ".")
+            continue
+        rule = ranges.get(f.name)
+        values = v if isinstance(v, (list, tuple)) else [v]
+        if rule is not None and any(isinstance(x, (int, float)) and not isinstance(x, bool) and not rule.ok(x)
+                                    for x in values):  # fmt: skip
+            problems.append(f"{key} must be {'all ' if isinstance(v, (list, tuple)) else ''}{rule}, got {v}")
+    return problems
 
 
 def _check_values(c: TrainConfig) -> None:
@@ -476,7 +556,7 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
     from drafttrain.verify.engine import MODES
 
     c: EvalConfig = validate_into(EvalConfig, cfg)
-    problems = []
+    problems = numeric_problems(c)
     if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
         problems.append("batch_sizes must be a non-empty list of ints >= 1")
     bad = [m for m in list(c.modes) + [c.plain_mode] if m not in MODES]
