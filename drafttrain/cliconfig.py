@@ -1,35 +1,164 @@
-"""Validate a script's composed Hydra config into its dataclass schema (as :func:`drafttrain.config.validate`
-does for training), so a typo'd key or a wrong type fails with the key's name before any work starts."""
+"""The one command-line style of every entry point: Hydra ``key=value`` overrides validated into a dataclass.
+
+    python -m scripts.NAME key=value nested.key=value 'list=[1,2]' +new_key=value
+
+:func:`parse_cli` composes a script's config (its ``conf/NAME.yaml``, or its dataclass schema alone,
+registered in Hydra's config store), applies the overrides with Hydra's own grammar (the grammar
+``train.py`` takes) and merges the result into the schema, so a typo'd key, a key that moved, or a
+wrong type fails with the key's name before any model or data loads. ``--help`` prints the schema's
+docstring and every key with its default.
+
+This module is the bottom of the config layer: :mod:`drafttrain.config` (the schemas) imports
+:class:`ConfigError` and :func:`validate_into` from here, never the other way round.
+"""
 
 from __future__ import annotations
 
+import difflib
+import re
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafttrain.config import ConfigError
-
 T = TypeVar("T")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-def validate_into(schema: type[T], cfg: DictConfig | dict[str, Any] | T) -> T:
+class ConfigError(ValueError):
+    """The composed config does not match the schema (unknown key, wrong type, bad value)."""
+
+
+def validate_into(schema: type[T], cfg: DictConfig | dict[str, Any] | T, moved: dict[str, str] | None = None) -> T:
     """Merge ``cfg`` (Hydra's own ``hydra`` node ignored) into dataclass ``schema``.
+
+    Args:
+        schema: a dataclass type.
+        cfg: a composed config, a plain (nested) dict, or already a ``schema`` instance.
+        moved: old dotted key -> its new dotted key; an old key in ``cfg`` is reported as moved.
 
     Returns:
         A ``schema`` instance (``cfg`` itself when it already is one).
 
     Raises:
-        ConfigError: unknown key (named with its full path) or wrong type.
+        ConfigError: unknown key (named with its full path, with where it moved or the closest
+            known key), a wrong type, or a mandatory value (``???``) left unset.
     """
     if isinstance(cfg, schema):
         return cfg
     if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
+            raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}") from None
     cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
+    for old in moved or {}:
+        if _has_key(cfg, old):
+            raise ConfigError(moved_message(old, moved[old]))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    except OmegaConfBaseException as e:
+    except OmegaConfBaseException as e:  # unknown key / type mismatch
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config key '{key}': {getattr(e, 'msg', e)}") from None
+        msg = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(f"invalid config key '{key}': {msg}{_did_you_mean(schema, key)}") from None
     return OmegaConf.to_object(merged)
+
+
+def moved_message(old: str, new: str) -> str:
+    return f"config key '{old}' moved to '{new}' (set {new}=... instead)"
+
+
+def check_moved(overrides: list[str], moved: dict[str, str]) -> None:
+    """Raise :class:`ConfigError` naming the new key for any override (``key=v``, ``+key=v``, ``~key``) of a moved key."""
+    for o in overrides:
+        key = _override_key(o)
+        if key in moved:
+            raise ConfigError(moved_message(key, moved[key]))
+
+
+def parse_cli(schema: type[T], argv: list[str] | None = None, *, config_name: str | None = None,
+              moved: dict[str, str] | None = None) -> T:  # fmt: skip
+    """Hydra-style ``key=value`` overrides -> a validated ``schema`` instance (the CLI of every script).
+
+    Args:
+        schema: the script's dataclass.
+        argv: the overrides (default ``sys.argv[1:]``); ``-h`` / ``--help`` prints the keys and exits 0.
+        config_name: compose ``conf/<config_name>.yaml`` (its defaults list, groups, interpolations)
+            before the overrides; None = the schema's own defaults.
+        moved: old dotted key -> new dotted key (a clear error instead of "unknown key").
+
+    Raises:
+        ConfigError: an unknown or moved key, an override Hydra cannot parse, a wrong type.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage(schema, config_name))
+        raise SystemExit(0)
+    flags = [a for a in argv if a.startswith("-")]
+    if flags:
+        raise ConfigError(f"options are Hydra-style key=value words (no --flags), got {flags}; "
+                          f"--help lists the keys")  # fmt: skip
+    check_moved(argv, moved or {})
+    name = config_name
+    if name is None:
+        name = f"_cli_{schema.__module__}.{schema.__qualname__}"
+        ConfigStore.instance().store(name=name, node=schema)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(name, overrides=argv)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).strip()
+        m = re.search(r"Could not override '([^']+)'", msg)
+        if m:
+            hint = _did_you_mean(schema, m.group(1))
+            raise ConfigError(f"unknown config key '{m.group(1)}'{hint} (--help lists the keys)") from None
+        cause = str(e.__cause__ or "").strip().splitlines()[:1]
+        raise ConfigError("; ".join([(msg.splitlines() or [type(e).__name__])[0], *cause])) from None
+    return validate_into(schema, cfg, moved)
+
+
+def usage(schema: type, config_name: str | None = None) -> str:
+    """The schema's docstring and every key with its default (the ``--help`` text)."""
+    doc = (sys.modules[schema.__module__].__doc__ or schema.__doc__ or "").strip()
+    src = f"conf/{config_name}.yaml, " if config_name else ""
+    keys = OmegaConf.to_yaml(OmegaConf.structured(schema)).rstrip()
+    return f"{doc}\n\nKeys ({src}schema {schema.__module__}.{schema.__qualname__}), set as key=value:\n\n{keys}\n"
+
+
+def _override_key(o: str) -> str:
+    return o.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
+
+
+def _has_key(d: dict, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
+
+
+def _keys(schema: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(schema):
+        out.append(prefix + f.name)
+        t = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(t):
+            out += _keys(type(t), prefix + f.name + ".")
+    return out
+
+
+def _did_you_mean(schema: type, key: str | None) -> str:
+    if not key or not is_dataclass(schema):
+        return ""
+    keys = _keys(schema)
+    if key in keys:  # a known key with a bad value: no suggestion
+        return ""
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

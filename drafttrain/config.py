@@ -11,7 +11,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+
+from drafttrain.cliconfig import ConfigError, validate_into
+
+__all__ = ["ConfigError", "validate", "validate_eval", "validate_into"]  # ConfigError's home: drafttrain.cliconfig
 
 
 @dataclass
@@ -221,10 +224,6 @@ class CacheFeaturesConfig:
     progress: bool = True
 
 
-class ConfigError(ValueError):
-    """The composed config does not match the schema (unknown key, wrong type, bad value)."""
-
-
 def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
     """Merge a composed config into ``schema`` (default :class:`TrainConfig`).
 
@@ -232,19 +231,7 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
         ConfigError: a key is unknown (the message names it with its full path), a value has the
             wrong type, or a value is out of range.
     """
-    if isinstance(cfg, DictConfig):
-        try:
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-        except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
-            raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {e.msg if hasattr(e, 'msg') else e}") from None
-    cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
-    base = OmegaConf.structured(schema)
-    try:
-        merged = OmegaConf.merge(base, cfg)
-    except OmegaConfBaseException as e:  # unknown key / type mismatch
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from None
-    out = OmegaConf.to_object(merged)
+    out = validate_into(schema, cfg)
     problems = numeric_problems(out)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -552,7 +539,6 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
     Raises:
         ConfigError: unknown key, wrong type, or a bad value (before any model loads).
     """
-    from drafttrain.cliconfig import validate_into
     from drafttrain.verify.engine import MODES
 
     c: EvalConfig = validate_into(EvalConfig, cfg)
