@@ -19,10 +19,11 @@ import re
 import sys
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -64,7 +65,10 @@ def validate_into(schema: type[T], cfg: DictConfig | dict[str, Any] | T, moved: 
         key = getattr(e, "full_key", None)
         msg = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(f"invalid config key '{key}': {msg}{_did_you_mean(schema, key)}") from None
-    return OmegaConf.to_object(merged)
+    try:
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"config key '{e.full_key}' is required (set {e.full_key}=...)") from None
 
 
 def moved_message(old: str, new: str) -> str:
@@ -93,14 +97,13 @@ def parse_cli(schema: type[T], argv: list[str] | None = None, *, config_name: st
     Raises:
         ConfigError: an unknown or moved key, an override Hydra cannot parse, a wrong type.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage(schema, config_name))
-        raise SystemExit(0)
+    helping = any(a in ("-h", "--help") for a in argv)
+    argv = [a for a in argv if a not in ("-h", "--help")]
     flags = [a for a in argv if a.startswith("-")]
     if flags:
         raise ConfigError(f"options are Hydra-style key=value words (no --flags), got {flags}; "
@@ -111,7 +114,12 @@ def parse_cli(schema: type[T], argv: list[str] | None = None, *, config_name: st
         name = f"_cli_{schema.__module__}.{schema.__qualname__}"
         ConfigStore.instance().store(name=name, node=schema)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        # a schema alone: no config folder, so its keys never collide with conf/'s groups (e.g. target=)
+        if config_name:
+            ctx = initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
+        else:
+            ctx = initialize(version_base="1.3")
+        with ctx:
             cfg = compose(name, overrides=argv)
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).strip()
@@ -120,16 +128,62 @@ def parse_cli(schema: type[T], argv: list[str] | None = None, *, config_name: st
             hint = _did_you_mean(schema, m.group(1))
             raise ConfigError(f"unknown config key '{m.group(1)}'{hint} (--help lists the keys)") from None
         cause = str(e.__cause__ or "").strip().splitlines()[:1]
-        raise ConfigError("; ".join([(msg.splitlines() or [type(e).__name__])[0], *cause])) from None
+        hint = [f"in {o!r}, quote every list element that holds '=' (e.g. 'overrides=[\"a=1\",\"b.c=[2,3]\"]')"
+                for o in argv if "=" in o.split("=", 1)[1]][:1]  # fmt: skip
+        raise ConfigError("; ".join([(msg.splitlines() or [type(e).__name__])[0], *cause, *hint])) from None
+    if helping:
+        values = OmegaConf.to_container(cfg, resolve=False)
+        values = {k: v for k, v in values.items() if k != "hydra"}
+        try:  # the schema's defaults under the composed values
+            values = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), values), resolve=False)
+        except OmegaConfBaseException:
+            pass
+        print(usage(schema, config_name, values))
+        raise SystemExit(0)
     return validate_into(schema, cfg, moved)
 
 
-def usage(schema: type, config_name: str | None = None) -> str:
-    """The schema's docstring and every key with its default (the ``--help`` text)."""
+def run_cli(main: Callable[[], Any]) -> None:
+    """Call a script's ``main()`` (overrides from ``sys.argv``); a :class:`ConfigError` exits with status 2
+    and one line naming the key, instead of a traceback. Scripts end with ``run_cli(main)``."""
+    try:
+        main()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def usage(schema: type, config_name: str | None = None, values: dict | None = None) -> str:
+    """The script's docstring and every key with its value (default: the schema's defaults) and the
+    comment beside it in the schema (the ``--help`` text)."""
     doc = (sys.modules[schema.__module__].__doc__ or schema.__doc__ or "").strip()
-    src = f"conf/{config_name}.yaml, " if config_name else ""
-    keys = OmegaConf.to_yaml(OmegaConf.structured(schema)).rstrip()
-    return f"{doc}\n\nKeys ({src}schema {schema.__module__}.{schema.__qualname__}), set as key=value:\n\n{keys}\n"
+    src = f"conf/{config_name}.yaml over " if config_name else ""
+    lines = [doc, "", f"Keys ({src}{schema.__module__}.{schema.__qualname__}), set as key=value:", ""]
+    values = OmegaConf.to_container(OmegaConf.structured(schema)) if values is None else values
+    return "\n".join(lines + _key_lines(schema, values)) + "\n"
+
+
+def _key_lines(schema: type, values: dict, prefix: str = "") -> list[str]:
+    import inspect
+
+    import yaml
+
+    try:
+        src = inspect.getsource(schema)
+    except (OSError, TypeError):
+        src = ""
+    notes = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M))
+    out = []
+    for f in fields(schema):
+        v = values.get(f.name, "?")
+        t = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(t):
+            out += _key_lines(type(t), v if isinstance(v, dict) else {}, prefix + f.name + ".")
+            continue
+        text = yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+        note = f"  # {notes[f.name]}" if f.name in notes else ""
+        out.append(f"  {prefix}{f.name}={text}{note}")
+    return out
 
 
 def _override_key(o: str) -> str:

@@ -1,15 +1,14 @@
-"""Feature cache on the real target: `--estimate` vs the bytes actually written; writes docs/benchmarks/cache_features.{json,md}.
+"""Feature cache on the real target: `estimate=true` vs the bytes actually written; writes docs/benchmarks/cache_features.{json,md}.
 
-    flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_cache_features data/bench_generate/full-bs32
+    python -m scripts.bench_cache_features dataset=data/bench_generate/full-bs32
 
-Runs ``python -m scripts.cache_features dataset=DATASET --estimate`` and then the same command without
-``--estimate`` (both as subprocesses: the real CLI), and records the estimate, the bytes written
+Runs ``python -m scripts.cache_features dataset=DATASET estimate=true`` and then the same command without
+``estimate=true`` (both as subprocesses: the real CLI), and records the estimate, the bytes written
 (every file of the cache folder), their difference, the rows/positions and the seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -17,24 +16,33 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-OUT = Path("docs/benchmarks")
+from omegaconf import MISSING
+
+@dataclass
+class BenchCacheFeaturesConfig:
+    """Schema of ``python -m scripts.bench_cache_features`` (key=value overrides, validated before any work)."""
+
+    dataset: str = MISSING  # a scripts.generate_data output folder (required)
+    top_k: int = 8
+    dtype: str = "float16"
+    overrides: list[str] = field(default_factory=list)  # extra cache_features overrides (e.g. [target=tiny] for a dry run)
+    out: str = "docs/benchmarks/cache_features"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dataset", help="a scripts.generate_data output folder")
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--override", nargs="*", default=[], help="extra cache_features overrides (e.g. target=tiny for a dry run)")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
+    from scripts.common import reproduce, write_report
+
+    args = parse_cli(BenchCacheFeaturesConfig, argv)
     out = Path(args.dataset) / "features-bench"
     shutil.rmtree(out, ignore_errors=True)
     base = [sys.executable, "-m", "scripts.cache_features", f"dataset={args.dataset}", f"output_dir={out}",
-            f"top_k={args.top_k}", f"dtype={args.dtype}", "progress=false", *args.override]
+            f"top_k={args.top_k}", f"dtype={args.dtype}", "progress=false", *args.overrides]
     env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
-    est = subprocess.run([*base, "--estimate"], capture_output=True, text=True, env=env, check=True).stdout
+    est = subprocess.run([*base, "estimate=true"], capture_output=True, text=True, env=env, check=True).stdout
     estimated = int(re.search(r"estimated (\d+) bytes", est).group(1))
     t0 = time.time()
     run = subprocess.run(base, capture_output=True, text=True, env=env, check=True).stdout
@@ -43,8 +51,7 @@ def main() -> None:
     written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     lines = [x for x in est.splitlines() if x.startswith("[cache_features]")]
     result = {
-        "command": "flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_cache_features " + args.dataset
-                   + (f" --top-k {args.top_k}" if args.top_k != 8 else "") + (f" --dtype {args.dtype}" if args.dtype != "float16" else ""),
+        "command": reproduce("bench_cache_features", argv),
         "cli": " ".join(["python", *base[1:]]),
         "estimate_line": lines[0] if lines else est.strip()[-300:],
         "bytes_estimated": estimated,
@@ -60,21 +67,20 @@ def main() -> None:
         "loadavg_1min_end": round(os.getloadavg()[0], 2),
         "log_tail": run.strip().splitlines()[-1:],
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "cache_features.json").write_text(json.dumps(result, indent=1))
     md = ["# Feature cache on the real target: estimate vs bytes written", "", "```bash", result["command"],
-          f"# runs: {result['cli']} --estimate   then the same without --estimate", "```", "",
+          f"# runs: {result['cli']} estimate=true   then the same without estimate=true", "```", "",
           "| quantity | value |", "|---|---|",
           f"| dataset | `{args.dataset}` ({result['rows']} rows) |",
           f"| stored | features {result['dtype']} [L-1, {result['hidden_size']}] + top-{result['top_k']} ids/logits, schema v{result['schema_version']} |",
-          f"| `--estimate` | {estimated:,} bytes |",
+          f"| `estimate=true` | {estimated:,} bytes |",
           f"| bytes written (every file in the cache folder) | {written:,} bytes |",
           f"| **difference** | **{result['difference_percent']:+.2f}%** |",
           f"| seconds (target forward over every row + writing) | {result['seconds']} |",
           f"| date, load average at the end | {result['date']}, {result['loadavg_1min_end']} |", ""]
-    (OUT / "cache_features.md").write_text("\n".join(md))
-    print("\n".join(md))
+    write_report(args.out, result, "\n".join(md))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

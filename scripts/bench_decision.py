@@ -1,48 +1,55 @@
 """The MCSD early-stop decision model on the real target; writes docs/benchmarks/decision_model.{json,md}.
 
-    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_decision --checkpoint outputs/mainjob3
+    python -m scripts.bench_decision checkpoint=outputs/mainjob3
 
 1. **Labels from verifier runs**: MCSD (W_t = 1, the trained ParallelSpec drafter) decodes MT-bench and
    GSM8K prompts that the evaluation below does not use (``prompt_offset``), logging every reached
    level's features and whether the target accepted it (``mcsd.decisions_out``).
 2. **Training**: ``train.py +recipe=decision_model`` on those rows (run in-process here, same code).
-3. **Use**: MCSD without the model and with it at every threshold of ``--betas`` (early stop at beta)
+3. **Use**: MCSD without the model and with it at every threshold of ``betas`` (early stop at beta)
    on the evaluation prompts, batch 1 and 8, same run, same plain baseline: τ, mean tree size,
    tokens/s, speedup.
 
-The labels are kept in ``--work-dir`` (``labels.done``): running the command again retrains and
+The labels are kept in ``work_dir`` (``labels.done``): running the command again retrains and
 re-evaluates on them without decoding the label prompts again.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.bench_verifier import kept_analysis, run_eval
+from omegaconf import MISSING
+
+from scripts.common import kept_analysis, reproduce, run_eval
+
+
+@dataclass
+class BenchDecisionConfig:
+    """Schema of ``python -m scripts.bench_decision`` (key=value overrides, validated before any work)."""
+
+    checkpoint: str = MISSING  # training run folder of the drafter MCSD grows its trees with (required)
+    label_prompts: int = 32  # prompts per set decoded for labels
+    label_offset: int = 16  # first label prompt (evaluation uses 0..num_prompts-1)
+    num_prompts: int = 8
+    max_new_tokens: int = 96
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    beta: float = 0.4  # threshold of the training summary
+    betas: list[float] = field(default_factory=lambda: [0.4, 0.2, 0.1])  # evaluated side by side (one run each)
+    threads: int = 2
+    overrides: list[str] = field(default_factory=list)  # extra harness overrides
+    out: str = "docs/benchmarks/decision_model"
+    work_dir: str = "outputs/bench_decision"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--label-prompts", type=int, default=32, help="prompts per set decoded for labels")
-    ap.add_argument("--label-offset", type=int, default=16, help="first label prompt (evaluation uses 0..num-prompts-1)")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--beta", type=float, default=0.4, help="threshold of the training summary")
-    ap.add_argument("--betas", type=float, nargs="+", default=[0.4, 0.2, 0.1],
-                    help="thresholds evaluated side by side (one MCSD + decision model run each)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--extra", nargs="*", default=[], help="extra harness overrides")
-    ap.add_argument("--out", default="docs/benchmarks/decision_model")
-    ap.add_argument("--work-dir", default="outputs/bench_decision")
-    args = ap.parse_args(argv)
     import logging
 
+    from drafttrain.cliconfig import parse_cli
+
+    args = parse_cli(BenchDecisionConfig, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from drafttrain.train import compose_config, run
 
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         log_path.unlink(missing_ok=True)
     base = [f"checkpoint={args.checkpoint}", "modes=[unpadded]", "methods=[mcsd]", "mcsd.target_roots=[1]",
             f"max_new_tokens={args.max_new_tokens}", f"num_threads={args.threads}", "progress=false", "plots=false",
-            *args.extra]  # fmt: skip
+            *args.overrides]  # fmt: skip
     sets = ["mt_bench", "gsm8k"]
     for name in sets if not labelled.exists() else []:
         run_eval(base + [f"prompts={name}", f"prompt_offset={args.label_offset}", f"num_prompts={args.label_prompts}",
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                                     f"mcsd.decision_model={work}/dm/decision_model", f"mcsd.betas=[{','.join(map(str, args.betas))}]",
                                     f"output_dir={work}/eval_{name}"])
              for name in sets}  # fmt: skip
-    command = "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_decision " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = reproduce("bench_decision", argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"command": command, "training": trained, **evals}, indent=1))
@@ -113,4 +120,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

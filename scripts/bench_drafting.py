@@ -1,28 +1,42 @@
 """Batched vs one-sequence-at-a-time drafting through the batched verifier, side by side.
 
-    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_drafting --runs outputs/bench_recipes
+    python -m scripts.bench_drafting runs=outputs/bench_recipes
 
-For each recipe's training run under ``--runs`` and each batch size, two harness runs
+For each recipe's training run under ``runs`` and each batch size, two harness runs
 (:func:`drafttrain.eval.harness.evaluate`, EMS-SD unpadded engine, greedy, same prompts) differ only in
 ``tree.batched_drafting``: the drafter drafts the whole batch in shared forwards (EAGLE: one forward
 for every sequence's new items, then one per tree depth carrying every sequence's frontier;
 ParallelSpec: one forward) or one sequence after another with its own drafter cache. Both are
 checked token for token against plain decoding, and their τ must agree (same trees). The ratio of
-their tokens/s is the gain of batching the drafter. Writes ``--out``.json and ``--out``.md (a
+their tokens/s is the gain of batching the drafter. Writes ``<out>.json`` and ``<out>.md`` (a
 hand-written section between ``<!-- analysis -->`` markers is kept); finished harness runs are kept
-in ``--work-dir`` and skipped when the command is run again (interrupt and resume).
+in ``work_dir`` and skipped when the command is run again (interrupt and resume).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
-import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scripts.bench_trees import TREES, _machine, cached, recipe_runs
-from scripts.bench_verifier import kept_analysis, run_eval
+from scripts.bench_trees import TREES
+from scripts.common import cached, machine_line, recipe_runs, reproduce, run_eval, write_report
+
+
+@dataclass
+class BenchDraftingConfig:
+    """Schema of ``python -m scripts.bench_drafting`` (key=value overrides, validated before any work)."""
+
+    runs: str = "outputs/bench_recipes"  # folder with one training run folder per recipe
+    recipes: list[str] = field(default_factory=lambda: ["eagle", "parallelspec"])
+    tree_index: int = 1  # which of scripts.bench_trees.TREES[recipe] (1: the 8-node tree)
+    prompts: str = "mt_bench"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    threads: int = 2
+    target: str = "smollm2"
+    out: str = "docs/benchmarks/drafting"
+    work_dir: str = "outputs/bench_drafting"
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -37,21 +51,13 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", default="outputs/bench_recipes", help="folder with one training run folder per recipe")
-    ap.add_argument("--recipes", nargs="+", default=["eagle", "parallelspec"])
-    ap.add_argument("--tree-index", type=int, default=1, help="which of scripts.bench_trees.TREES[recipe] (1: the 8-node tree)")
-    ap.add_argument("--prompts", default="mt_bench")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--out", default="docs/benchmarks/drafting")
-    ap.add_argument("--work-dir", default="outputs/bench_drafting")
-    args = ap.parse_args(argv)
     import logging
 
+    from drafttrain.cliconfig import ConfigError, parse_cli
+
+    args = parse_cli(BenchDraftingConfig, argv)
+    if set(args.recipes) - set(TREES) or any(not 0 <= args.tree_index < len(TREES[r]) for r in args.recipes):
+        raise ConfigError(f"recipes must be among {list(TREES)} and tree_index a valid index of TREES[recipe]")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir)
     rows, machine = [], None
@@ -77,15 +83,14 @@ def main(argv: list[str] | None = None) -> None:
             got[True]["ratio"] = got[True]["tokens_per_s"] / got[False]["tokens_per_s"]
             got[True]["same_tau"] = abs(got[True]["tau"] - got[False]["tau"]) < 1e-9
             rows += [got[True], got[False]]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"command": "python -m scripts.bench_drafting " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            "args": vars(args), "machine": machine, "rows": rows}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    md = out.with_suffix(".md")
-    analysis = kept_analysis(md)
+    data = {"command": reproduce("bench_drafting", argv), "args": asdict(args), "machine": machine, "rows": rows}
+    write_report(args.out, data, lambda analysis: markdown(data, analysis))
+    print("\n".join(table(rows)))
+
+
+def markdown(data: dict, analysis: str) -> str:
     a = data["args"]
-    md.write_text("\n".join([
+    return "\n".join([
         "# Batched vs per-sequence drafting through the batched verifier",
         "",
         "Reproduce (training runs from `python -m scripts.bench_recipes`):",
@@ -95,17 +100,18 @@ def main(argv: list[str] | None = None) -> None:
         "```",
         "",
         f"Greedy decoding, {a['num_prompts']} {a['prompts']} prompts, at most {a['max_new_tokens']} new tokens, EMS-SD "
-        f"unpadded engine, {_machine(machine)}. Each row is one harness run (plain decoding and the drafter on the "
+        f"unpadded engine, {machine_line(data['machine'])}. Each row is one harness run (plain decoding and the drafter on the "
         "same prompts in one process); the two rows of a batch size differ only in `tree.batched_drafting`. "
         "The last-but-one column is the tokens/s ratio of the pair.",
         "",
-        *table(rows),
+        *table(data["rows"]),
         "",
         analysis,
         "",
-    ]))
-    print("\n".join(table(rows)))
+    ])
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -1,12 +1,13 @@
 """Benchmark self-distillation generation on the real target; writes docs/benchmarks/generate_data.{json,md}.
 
-Run each phase under the heavy-job lock (each takes < 10 minutes on a 2-core CPU):
+Run each phase on its own (each takes < 10 minutes on a 2-core CPU):
 
-    flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate sweep
-    flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate full --batch-size 32
+    python -m scripts.bench_generate phase=sweep
+    python -m scripts.bench_generate phase=full batch_size=32
+    python -m scripts.bench_generate phase=report     # rewrite the page from the JSON
 
-``sweep``: first turns of the first ``--subset`` ShareGPT conversations at each ``--batch-sizes``, plus
-batch size 1 on the first ``--bs1-subset`` conversations (a short measurement: batch 1 is slow).
+``sweep``: first turns of the first ``subset`` ShareGPT conversations at each of ``batch_sizes``, plus
+batch size 1 on the first ``bs1_subset`` conversations (a short measurement: batch 1 is slow).
 ``full``: the first 200 ShareGPT conversations (first turn, max_new_tokens=256) to completion at one
 batch size, with the code path of ``python -m scripts.generate_data generation.max_turns=1 ...``
 (the same command; resumable, so it may be split over several invocations: the numbers add up).
@@ -17,19 +18,34 @@ prefill could save: its padding share of the prefill time), the padding ratio of
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import resource
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-OUT = Path("docs/benchmarks")
-NAME = "generate_data"
+
+
+@dataclass
+class BenchGenerateConfig:
+    """Schema of ``python -m scripts.bench_generate`` (key=value overrides, validated before any work)."""
+
+    phase: str = "sweep"  # sweep | full | report
+    subset: int = 32  # sweep: first N conversations
+    bs1_subset: int = 6  # sweep: first N conversations at batch size 1 (0 = none)
+    batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])  # sweep
+    batch_size: int = 32  # full: the batch size (0: the sweep's best)
+    conversations: int = 200  # full
+    max_new_tokens: int = 256
+    work: str = "data/bench_generate"
+    threads: int | None = None  # torch intra-op threads (null: torch's default)
+    max_minutes: float | None = None  # full: stop between shards after this long
+    out: str = "docs/benchmarks/generate_data"  # <out>.json accumulates the phases' rows; <out>.md is the page
 
 
 def _load(n: int):
@@ -113,21 +129,13 @@ def _machine() -> dict:
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["sweep", "full", "report"])
-    ap.add_argument("--subset", type=int, default=32)
-    ap.add_argument("--bs1-subset", type=int, default=6)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
-    ap.add_argument("--batch-size", type=int, default=32, help="full: the batch size (0: the sweep's best)")
-    ap.add_argument("--conversations", type=int, default=200)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--work", default="data/bench_generate")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--max-minutes", type=float, default=None, help="full: stop between shards after this long")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import ConfigError, parse_cli
 
-    path = OUT / f"{NAME}.json"
+    args = parse_cli(BenchGenerateConfig, argv)
+    if args.phase not in ("sweep", "full", "report"):
+        raise ConfigError(f"phase must be sweep, full or report, got {args.phase!r}")
+    path = Path(args.out).with_suffix(".json")
     results = json.loads(path.read_text()) if path.is_file() else {}
     if args.phase != "report":
         from drafttrain.config import TargetConfig
@@ -146,9 +154,8 @@ def main() -> None:
                 rows.append(_run(target, convs[: args.bs1_subset], 1, work / "sweep-bs1", args.max_new_tokens, True))
             for bs in args.batch_sizes:
                 rows.append(_run(target, convs, bs, work / f"sweep-bs{bs}", args.max_new_tokens, True))
-            command = ("flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate sweep "
-                       f"--subset {args.subset} --bs1-subset {args.bs1_subset} --batch-sizes "
-                       + " ".join(map(str, args.batch_sizes)) + (f" --threads {args.threads}" if args.threads else ""))
+            command = (f"python -m scripts.bench_generate phase=sweep subset={args.subset} bs1_subset={args.bs1_subset} "
+                       f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]" + (f" threads={args.threads}" if args.threads else ""))
             sweep = results.setdefault("sweep", {"rows": [], "commands": []})
             for r in rows:
                 r["subset"] = args.bs1_subset if r["batch_size"] == 1 else args.subset
@@ -174,18 +181,18 @@ def main() -> None:
             report_path = work / f"full-bs{args.batch_size}" / "report.json"
             if row["complete"]:
                 runs["report"] = json.loads(report_path.read_text())
-            runs["command"] = (f"flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_generate full "
-                               f"--batch-size {args.batch_size}" + (f" --threads {args.threads}" if args.threads else "")
-                               + (f" --max-minutes {args.max_minutes}" if args.max_minutes else "")
+            runs["command"] = (f"python -m scripts.bench_generate phase=full batch_size={args.batch_size}"
+                               + (f" threads={args.threads}" if args.threads else "")
+                               + (f" max_minutes={args.max_minutes}" if args.max_minutes else "")
                                + "   # repeated until complete (resumable)")
             runs["equivalent_cli"] = (f"python -m scripts.generate_data max_conversations={args.conversations} "
                                       f"generation.max_turns=1 generation.max_new_tokens={args.max_new_tokens} "
                                       f"generation.batch_size={args.batch_size} output_dir={work}/full-bs{args.batch_size}")
-        OUT.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
-    from scripts.bench_verifier import kept_analysis
+    from scripts.common import kept_analysis
 
-    md = OUT / f"{NAME}.md"
+    md = path.with_suffix(".md")
     analysis = kept_analysis(md)  # the hand-written section between <!-- analysis --> markers survives
     md.write_text(markdown(results).rstrip("\n") + "\n\n" + analysis + "\n")
     print(md.read_text())
@@ -245,4 +252,6 @@ def markdown(results: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

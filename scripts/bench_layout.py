@@ -1,7 +1,6 @@
 """Training step time of the group-wise layout against a naive version running K + 1 separate passes.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache_base flock /tmp/drafttrain-heavy.lock nice -n 10 \\
-        .venv/bin/python -m scripts.bench_layout --steps 10 --out docs/benchmarks/layout
+    python -m scripts.bench_layout steps=10 out=docs/benchmarks/layout
 
 The group-wise layout (:mod:`drafttrain.layout`, ParallelSpec section 4.1) trains every position of
 every parallel group in ONE drafter pass: the T context items once, then K mask slots per anchor.
@@ -10,20 +9,18 @@ done right): pass k holds the T items and, for every anchor, mask slots 1..k (sl
 1..k-1 as context), and only its position-k slots enter the loss. :func:`naive_loss` computes exactly
 the layout's loss that way (tested equal: tests/test_bench_layout.py), so the step-time ratio is the
 compute the layout saves. A step = forward + backward + AdamW step on the same real batches,
-alternating the two methods step by step; the median over ``--steps`` steps is reported.
+alternating the two methods step by step; the median over ``steps`` steps is reported.
 
-Writes ``<out>.json`` and ``<out>.md``. ``--overrides`` are Hydra overrides of the training config
+Writes ``<out>.json`` and ``<out>.md``. ``overrides`` are Hydra overrides of the training config
 (default: the parallelspec recipe as it ships, on the main job's cached self-distilled data).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
@@ -136,9 +133,7 @@ def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
     }  # fmt: skip
 
 
-def write_report(result: dict, out: Path, command: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({**result, "command": command}, indent=1))
+def markdown(result: dict, command: str) -> str:
     cfg = result["config"]
     lines = [
         "# Group-wise layout vs. K + 1 separate passes (training step time)",
@@ -158,25 +153,35 @@ def write_report(result: dict, out: Path, command: str) -> None:
         lines.append(f"| {r['anchor_ratio']} | {r['layout_step_s']:.3f} | {r['naive_step_s']:.3f} | "
                      f"**{r['ratio_naive_over_layout']:.2f}x** | {r['loss_layout']:.5f} | {r['loss_naive']:.5f} |")  # fmt: skip
     lines += ["", "Reproduce:", "", "```bash", command, "```", ""]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+@dataclass
+class BenchLayoutConfig:
+    """Schema of ``python -m scripts.bench_layout`` (key=value overrides, validated before any work)."""
+
+    steps: int = 10  # timed steps per method (after one warm-up step)
+    anchor_ratios: list[float] = field(default_factory=lambda: [0.25, 1.0])
+    out: str = "docs/benchmarks/layout"
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides of the training config, e.g. [target=tiny]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per method (after one warm-up step)")
-    ap.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.25, 1.0])
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/layout"))
-    ap.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides, e.g. target=tiny")
-    args = ap.parse_args(argv)
+    import json
+
+    from drafttrain.cliconfig import parse_cli
+    from scripts.common import reproduce, write_report
+
+    args = parse_cli(BenchLayoutConfig, argv)
     result = bench(args.overrides, args.steps, args.anchor_ratios)
-    command = ("DRAFTTRAIN_CACHE=/tmp/dtcache_base flock /tmp/drafttrain-heavy.lock nice -n 10 .venv/bin/python -m "
-               f"scripts.bench_layout --steps {args.steps} --anchor-ratios {' '.join(map(str, args.anchor_ratios))} "
-               f"--out {args.out}" + (f" --overrides {' '.join(args.overrides)}" if args.overrides else ""))  # fmt: skip
-    write_report(result, args.out, command)
+    command = reproduce("bench_layout", argv)
+    write_report(args.out, {**result, "command": command}, markdown(result, command))
     for r in result["rows"]:
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("steps_s")}))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

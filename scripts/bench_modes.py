@@ -1,7 +1,8 @@
 """Decoding methods side by side on the real target; writes docs/benchmarks/modes.{json,md}.
 
     python -m scripts.build_datastore       # once: the SSSD datastore (data/datastore/sharegpt)
-    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_modes --checkpoint outputs/mainjob2_eval
+    python -m scripts.bench_modes checkpoint=outputs/mainjob2_eval
+    python -m scripts.bench_modes replan=true    # only re-run the SSSD planner for an existing <out>.json
 
 For each prompt set (MT-bench, GSM8K) and batch size (1, 8) one harness run
 (:func:`drafttrain.eval.harness.evaluate`) decodes the same prompts with plain decoding, the trained
@@ -14,15 +15,31 @@ A hand-written section between ``<!-- analysis -->`` markers in an existing page
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.bench_verifier import kept_analysis, run_eval
+from scripts.common import kept_analysis, reproduce, run_eval
 
 METHODS = "[parallelspec,sssd,mcsd,mtad]"
+
+
+@dataclass
+class BenchModesConfig:
+    """Schema of ``python -m scripts.bench_modes`` (key=value overrides, validated before any work)."""
+
+    checkpoint: str | None = None  # training run folder of a ParallelSpec drafter (required unless replan=true)
+    num_prompts: int = 8
+    max_new_tokens: int = 96
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    prompt_sets: list[str] = field(default_factory=lambda: ["mt_bench", "gsm8k"])
+    sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])  # SSSD tree sizes swept on MT-bench ([] = none)
+    threads: int = 2
+    # extra harness overrides (default: the main job's tree for the ParallelSpec drafter)
+    overrides: list[str] = field(default_factory=lambda: ["tree.widths=[4,2,1,1,1]", "tree.budget=8"])
+    replan: bool = False  # only re-run the SSSD planner for an existing <out>.json
+    out: str = "docs/benchmarks/modes"
+    work_dir: str = "outputs/bench_modes"
 
 
 def summary_table(results: dict) -> list[str]:
@@ -92,7 +109,7 @@ def write_markdown(data: dict, out: Path) -> None:
         if data.get("replanned"):
             r = data["replanned"]
             body += [f"Planner re-run with forward times measured through the engine (git {r['git_sha']}, "
-                     f"`python -m scripts.bench_modes --replan`):", "",
+                     f"`python -m scripts.bench_modes replan=true`):", "",
                      "| batch | planner: n | expected speedup | forward ms by s = n + 1 |", "|---|---|---|---|"]  # fmt: skip
             for b, p in r["plans"].items():
                 fw = ", ".join(f"{k}: {1000 * v:.0f}" for k, v in p["forward_seconds"].items())
@@ -121,40 +138,29 @@ def replan(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", help="training run folder of a ParallelSpec drafter")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "gsm8k"])
-    ap.add_argument("--sweep", type=int, nargs="*", default=[4, 8, 16, 32, 64], help="SSSD tree sizes swept on MT-bench")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--extra", nargs="*", default=["tree.widths=[4,2,1,1,1]", "tree.budget=8"],
-                    help="extra harness overrides (default: the main job's tree for the ParallelSpec drafter)")
-    ap.add_argument("--replan", action="store_true", help="only re-run the SSSD planner for an existing <out>.json")
-    ap.add_argument("--out", default="docs/benchmarks/modes")
-    ap.add_argument("--work-dir", default="outputs/bench_modes")
-    args = ap.parse_args(argv)
     import logging
 
+    from drafttrain.cliconfig import ConfigError, parse_cli
+
+    args = parse_cli(BenchModesConfig, argv)
+    if not args.replan and not args.checkpoint:
+        raise ConfigError("checkpoint=<training run folder> is required (or replan=true)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     if args.replan:
         replan(out)
         print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
         return
-    if not args.checkpoint:
-        ap.error("--checkpoint is required")
     base = [f"checkpoint={args.checkpoint}", f"num_prompts={args.num_prompts}", f"max_new_tokens={args.max_new_tokens}",
             f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]", "modes=[unpadded]", f"num_threads={args.threads}",
-            "progress=false", "plots=false", *args.extra]  # fmt: skip
+            "progress=false", "plots=false", *args.overrides]  # fmt: skip
     results = {name: run_eval(base + [f"prompts={name}", f"methods={METHODS}", f"output_dir={args.work_dir}/{name}"])
                for name in args.prompt_sets}  # fmt: skip
     sweep = None
     if args.sweep:
         sweep = run_eval(base + ["prompts=mt_bench", "methods=[sssd]", f"sssd.node_budgets=[{','.join(map(str, args.sweep))}]",
                                  f"output_dir={args.work_dir}/sssd_sweep"])  # fmt: skip
-    command = "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_modes " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = reproduce("bench_modes", argv)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"command": command, **results, "sssd_sweep": sweep}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1))
@@ -163,4 +169,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -1,11 +1,10 @@
 """All four recipes side by side on the real target: same data, steps, seed and optimizer.
 
-    export DRAFTTRAIN_CACHE=/tmp/dtcache   # self-distilled once by the first run (1150 conversations), reused by the others
-    for r in parallelspec parallelspec_eagle medusa eagle; do
-        flock /tmp/drafttrain-heavy.lock nice -n 10 .venv/bin/python -m scripts.bench_recipes train --recipe $r
-        flock /tmp/drafttrain-heavy.lock nice -n 10 .venv/bin/python -m scripts.bench_recipes eval --recipe $r
+    for r in parallelspec parallelspec_eagle medusa eagle; do   # the first run self-distils the data, the others reuse it
+        python -m scripts.bench_recipes phase=train recipe=$r
+        python -m scripts.bench_recipes phase=eval recipe=$r
     done
-    .venv/bin/python -m scripts.bench_recipes report
+    python -m scripts.bench_recipes phase=report
 
 ``train`` launches the real CLI (``accelerate launch train.py +recipe=NAME`` with the shared overrides
 below, so every recipe trains on the same self-distilled sequences in the same order for the same
@@ -16,18 +15,18 @@ with the saved drafter (``Drafter.from_pretrained``), the same check. ``report``
 (resident set size of the training process: target + data + drafter + optimizer), held-out tau_sim,
 and eval tau on both prompt sets with their greedy-equality flags.
 
-Each step is a separate command so that each holds the heavy lock for less than 10 minutes.
+Each step is a separate command of less than 10 minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,24 +178,36 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
     print(table)
 
 
+@dataclass
+class BenchRecipesConfig:
+    """Schema of ``python -m scripts.bench_recipes`` (key=value overrides, validated before any work)."""
+
+    phase: str = "report"  # train | eval | report
+    recipe: str | None = None  # train / eval: one of RECIPES
+    out_root: str = "outputs/bench_recipes"  # one training run folder per recipe
+    dest: str = "docs/benchmarks/recipes"
+    gsm8k_prompts: int = GSM8K_PROMPTS
+    overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every training run
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["train", "eval", "report"])
-    ap.add_argument("--recipe", choices=RECIPES)
-    ap.add_argument("--out-root", type=Path, default=REPO / "outputs" / "bench_recipes")
-    ap.add_argument("--dest", type=Path, default=REPO / "docs" / "benchmarks" / "recipes")
-    ap.add_argument("--gsm8k-prompts", type=int, default=GSM8K_PROMPTS)
-    ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every training run")
-    args = ap.parse_args(argv)
-    if args.phase in ("train", "eval") and not args.recipe:
-        ap.error(f"{args.phase} needs --recipe")
+    from drafttrain.cliconfig import ConfigError, parse_cli
+
+    args = parse_cli(BenchRecipesConfig, argv)
+    if args.phase not in ("train", "eval", "report"):
+        raise ConfigError(f"phase must be train, eval or report, got {args.phase!r}")
+    if args.phase in ("train", "eval") and args.recipe not in RECIPES:
+        raise ConfigError(f"phase={args.phase} needs recipe= one of {RECIPES}")
+    out_root, dest = Path(args.out_root).resolve(), Path(args.dest)
     if args.phase == "train":
-        cmd_train(args.recipe, args.out_root, args.overrides)
+        cmd_train(args.recipe, out_root, args.overrides)
     elif args.phase == "eval":
-        cmd_eval(args.recipe, args.out_root, "gsm8k", args.gsm8k_prompts)
+        cmd_eval(args.recipe, out_root, "gsm8k", args.gsm8k_prompts)
     else:
-        cmd_report(args.out_root, args.dest, RECIPES)
+        cmd_report(out_root, dest, RECIPES)
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

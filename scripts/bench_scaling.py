@@ -1,12 +1,11 @@
 """Training throughput and peak memory of the ParallelSpec recipe across launch presets.
 
-    DRAFTTRAIN_CACHE=/tmp/dtcache_base flock /tmp/drafttrain-heavy.lock nice -n 10 \\
-        python -m scripts.bench_scaling --steps 20 --presets cpu,cpu@1,cpu_ddp,zero2,zero3
+    python -m scripts.bench_scaling steps=20 'presets=[cpu,cpu@1,cpu_ddp,zero2,zero3]'
 
 Each preset runs ``accelerate launch --config_file conf/accelerate/PRESET.yaml train.py
-+recipe=parallelspec`` on the real target for ``--steps`` optimizer steps with the same global batch
-(``--global-batch`` sequences per step, split evenly over the processes) and the same number of CPU
-threads in total (``--threads``, split evenly; ``PRESET@N`` runs a preset with N threads in total), with evaluation and intermediate checkpoints off. The
++recipe=parallelspec`` on the real target for ``steps`` optimizer steps with the same global batch
+(``global_batch`` sequences per step, split evenly over the processes) and the same number of CPU
+threads in total (``threads``, split evenly; ``PRESET@N`` runs a preset with N threads in total), with evaluation and intermediate checkpoints off. The
 self-distilled data must already be in the cache (default ``data.*`` settings, so that the cache key
 matches): this script never generates data. It reads back each run's ``metrics.jsonl`` and
 ``final_metrics.json`` and writes ``docs/benchmarks/scaling.json`` and ``scaling.md``:
@@ -21,7 +20,6 @@ matches): this script never generates data. It reads back each run's ``metrics.j
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ def run_preset(spec: str, steps: int, global_batch: int, threads: int, log_every
     threads = int(t) if t else threads
     world = WORLD[preset]
     if global_batch % world or threads % world:
-        raise SystemExit(f"--global-batch {global_batch} and --threads {threads} must divide by {world} processes")
+        raise SystemExit(f"global_batch={global_batch} and threads={threads} must divide by {world} processes")
     run_dir = out_root / spec.replace("@", "_t")
     launcher = ["--main_process_port", str(free_port())] if world > 1 else []
     overrides = [
@@ -127,22 +126,31 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="cpu,cpu@1,cpu_ddp,zero2,zero3", help="NAME or NAME@THREADS, comma-separated")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--log-every", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
-    ap.add_argument("--name", default="scaling")
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = ap.parse_args()
-    from drafttrain.config import resolve_mixed_precision
+@dataclass
+class BenchScalingConfig:
+    """Schema of ``python -m scripts.bench_scaling`` (key=value overrides, validated before any work)."""
 
+    presets: list[str] = field(default_factory=lambda: ["cpu", "cpu@1", "cpu_ddp", "zero2", "zero3"])  # NAME or NAME@THREADS
+    steps: int = 20
+    global_batch: int = 8
+    threads: int = 2
+    log_every: int = 5
+    out: str = "docs/benchmarks/scaling"
+    overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every run
+
+
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import ConfigError, parse_cli
+    from drafttrain.config import resolve_mixed_precision
+    from scripts.common import reproduce, write_report
+
+    args = parse_cli(BenchScalingConfig, argv)
+    unknown = [p for p in args.presets if p.partition("@")[0] not in WORLD]
+    if unknown:
+        raise ConfigError(f"presets: {unknown} not among {sorted(WORLD)} (NAME or NAME@THREADS)")
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         runs = []
-        for preset in args.presets.split(","):
+        for preset in args.presets:
             print(f"[bench_scaling] {preset} ...", flush=True)
             try:
                 runs.append(run_preset(preset, args.steps, args.global_batch, args.threads, args.log_every, Path(tmp),
@@ -153,7 +161,7 @@ def main() -> None:
                 continue
             print(json.dumps({k: runs[-1][k] for k in ("drafter_tokens_per_s", "seconds_per_step", "peak_mem_mb_per_rank")}))
     result = {
-        "command": "DRAFTTRAIN_CACHE=... python -m scripts.bench_scaling " + " ".join(sys.argv[1:]),
+        "command": reproduce("bench_scaling", argv),
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),  # fmt: skip
         "steps": args.steps,
@@ -162,11 +170,10 @@ def main() -> None:
         "mixed_precision": resolve_mixed_precision("auto"),
         "runs": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{args.name}.md").write_text(markdown(result))
-    print(f"wrote {args.out / args.name}.json and .md")
+    write_report(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

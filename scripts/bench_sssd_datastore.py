@@ -1,16 +1,12 @@
 """Measure the SSSD datastore on real data: build time, size, load and lookup latency by batch size
 (vectorised vs per-sequence, with/without a thread pool), and simulated acceptance on held-out answers.
 
-    flock /tmp/drafttrain-heavy.lock python -m scripts.build_datastore
-    flock /tmp/drafttrain-heavy.lock python -m scripts.sssd_grid
-    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_sssd_datastore   # -> docs/benchmarks/sssd_datastore.{json,md}
+    python -m scripts.build_datastore
+    python -m scripts.sssd_grid
+    python -m scripts.bench_sssd_datastore   # -> docs/benchmarks/sssd_datastore.{json,md}
 
-Options (plain ``key=value`` words, validated like the Hydra scripts): ``datastore=`` (default
-data/datastore/sharegpt), ``grid=`` (a scripts.sssd_grid JSON whose best weights are used; default
-docs/benchmarks/sssd_grid.json when it exists), ``num_sequences=`` (100), ``offset=`` (40: held-out rows
-the grid search tuned on are skipped), ``max_continuation=`` (128),
-``repeats=`` (20), ``batch_sizes=[1,8,32,64]``, ``budgets=[0,4,8,16,32,64]``,
-``output=`` (docs/benchmarks/sssd_datastore).
+The keys (``--help`` lists them) are those of :class:`BenchConfig`; ``grid`` is a ``scripts.sssd_grid``
+JSON whose best weights are used (when the file exists).
 """
 
 from __future__ import annotations
@@ -18,10 +14,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,47 +23,24 @@ import numpy as np
 
 @dataclass
 class BenchConfig:
-    datastore: str = "data/datastore/sharegpt"
-    grid: str | None = "docs/benchmarks/sssd_grid.json"
+    """Schema of ``python -m scripts.bench_sssd_datastore`` (key=value overrides, validated before any work)."""
+
+    datastore: str = "data/datastore/sharegpt"  # folder from scripts.build_datastore
+    grid: str | None = "docs/benchmarks/sssd_grid.json"  # scripts.sssd_grid JSON with the best weights (null = defaults)
     num_sequences: int = 100
     offset: int = 40  # skip the held-out rows the grid search tuned on (scripts.sssd_grid uses the first 40)
     max_continuation: int = 128
-    repeats: int = 20
-    batch_sizes: tuple[int, ...] = (1, 8, 32, 64)
-    budgets: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
+    repeats: int = 20  # timed calls per latency (median), after one warm-up call
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    budgets: list[int] = field(default_factory=lambda: [0, 4, 8, 16, 32, 64])
     output: str = "docs/benchmarks/sssd_datastore"
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    """``key=value`` words into :class:`BenchConfig`; unknown keys raise :class:`drafttrain.config.ConfigError`."""
-    import yaml
-
-    from drafttrain.cliconfig import validate_into
-
-    overrides = {}
-    for word in argv:
-        key, sep, value = word.partition("=")
-        if not sep:
-            raise SystemExit(f"expected key=value, got {word!r}")
-        overrides[key] = yaml.safe_load(value)  # 40 -> int, [1,8] -> list, null -> None
-    base = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(BenchConfig()).items()}
-    return validate_into(BenchConfig, {**base, **overrides})
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (page cache of the memory map, allocator)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def run(c: BenchConfig) -> dict:
+def run(c: BenchConfig, argv: list[str] | None = None) -> dict:
+    """Measure as configured; ``argv``: the overrides recorded in the reproduce command."""
     from drafttrain.verify.datastore import Datastore
     from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
-    from scripts.sssd_grid import load_sequences
+    from scripts.common import load_sequences, median_ms, reproduce
 
     t = time.perf_counter()
     ds = Datastore.load(c.datastore)
@@ -99,11 +70,11 @@ def run(c: BenchConfig) -> dict:
         loop = lambda: [ds.lookup_batch([x], base.max_prefix_len, base.max_depth, base.max_samples, base.min_continuations) for x in ctxs]  # noqa: E731
         latency.append({
             "batch": b,
-            "datastore_lookup_vectorised_ms": _median_ms(look, c.repeats),
-            "datastore_lookup_per_sequence_ms": _median_ms(loop, c.repeats),
-            "draft_batch_ms": _median_ms(lambda: drafter1.draft_batch(states), c.repeats),
-            "draft_per_sequence_ms": _median_ms(lambda: [drafter1.draft(s) for s in states], c.repeats),
-            "draft_batch_2_threads_ms": _median_ms(lambda: drafter2.draft_batch(states), c.repeats),
+            "datastore_lookup_vectorised_ms": median_ms(look, c.repeats),
+            "datastore_lookup_per_sequence_ms": median_ms(loop, c.repeats),
+            "draft_batch_ms": median_ms(lambda: drafter1.draft_batch(states), c.repeats),
+            "draft_per_sequence_ms": median_ms(lambda: [drafter1.draft(s) for s in states], c.repeats),
+            "draft_batch_2_threads_ms": median_ms(lambda: drafter2.draft_batch(states), c.repeats),
         })
 
     # -- simulated acceptance --------------------------------------------------------------------
@@ -119,7 +90,7 @@ def run(c: BenchConfig) -> dict:
                            "mean_tree_size": sim.mean_tree_size})
     meta = ds.meta
     return {
-        "command": "flock /tmp/drafttrain-heavy.lock python -m scripts.bench_sssd_datastore " + " ".join(sys.argv[1:]),
+        "command": reproduce("bench_sssd_datastore", argv),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                     "processor": platform.processor() or platform.machine()},
         "datastore": {
@@ -204,16 +175,15 @@ def write(report: dict, output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from drafttrain.config import ConfigError
+    from drafttrain.cliconfig import parse_cli
 
-    try:
-        c = parse_args(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
-    report = run(c)
+    c = parse_cli(BenchConfig, argv)
+    report = run(c, argv)
     write(report, Path(c.output))
     print(json.dumps({"datastore": report["datastore"], "latency": report["latency"], "acceptance": report["acceptance"]}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -1,27 +1,24 @@
 """Each recipe's drafter through the batched verifier with its own proposer: chain vs draft trees.
 
-    flock /tmp/drafttrain-heavy.lock python -m scripts.bench_trees --runs outputs/bench_recipes
+    python -m scripts.bench_trees runs=outputs/bench_recipes
 
-For every training run folder under ``--runs`` (one per recipe, e.g. from ``scripts.bench_recipes``),
+For every training run folder under ``runs`` (one per recipe, e.g. from ``scripts.bench_recipes``),
 every tree of ``TREES[recipe]`` and every prompt set, one harness run
 (:func:`drafttrain.eval.harness.evaluate`, EMS-SD unpadded mode) decodes the same prompts with plain
 decoding and with the drafter's own proposer (:func:`drafttrain.verify.proposers.proposer_for`:
 ParallelSpec / Medusa per-depth trees, EAGLE's autoregressive trees), at each batch size. Greedy
 decoding: every speculative output is checked token for token against plain decoding. Writes
-``--out``.json and ``--out``.md (a hand-written section between ``<!-- analysis -->`` markers in an
-existing page is kept). Finished (recipe, tree, prompt set) runs are kept in ``--work-dir`` and
+``<out>.json`` and ``<out>.md`` (a hand-written section between ``<!-- analysis -->`` markers in an
+existing page is kept). Finished (recipe, tree, prompt set) runs are kept in ``work_dir`` and
 skipped when the command is run again (interrupt and resume).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
-import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scripts.bench_verifier import kept_analysis, run_eval
+from scripts.common import cached, machine_line, recipe_runs, reproduce, run_eval, write_report
 
 # recipe -> [(label, harness overrides)]; the chain is each drafter's own depth (ParallelSpec K + 1,
 # Medusa K heads, EAGLE D steps)
@@ -35,24 +32,20 @@ TREES: dict[str, list[tuple[str, list[str]]]] = {
 }  # fmt: skip
 
 
-def cached(path: Path, compute) -> dict:
-    """``compute()``'s result, kept as JSON at ``path``: computed once, read back on every later call
-    (how the benchmark scripts resume after an interruption)."""
-    if not path.exists():
-        res = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res))
-    return json.loads(path.read_text())
+@dataclass
+class BenchTreesConfig:
+    """Schema of ``python -m scripts.bench_trees`` (key=value overrides, validated before any work)."""
 
-
-def recipe_runs(runs: str | Path, recipes: list[str]):
-    """(recipe, training run folder) for every recipe with a saved drafter under ``runs`` (others are skipped, said on stderr)."""
-    for recipe in recipes:
-        ckpt = Path(runs) / recipe
-        if (ckpt / "drafter").is_dir():
-            yield recipe, ckpt
-        else:
-            print(f"skipping {recipe}: no training run at {ckpt}", file=sys.stderr)
+    runs: str = "outputs/bench_recipes"  # folder with one training run folder per recipe
+    recipes: list[str] = field(default_factory=lambda: list(TREES))
+    prompt_sets: list[str] = field(default_factory=lambda: ["mt_bench", "gsm8k"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    threads: int = 2
+    target: str = "smollm2"  # the target config the runs were trained for
+    out: str = "docs/benchmarks/trees"
+    work_dir: str = "outputs/bench_trees"
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -78,15 +71,7 @@ def rows_of(recipe: str, tree: str, prompts: str, res: dict) -> list[dict]:
     return out
 
 
-def _machine(m: dict | None) -> str:
-    if not m:
-        return "machine not recorded"
-    return f"{m.get('processor', '?')} CPU, {m.get('torch_threads', '?')} torch threads, torch {m.get('torch', '?')}"
-
-
-def write_markdown(data: dict, out: Path) -> None:
-    md = out.with_suffix(".md")
-    analysis = kept_analysis(md)
+def markdown(data: dict, analysis: str) -> str:
     a = data["args"]
     lines = [
         "# Draft trees per recipe through the batched verifier",
@@ -98,7 +83,7 @@ def write_markdown(data: dict, out: Path) -> None:
         "```",
         "",
         f"Greedy decoding, {a['num_prompts']} prompts per set, at most {a['max_new_tokens']} new tokens, EMS-SD "
-        f"unpadded engine, {_machine(data.get('machine'))}. Each row is one "
+        f"unpadded engine, {machine_line(data.get('machine'))}. Each row is one "
         "harness run: plain decoding and the recipe's drafter through its own proposer on the same prompts, in one "
         "process, speedup = their tokens/s ratio. τ = tokens emitted per sequence-step (DESIGN.md §3).",
         "",
@@ -107,24 +92,17 @@ def write_markdown(data: dict, out: Path) -> None:
         analysis,
         "",
     ]
-    md.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", default="outputs/bench_recipes", help="folder with one training run folder per recipe")
-    ap.add_argument("--recipes", nargs="+", default=list(TREES))
-    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "gsm8k"])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target", default="smollm2", help="the target config the runs were trained for")
-    ap.add_argument("--out", default="docs/benchmarks/trees")
-    ap.add_argument("--work-dir", default="outputs/bench_trees")
-    args = ap.parse_args(argv)
     import logging
 
+    from drafttrain.cliconfig import ConfigError, parse_cli
+
+    args = parse_cli(BenchTreesConfig, argv)
+    if set(args.recipes) - set(TREES):
+        raise ConfigError(f"recipes: {sorted(set(args.recipes) - set(TREES))} not in {list(TREES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work = Path(args.work_dir)
     rows, machine = [], None
@@ -139,14 +117,12 @@ def main(argv: list[str] | None = None) -> None:
                 ]))  # fmt: skip
                 machine = res.get("machine")
                 rows += rows_of(recipe, label, prompts, res)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"command": "python -m scripts.bench_trees " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            "args": vars(args), "machine": machine, "rows": rows}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    write_markdown(data, out)
+    data = {"command": reproduce("bench_trees", argv), "args": asdict(args), "machine": machine, "rows": rows}
+    write_report(args.out, data, lambda analysis: markdown(data, analysis))
     print("\n".join(table(rows)))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

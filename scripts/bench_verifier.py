@@ -1,99 +1,79 @@
 """Benchmark the batched verifier on the real target; writes docs/benchmarks/verifier.{json,md}.
 
-    flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_verifier \
-        --checkpoint /work/main/outputs/baseline --num-prompts 8 --max-new-tokens 64 --batch-sizes 1 4 8
+    python -m scripts.bench_verifier checkpoint=outputs/baseline num_prompts=8 max_new_tokens=64 'batch_sizes=[1,4,8]'
 
 Runs :func:`drafttrain.eval.harness.evaluate` (plain decoding + speculative decoding in every engine mode,
-same prompts, same process) on MT-bench at each batch size, and on GSM8K at batch 1, then writes the
-JSON of both and a markdown page with the command, the machine and the tables. A hand-written section
-between ``<!-- analysis -->`` and ``<!-- /analysis -->`` in an existing page is kept.
+same prompts, same process) on each of ``prompt_sets`` at each batch size (and on GSM8K at batch 1 with
+``gsm8k=true``), then writes the JSON of all and a markdown page with the command, the machine and the
+tables. A hand-written section between ``<!-- analysis -->`` and ``<!-- /analysis -->`` in an existing
+page is kept. ``replay=P``: the replay proposer instead of a drafter, each draft right with probability P.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
-import shlex
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafttrain.eval.harness import evaluate
 from drafttrain.eval.report import markdown
-
-ANALYSIS = re.compile(r"<!-- analysis -->.*?<!-- /analysis -->", re.S)
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from scripts.common import reproduce, run_eval, write_report
 
 
-def run_eval(overrides: list[str]) -> dict:
-    """Compose ``conf/evaluate.yaml`` with Hydra overrides and run the harness (returns results.json's dict)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+@dataclass
+class BenchVerifierConfig:
+    """Schema of ``python -m scripts.bench_verifier`` (key=value overrides, validated before any work)."""
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("evaluate", overrides=overrides), resolve=True)
-    cfg.pop("hydra", None)
-    return evaluate(cfg)
-
-
-def kept_analysis(md: Path) -> str:
-    """The hand-written analysis section of an existing page (or an empty one)."""
-    m = ANALYSIS.search(md.read_text()) if md.exists() else None
-    return m.group(0) if m else "<!-- analysis -->\n<!-- /analysis -->"
+    checkpoint: str | None = None  # training run folder; null = an untrained drafter (timing only)
+    replay: float | None = None  # instead of a drafter: the replay proposer, each draft right with this probability
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    modes: list[str] = field(default_factory=lambda: ["unpadded", "unpadded_kv", "padded"])
+    threads: int = 2
+    prompt_sets: list[str] = field(default_factory=lambda: ["mt_bench"])  # mt_bench, gsm8k (or a .jsonl path)
+    gsm8k: bool = False  # also GSM8K at batch 1
+    target: str = "smollm2"
+    overrides: list[str] = field(default_factory=list)  # extra harness overrides, e.g. ["tree.widths=[2,1,1,1,1]","tree.budget=6"]
+    out: str = "docs/benchmarks/verifier"
+    work_dir: str = "outputs/bench_verifier"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", default=None, help="training run folder; default: an untrained drafter")
-    ap.add_argument("--replay", type=float, default=None, metavar="P",
-                    help="instead of a drafter: the replay proposer, each draft right with probability P")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--modes", nargs="+", default=["unpadded", "unpadded_kv", "padded"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench"], help="mt_bench, gsm8k (or a .jsonl path)")
-    ap.add_argument("--gsm8k", action=argparse.BooleanOptionalAction, default=False, help="also GSM8K at batch 1")
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--tree", nargs="*", default=[], help="extra overrides, e.g. tree.widths=[2,1,1,1,1] tree.budget=6")
-    ap.add_argument("--out", default="docs/benchmarks/verifier")
-    ap.add_argument("--work-dir", default="outputs/bench_verifier")
-    args = ap.parse_args(argv)
     import logging
 
+    from drafttrain.cliconfig import parse_cli
+
+    a = parse_cli(BenchVerifierConfig, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     def run(prompts: str, batch_sizes: list[int]) -> dict:
         overrides = [
-            f"target={args.target}", f"prompts={prompts}", f"num_prompts={args.num_prompts}",
-            f"max_new_tokens={args.max_new_tokens}", f"batch_sizes=[{','.join(map(str, batch_sizes))}]",
-            f"modes=[{','.join(args.modes)}]", f"num_threads={args.threads}", f"output_dir={args.work_dir}/{prompts}",
-            "progress=false", *args.tree,
+            f"target={a.target}", f"prompts={prompts}", f"num_prompts={a.num_prompts}",
+            f"max_new_tokens={a.max_new_tokens}", f"batch_sizes=[{','.join(map(str, batch_sizes))}]",
+            f"modes=[{','.join(a.modes)}]", f"num_threads={a.threads}", f"output_dir={a.work_dir}/{prompts}",
+            "progress=false", *a.overrides,
         ]  # fmt: skip
-        if args.replay is not None:
-            overrides += ["proposer=replay", f"replay_accept_prob={args.replay}"]
+        if a.replay is not None:
+            overrides += ["proposer=replay", f"replay_accept_prob={a.replay}"]
         else:
-            overrides += [f"checkpoint={args.checkpoint}"] if args.checkpoint else ["untrained_drafter=true"]
+            overrides += [f"checkpoint={a.checkpoint}"] if a.checkpoint else ["untrained_drafter=true"]
         return run_eval(overrides)
 
-    results = {name: run(name, args.batch_sizes) for name in args.prompt_sets}
-    if args.gsm8k and "gsm8k" not in results:
+    results = {name: run(name, a.batch_sizes) for name in a.prompt_sets}
+    if a.gsm8k and "gsm8k" not in results:
         results["gsm8k"] = run("gsm8k", [1])
-    command = "flock /tmp/drafttrain-heavy.lock nice -n 10 python -m scripts.bench_verifier " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, **results}, indent=1))
-    md = out.with_suffix(".md")
-    keep = kept_analysis(md)
-    body = [f"# Batched verifier benchmark\n\nReproduce (JSON: `{out.with_suffix('.json').name}`):\n\n```bash\n{command}\n```\n",
-            keep, ""]  # fmt: skip
-    for name, res in results.items():
-        body.append(markdown(res).replace("\n## ", "\n### ").replace("# Verifier evaluation:", "##", 1))
-    md.write_text("\n".join(body))
-    print(f"wrote {md} and {out.with_suffix('.json')}")
+    command = reproduce("bench_verifier", argv)
+
+    def page(analysis: str) -> str:
+        body = [f"# Batched verifier benchmark\n\nReproduce (JSON: `{Path(a.out).name}.json`):\n\n```bash\n{command}\n```\n",
+                analysis, ""]  # fmt: skip
+        for res in results.values():
+            body.append(markdown(res).replace("\n## ", "\n### ").replace("# Verifier evaluation:", "##", 1))
+        return "\n".join(body)
+
+    write_report(a.out, {"command": command, **results}, page)
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

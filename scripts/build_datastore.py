@@ -23,9 +23,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
 log = logging.getLogger("drafttrain.build_datastore")
 HELDOUT_FILE = "heldout.jsonl"
 
@@ -167,17 +164,16 @@ def run(cfg) -> dict:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="build_datastore")
-def main(cfg: DictConfig) -> None:
-    from drafttrain.config import ConfigError
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("drafttrain").setLevel(logging.INFO)
-    try:
-        print(json.dumps(run(cfg), indent=1))
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    c = parse_cli(BuildDatastoreConfig, argv, config_name="build_datastore")
+    print(json.dumps(run(c), indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

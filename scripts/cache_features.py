@@ -1,6 +1,6 @@
 """Offline feature cache: run the target once over a dataset and store its last hidden states.
 
-    python -m scripts.cache_features dataset=data/generated/NAME --estimate     # print the bytes, exit
+    python -m scripts.cache_features dataset=data/generated/NAME estimate=true  # print the bytes, exit
     python -m scripts.cache_features dataset=data/generated/NAME top_k=8 dtype=bfloat16
 
 ``dataset`` is a ``scripts.generate_data`` output folder or any ``save_to_disk`` folder with
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
-
-import hydra
 
 from drafttrain.config import CacheFeaturesConfig, validate
 
@@ -31,7 +28,7 @@ def run(cfg) -> dict:
         ConfigError: unknown key / bad value (before anything is loaded).
         FileNotFoundError: ``dataset`` is not a dataset folder.
     """
-    c = cfg if isinstance(cfg, CacheFeaturesConfig) else validate(cfg, CacheFeaturesConfig)
+    c = validate(cfg, CacheFeaturesConfig)
     import torch
     from transformers import AutoConfig
 
@@ -61,11 +58,14 @@ def run(cfg) -> dict:
     return meta
 
 
-@hydra.main(config_path="../conf", config_name="cache_features", version_base="1.3")
-def main(cfg) -> None:
-    run(cfg)
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(parse_cli(CacheFeaturesConfig, argv, config_name="cache_features"))
 
 
 if __name__ == "__main__":
-    sys.argv = ["estimate=true" if a == "--estimate" else a for a in sys.argv]
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -9,24 +9,21 @@ model loads). Writes results.json, outputs.jsonl, report.md and plots/ to ``outp
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
 
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
-def main(cfg: DictConfig) -> None:
+def main(argv: list[str] | None = None) -> None:
     import logging
 
-    from drafttrain.config import ConfigError
+    from drafttrain.cliconfig import parse_cli
+    from drafttrain.config import EvalConfig, validate_eval
     from drafttrain.eval.harness import evaluate
 
-    try:
-        results = evaluate(cfg)
-    except ConfigError as err:
-        logging.getLogger("drafttrain").error("%s", err)
-        raise SystemExit(2) from None
-    print(f"[drafttrain] wrote {cfg.output_dir}/report.md (greedy_equal={results['greedy_equal']})", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    c = validate_eval(parse_cli(EvalConfig, argv, config_name="evaluate"))
+    results = evaluate(c)
+    print(f"[drafttrain] wrote {c.output_dir}/report.md (greedy_equal={results['greedy_equal']})", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

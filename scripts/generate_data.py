@@ -17,8 +17,6 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
-
 from drafttrain.config import GenerateConfig, to_dict, validate
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,7 @@ def run(cfg) -> dict:
         ConfigError: unknown key / bad value (before anything is loaded).
         drafttrain.data.shards.JobMismatchError: ``output_dir`` holds another job.
     """
-    c = cfg if isinstance(cfg, GenerateConfig) else validate(cfg, GenerateConfig)
+    c = validate(cfg, GenerateConfig)
     import torch
 
     from drafttrain.data.selfdistill import generate_dataset
@@ -71,10 +69,14 @@ def run(cfg) -> dict:
     return report
 
 
-@hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
-def main(cfg) -> None:
-    run(cfg)
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(parse_cli(GenerateConfig, argv, config_name="generate"))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -1,8 +1,7 @@
 """Write a finished training run's numbers to docs/benchmarks/ (JSON + a markdown table).
 
-    python -m scripts.report_run outputs/parallelspec-smollm2-135m-instruct --name main_job \
-        --command "bash scripts/bootstrap.sh && .venv/bin/accelerate launch ... +recipe=parallelspec" \
-        --wall-seconds 1650
+    python -m scripts.report_run run_dir=outputs/parallelspec-smollm2-135m-instruct name=main_job \
+        command="'bash scripts/bootstrap.sh && .venv/bin/accelerate launch ... +recipe=parallelspec'" wall_seconds=1650
 
 It reads the run folder's ``final_metrics.json``, ``metrics.jsonl`` and ``config.json`` and the
 self-distillation ``report.json`` of the data it trained on, so the table shows exactly what the run
@@ -12,12 +11,24 @@ tokens/s, wall time) next to the command that reproduces it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
+
+
+@dataclass
+class ReportRunConfig:
+    """Schema of ``python -m scripts.report_run`` (key=value overrides, validated before any work)."""
+
+    run_dir: str = MISSING  # the training run folder (required)
+    name: str = MISSING  # file stem under out/ (required)
+    command: str | None = None  # the command that produced the run (quote it: command="'...'")
+    wall_seconds: float | None = None  # measured wall time of the whole command
+    out: str = "docs/benchmarks"
 
 
 def summarize(run_dir: Path) -> dict:
@@ -114,21 +125,17 @@ def _f(x, nd: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--name", required=True, help="file stem under docs/benchmarks/")
-    ap.add_argument("--command", default=None, help="the command that produced the run")
-    ap.add_argument("--wall-seconds", type=float, default=None, help="measured wall time of the whole command")
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    args = ap.parse_args()
-    s = summarize(args.run_dir)
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
+    from scripts.common import write_report
+
+    args = parse_cli(ReportRunConfig, argv)
+    s = summarize(Path(args.run_dir))
     s["command"], s["command_wall_seconds"] = args.command, args.wall_seconds
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(s, indent=1))
-    (args.out / f"{args.name}.md").write_text(markdown(args.name, s, args.command, args.wall_seconds))
-    print(f"wrote {args.out / args.name}.json and .md")
+    write_report(Path(args.out) / args.name, s, markdown(args.name, s, args.command, args.wall_seconds))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -2,7 +2,7 @@
 
     python -m scripts.build_datastore                       # once: datastore + <output>/heldout.jsonl
     python -m scripts.sssd_grid                             # -> docs/benchmarks/sssd_grid.{json,md}
-    python -m scripts.sssd_grid num_sequences=10 'grid.input_scale=[0.5,1.0]' output=/tmp/grid
+    python -m scripts.sssd_grid num_sequences=10 'grid.input_scale=[0.5,1.0]' output=outputs/sssd_grid
 
 "Good weights can be identified through a simple grid search. This process requires minimal device
 usage to initially generate ground truth data with the LLM. The data is then used to simulate the LLM
@@ -26,10 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-
 from drafttrain.verify.sssd import SSSDConfig
+from scripts.common import load_sequences, reproduce
 
 log = logging.getLogger("drafttrain.sssd_grid")
 
@@ -60,37 +58,7 @@ class SSSDGridConfig:
     sssd: SSSDConfig = field(default_factory=SSSDConfig)  # everything the grid does not vary
     grid: GridSpace = field(default_factory=GridSpace)
     output: str = "docs/benchmarks/sssd_grid"  # writes <output>.json and <output>.md
-    command: str = "python -m scripts.sssd_grid"  # recorded in the report (the CLI fills in its own overrides)
-
-
-def load_sequences(
-    path: str | Path, num: int | None, max_continuation: int, offset: int = 0
-) -> list[tuple[list[int], list[int]]]:
-    """(context, continuation) pairs from a jsonl of rows with ``input_ids`` and ``loss_mask``
-    (:func:`drafttrain.verify.datastore.first_answer_split`), continuation cut to ``max_continuation``;
-    the first ``offset`` usable rows are skipped, then at most ``num`` are returned.
-
-    Raises:
-        FileNotFoundError: no such file.
-    """
-    from drafttrain.verify.datastore import first_answer_split
-
-    out = []
-    with open(Path(path).expanduser()) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            split = first_answer_split(row["input_ids"], row["loss_mask"])
-            if split is None:
-                continue
-            if offset > 0:
-                offset -= 1
-                continue
-            out.append((split[0], split[1][:max_continuation]))
-            if num is not None and len(out) >= num:
-                break
-    return out
+    command: str | None = None  # recorded in the report; null = the command line that ran it
 
 
 def grid_points(space: GridSpace) -> list[dict]:
@@ -137,7 +105,7 @@ def run(cfg) -> dict:
         drafter = SSSDDrafter(SSSDConfig(**{**asdict(c.sssd), **best_point, "node_budget": n}), ds)
         tau_by_size[n] = simulate_greedy(drafter, seqs, batch_size=c.batch_size).tau
     report = {
-        "command": c.command,
+        "command": c.command or "python -m scripts.sssd_grid",
         "datastore": c.datastore,
         "datastore_tokens": len(ds),
         "heldout": heldout,
@@ -184,24 +152,18 @@ def write_report(report: dict, output: Path) -> None:
     output.with_suffix(".md").write_text("\n".join(lines))
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="sssd_grid")
-def main(cfg: DictConfig) -> None:
-    from drafttrain.config import ConfigError
-
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    task = [t for t in HydraConfig.get().overrides.task if not t.startswith("command=")]
-    if not any(t.startswith("command=") for t in HydraConfig.get().overrides.task):
-        cfg.command = " ".join(["python -m scripts.sssd_grid", *map(shlex.quote, task)])
-    try:
-        report = run(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    c = parse_cli(SSSDGridConfig, argv, config_name="sssd_grid")
+    if c.command is None:
+        c.command = reproduce("sssd_grid", argv)
+    report = run(c)
     print(json.dumps({"best": report["best"], "best_tau": report["best_tau"], "tau_by_size": report["tau_by_size"]}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

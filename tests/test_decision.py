@@ -114,9 +114,9 @@ def test_bench_decision_script_sweeps_beta_and_reuses_labels(checkpoint, tmp_pat
     from scripts import bench_decision
 
     torch.set_num_threads(1)
-    args = ["--checkpoint", str(checkpoint), "--label-prompts", "2", "--num-prompts", "2", "--max-new-tokens", "6",
-            "--batch-sizes", "2", "--betas", "0.3", "0.1", "--threads", "1", "--out", str(tmp_path / "dm"),
-            "--work-dir", str(tmp_path / "work"), "--extra", "target=tiny", "warmup=false"]  # fmt: skip
+    args = [f"checkpoint={checkpoint}", "label_prompts=2", "num_prompts=2", "max_new_tokens=6", "batch_sizes=[2]",
+            "betas=[0.3,0.1]", "threads=1", f"out={tmp_path / 'dm'}", f"work_dir={tmp_path / 'work'}",
+            'overrides=["target=tiny","warmup=false"]']  # fmt: skip
     bench_decision.main(args)
     data = json.loads((tmp_path / "dm.json").read_text())
     methods = [r["method"] for r in data["mt_bench"]["runs"]]

@@ -190,16 +190,17 @@ def test_bench_modes_writes_tables(checkpoint, sssd_inputs, tmp_path):
 
     torch.set_num_threads(1)
     out = tmp_path / "modes"
-    bench_modes.main(["--checkpoint", str(checkpoint), "--num-prompts", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "2",
-                      "--prompt-sets", "mt_bench", "--sweep", "2", "4", "--threads", "1", "--out", str(out),
-                      "--work-dir", str(tmp_path / "work"), "--extra", "target=tiny", "mcsd.ks=[2,1]", *sssd_inputs])  # fmt: skip
+    overrides = json.dumps(["target=tiny", "mcsd.ks=[2,1]", *sssd_inputs])  # a JSON list of strings is Hydra syntax
+    bench_modes.main([f"checkpoint={checkpoint}", "num_prompts=2", "max_new_tokens=6", "batch_sizes=[1,2]",
+                      "prompt_sets=[mt_bench]", "sweep=[2,4]", "threads=1", f"out={out}", f"work_dir={tmp_path / 'work'}",
+                      f"overrides={overrides}"])  # fmt: skip
     md = out.with_suffix(".md").read_text()
     saved = json.loads(out.with_suffix(".json").read_text())
     assert {"mt_bench", "sssd_sweep", "command"} <= set(saved)
     assert sorted({r["node_budget"] for r in saved["sssd_sweep"]["runs"] if r["method"] != "plain"}) == [2, 4]
     assert "| 1 | mtad | **no** |" in md and "| 2 | mcsd_w2 | **no** |" in md
     assert "measured best n" in md and md.count("| 1 | ") >= 7  # plain + 5 methods + the planner row
-    bench_modes.main(["--replan", "--out", str(out)])  # the planner alone, on the saved runs
+    bench_modes.main(["replan=true", f"out={out}"])  # the planner alone, on the saved runs
     saved2 = json.loads(out.with_suffix(".json").read_text())
     assert saved2["mt_bench"]["runs"] == saved["mt_bench"]["runs"]
     assert sorted(saved2["replanned"]["plans"]) == ["1", "2"]

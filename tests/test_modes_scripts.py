@@ -13,26 +13,28 @@ import datasets
 import numpy as np
 import pytest
 
-from drafttrain.cliconfig import validate_into
+from drafttrain.cliconfig import ConfigError, parse_cli, validate_into
 from helpers import compose_dict
-from drafttrain.config import ConfigError
 from drafttrain.verify.datastore import Datastore, documents_from_rows, first_answer_split
 from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
 from scripts import bench_sssd_datastore, build_datastore, sssd_grid
+from scripts.common import load_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
 def test_configs_compose_validate_and_reject_typos():
-    b = validate_into(build_datastore.BuildDatastoreConfig, compose_dict("build_datastore", ["heldout=3"]))
+    b = parse_cli(build_datastore.BuildDatastoreConfig, ["heldout=3"], config_name="build_datastore")
     assert b.source == "sharegpt" and b.heldout == 3 and b.sort_depth is None
-    g = validate_into(sssd_grid.SSSDGridConfig, compose_dict("sssd_grid", ["sssd.node_budget=8"]))
+    g = parse_cli(sssd_grid.SSSDGridConfig, ["sssd.node_budget=8"], config_name="sssd_grid")
     assert isinstance(g.sssd, SSSDConfig) and g.sssd.node_budget == 8 and g.grid.combine == ["max"]
     with pytest.raises(ConfigError, match="heldot"):
-        validate_into(build_datastore.BuildDatastoreConfig, compose_dict("build_datastore", ["+heldot=3"]))
+        parse_cli(build_datastore.BuildDatastoreConfig, ["+heldot=3"], config_name="build_datastore")
+    with pytest.raises(ConfigError, match="'heldot'.*did you mean 'heldout'"):  # without the +: Hydra's own check
+        parse_cli(build_datastore.BuildDatastoreConfig, ["heldot=3"], config_name="build_datastore")
     with pytest.raises(ConfigError, match="sssd.node_budgett"):
-        validate_into(sssd_grid.SSSDGridConfig, compose_dict("sssd_grid", ["+sssd.node_budgett=8"]))
+        parse_cli(sssd_grid.SSSDGridConfig, ["+sssd.node_budgett=8"], config_name="sssd_grid")
     with pytest.raises(ConfigError, match="input_depth_damp"):  # a value out of range fails before loading data
         sssd_grid.run(compose_dict("sssd_grid", ["grid.input_depth_damp=[1.5]", "datastore=/nonexistent"]))
 
@@ -116,7 +118,7 @@ def test_sssd_grid_picks_the_best_simulated_tau(rows_dir, tmp_path):
     assert report["best_tau"] == max(r["tau"] for r in report["results"])
     assert report["tau_by_size"][0] == 1.0 and report["tau_by_size"][4] >= 1.0
     # the grid's number is simulate_greedy's, recomputed independently
-    seqs = sssd_grid.load_sequences(tmp_path / "ds" / "heldout.jsonl", 5, 20)
+    seqs = load_sequences(tmp_path / "ds" / "heldout.jsonl", 5, 20)
     base = validate_into(sssd_grid.SSSDGridConfig, cfg).sssd
     again = simulate_greedy(SSSDDrafter(SSSDConfig(**{**asdict(base), **report["best"]}), Datastore.load(tmp_path / "ds")), seqs)
     assert again.tau == pytest.approx(report["best_tau"])
@@ -124,12 +126,12 @@ def test_sssd_grid_picks_the_best_simulated_tau(rows_dir, tmp_path):
     assert "τ_sim" in (tmp_path / "grid.md").read_text()
     held = [json.loads(line) for line in (tmp_path / "ds" / "heldout.jsonl").read_text().splitlines()]
     assert seqs[0][0] == first_answer_split(held[0]["input_ids"], held[0]["loss_mask"])[0]
-    assert sssd_grid.load_sequences(tmp_path / "ds" / "heldout.jsonl", 2, 20, offset=1) == seqs[1:3]
+    assert load_sequences(tmp_path / "ds" / "heldout.jsonl", 2, 20, offset=1) == seqs[1:3]
 
 
 def test_bench_runs_on_tiny_data(rows_dir, tmp_path):
     build_datastore.run({"source": str(rows_dir), "output": str(tmp_path / "ds"), "heldout": 6, "seed": 1})
-    c = bench_sssd_datastore.parse_args([f"datastore={tmp_path / 'ds'}", "grid=null", "repeats=1", "batch_sizes=[1,3]",
+    c = parse_cli(bench_sssd_datastore.BenchConfig, [f"datastore={tmp_path / 'ds'}", "grid=null", "repeats=1", "batch_sizes=[1,3]",
                                          "budgets=[0,4]", "num_sequences=3", "offset=1", f"output={tmp_path / 'bench'}"])
     assert list(c.batch_sizes) == [1, 3] and c.grid is None
     report = bench_sssd_datastore.run(c)
@@ -139,7 +141,7 @@ def test_bench_runs_on_tiny_data(rows_dir, tmp_path):
     assert report["acceptance"][0]["tau"] == 1.0  # node budget 0 = plain decoding
     assert "Simulated acceptance" in (tmp_path / "bench.md").read_text()
     with pytest.raises(ConfigError, match="repeat"):
-        bench_sssd_datastore.parse_args(["repeat=1"])
+        parse_cli(bench_sssd_datastore.BenchConfig, ["repeat=1"])
 
 
 @pytest.mark.slow

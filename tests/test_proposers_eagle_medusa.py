@@ -308,9 +308,8 @@ def test_bench_trees_script_runs_and_resumes(tiny_target, tmp_path, monkeypatch)
     for name in ("eagle", "medusa"):
         _drafter(name, tiny_target).save_pretrained(runs / name / "drafter")
         (runs / name / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
-    args = ["--runs", str(runs), "--recipes", "eagle", "medusa", "--prompt-sets", "mt_bench", "--batch-sizes", "2",
-            "--num-prompts", "2", "--max-new-tokens", "6", "--threads", "1", "--target", "tiny",
-            "--out", str(tmp_path / "trees"), "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    args = [f"runs={runs}", "recipes=[eagle,medusa]", "prompt_sets=[mt_bench]", "batch_sizes=[2]", "num_prompts=2",
+            "max_new_tokens=6", "threads=1", "target=tiny", f"out={tmp_path / 'trees'}", f"work_dir={tmp_path / 'work'}"]
     bench_trees.main(args)
     data = json.loads((tmp_path / "trees.json").read_text())
     labels = [(r["recipe"], r["tree"]) for r in data["rows"]]
@@ -388,9 +387,8 @@ def test_bench_drafting_script_runs_and_resumes(tiny_target, tmp_path, monkeypat
     runs = tmp_path / "runs"
     _drafter("eagle", tiny_target).save_pretrained(runs / "eagle" / "drafter")
     (runs / "eagle" / "config.json").write_text(json.dumps({"target": {"name": "tiny"}}))
-    args = ["--runs", str(runs), "--recipes", "eagle", "--batch-sizes", "1", "3", "--num-prompts", "3",
-            "--max-new-tokens", "6", "--threads", "1", "--target", "tiny", "--out", str(tmp_path / "drafting"),
-            "--work-dir", str(tmp_path / "work")]  # fmt: skip
+    args = [f"runs={runs}", "recipes=[eagle]", "batch_sizes=[1,3]", "num_prompts=3", "max_new_tokens=6", "threads=1",
+            "target=tiny", f"out={tmp_path / 'drafting'}", f"work_dir={tmp_path / 'work'}"]
     bench_drafting.main(args)
     rows = json.loads((tmp_path / "drafting.json").read_text())["rows"]
     assert [(r["batch_size"], r["drafting"]) for r in rows] == [(1, "batched"), (1, "per-sequence"), (3, "batched"),
