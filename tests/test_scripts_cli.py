@@ -1,0 +1,81 @@
+"""Every script under scripts/ has the one CLI style (docs/design.md "One command-line style"): Hydra-style
+key=value overrides validated into a dataclass by ``drafttrain.cliconfig.parse_cli``, a typo'd key fails
+before any work, ``--help`` lists the keys; no script or test imports another script's private name; the
+reproduce commands in README.md and docs/ carry no absolute paths of ours and no lock files.
+
+Why: three CLI styles (argparse, Hydra, hand-parsed key=value) had grown in scripts/, benchmark scripts
+imported each other's private helpers, and docs carried one machine's /work and /tmp paths and flock."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from drafttrain.cliconfig import ConfigError, parse_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+def test_there_are_scripts():
+    assert {"evaluate", "generate_data", "bench_trees", "bench_sssd_datastore", "report_run"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_has_the_one_cli(name, capsys):
+    src = (ROOT / "scripts" / f"{name}.py").read_text()
+    assert "argparse" not in src and "sys.argv" not in src and "@hydra.main" not in src, name
+    assert "run_cli(main)" in src, f"scripts/{name}.py must end with run_cli(main)"
+    mod = importlib.import_module(f"scripts.{name}")
+    with pytest.raises(ConfigError, match="nosuchkey"):  # before any model or data loads
+        mod.main(["nosuchkey=1"])
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "key=value" in capsys.readouterr().out
+
+
+def test_parse_cli_names_the_closest_key_and_moved_keys():
+    from scripts.bench_trees import BenchTreesConfig
+
+    with pytest.raises(ConfigError, match="'batch_sizs'.*did you mean 'batch_sizes'"):
+        parse_cli(BenchTreesConfig, ["batch_sizs=[1]"])
+    with pytest.raises(ConfigError, match="'old.key' moved to 'num_prompts'"):
+        parse_cli(BenchTreesConfig, ["old.key=3"], moved={"old.key": "num_prompts"})
+    with pytest.raises(ConfigError, match="quote every list element"):
+        parse_cli(BenchTreesConfig, ["recipes=[a=b]"])
+    c = parse_cli(BenchTreesConfig, ["target=tiny", 'recipes=["eagle"]'])  # `target` is a conf/ group name too
+    assert c.target == "tiny" and c.recipes == ["eagle"]
+
+
+def _private_script_imports(path: Path) -> list[str]:
+    """``from scripts.x import _y`` / ``scripts.x._y`` / ``x._y`` on an imported script module."""
+    tree = ast.parse(path.read_text())
+    modules, bad = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "scripts":
+            for a in node.names:
+                if node.module == "scripts":
+                    modules.add(a.asname or a.name)
+                elif a.name.startswith("_"):
+                    bad.append(f"{path.name}: from {node.module} import {a.name}")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in modules:
+                bad.append(f"{path.name}: {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_script_private_name_is_imported():
+    files = [*(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    assert [b for f in files for b in _private_script_imports(f)] == []
+
+
+def test_docs_commands_run_from_the_repo_root():
+    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "docs").rglob("*.json"), *(ROOT / "conf").rglob("*.yaml")]
+    bad = re.compile(r"/work/|/tmp/|\bflock\b|/home/|/Users/")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in docs for i, line in enumerate(p.read_text().splitlines(), 1)
+            if bad.search(line)]  # fmt: skip
+    assert hits == []
