@@ -152,7 +152,7 @@ def test_build_datastore_cli(rows_dir, tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    printed = proc.stdout[proc.stdout.index("\n{\n") + 1 :]  # the JSON summary printed last
+    printed = proc.stdout[("\n" + proc.stdout).index("\n{\n") :]  # the JSON summary printed last (logs: stderr)
     assert json.loads(printed)["num_documents"] == 28  # 30 rows, 2 held out
     assert Datastore.load(out).meta["heldout_rows"] <= 2
     assert not (ROOT / ".hydra").exists() and not (ROOT / "outputs" / "build_datastore.log").exists()
