@@ -1,0 +1,108 @@
+"""What every export format shares: the error type, where a drafter lives in a run folder, file writers,
+and the check that every tensor written is one the engine's loader consumes.
+
+A serving engine reads a drafter folder through its own weight-name mapping and (vLLM, SGLang) silently
+skips names it does not know: a misspelt tensor would load as its random/zero initialisation and the
+engine would run a different network without a word. Each format module therefore records the exact set
+of names its engine's loader consumes (read from the engine's source, cited there) and
+:func:`check_consumed` compares the written names against it, both ways, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ExportError(ValueError):
+    """A drafter cannot be written in the asked format (wrong recipe, or no exact mapping exists)."""
+
+
+def drafter_dir(checkpoint: str | Path) -> Path:
+    """The drafter folder of ``checkpoint``: a training run folder (``drafter/`` inside) or a drafter folder.
+
+    Raises:
+        FileNotFoundError: neither ``checkpoint/drafter_config.json`` nor ``checkpoint/drafter/drafter_config.json``.
+    """
+    from drafttrain.drafters.base import DRAFTER_CONFIG
+
+    ckpt = Path(checkpoint).expanduser()
+    for d in (ckpt, ckpt / "drafter"):
+        if (d / DRAFTER_CONFIG).is_file():
+            return d
+    raise FileNotFoundError(f"no drafter in {ckpt}: expected {DRAFTER_CONFIG} there or in {ckpt / 'drafter'}")
+
+
+def run_config(drafter_folder: Path) -> dict[str, Any] | None:
+    """The training run's resolved config (``config.json`` beside ``drafter/``), or None for a bare drafter folder."""
+    for p in (drafter_folder.parent / "config.json", drafter_folder / "config.json"):
+        if p.is_file():
+            cfg = json.loads(p.read_text())
+            if isinstance(cfg, dict) and "target" in cfg:
+                return cfg
+    return None
+
+
+def check_consumed(written: set[str], consumed: set[str], engine: str) -> None:
+    """Every written tensor name is one ``engine``'s loader consumes, and every name it needs is written.
+
+    Raises:
+        ExportError: names the engine would skip silently, or parameters it would leave uninitialised.
+    """
+    extra, missing = sorted(written - consumed), sorted(consumed - written)
+    if extra or missing:
+        raise ExportError(f"{engine}: tensors the loader would skip {extra}; parameters it would not find {missing}")
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (contiguous CPU copies) as one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {path.parent}")
+    return json.loads(path.read_text())
+
+
+def draft_token_ids(drafter) -> torch.Tensor:
+    """[N] int64 target id of every draft id of ``drafter`` (``Drafter.draft_token_ids`` where the drafter
+    stores the engines' offsets, else its absolute ``d2t`` from before that convention)."""
+    ids = getattr(drafter, "draft_token_ids", None)
+    return (ids if ids is not None else drafter.d2t).detach().long().cpu()
+
+
+def offsets_from_absolute(d2t: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3 engines' ``d2t``: target id = i + d2t[i]. From drafttrain's absolute ids d2t_abs[i] (int64 [N]).
+
+    >>> offsets_from_absolute(torch.tensor([5, 1, 9]))
+    tensor([5, 0, 7])
+    """
+    return d2t.long() - torch.arange(d2t.numel(), dtype=torch.long)
+
+
+def absolute_from_offsets(d2t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`offsets_from_absolute`: target ids [N] int64."""
+    return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long)
+
+
+def t2d_mask(d2t_abs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``t2d`` as the EAGLE-3 engines store it: bool [v], True where the target id is in the draft vocabulary."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[d2t_abs.long()] = True
+    return mask

