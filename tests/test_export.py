@@ -97,3 +97,256 @@ def test_eagle_export_refuses_naming_each_difference(tiny_target, tmp_path):
     msg = str(e.value)
     assert "bias" in msg and "input RMSNorm" in msg and "final norm" in msg
     assert not (tmp_path / "model.safetensors").exists()
+
+
+# -- EAGLE-3 -> speculators (vLLM) and SGLang ---------------------------------------------------
+def _has(recipe: str) -> bool:
+    from drafttrain.drafters import DRAFTERS
+
+    return recipe in DRAFTERS
+
+
+def _eagle3(target, recipe="eagle3", n_vocab=300, **cfg):
+    if not _has(recipe):
+        pytest.skip(f"no {recipe} drafter in this drafttrain")
+    torch.manual_seed(0)
+    drafter = build_drafter(recipe, {"draft_vocab_size": n_vocab, **cfg}, target)
+    if n_vocab:
+        _vocab(drafter, n_vocab)
+    return _randomise(drafter)
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    """A tiny random target with 8 layers and head_dim 32: EAGLE-3's default ids (2, 4, 5) are distinct
+    there, and vLLM's CPU attention takes head_dim 32 (not the usual tiny target's 16)."""
+    from drafttrain import assets
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+
+    try:
+        t = load_target(TargetConfig(random_init=True, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1))
+    except assets.MissingAssetError as err:
+        pytest.skip(str(err))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # varied weights: greedy continuations change at every step
+        for p in t.model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=g)
+    return t
+
+
+def _chain(drafter, target, steps=3, seed=0, autoregressive=False):
+    """Greedy chain logits of ``drafter`` from 4 random items (its full inference path, cache included);
+    ``autoregressive``: EAGLE-3's own chain even for a parallel drafter (what SGLang runs)."""
+    from transformers import DynamicCache
+
+    from drafttrain.drafters.eagle3 import Eagle3Drafter
+
+    g = torch.Generator().manual_seed(seed)
+    d = target.config.hidden_size
+    ids = torch.randint(0, drafter.vocab_size, (1, 4), generator=g)
+    feats = torch.randn(1, 4, 4 * d, generator=g)
+    propose = (lambda *a: Eagle3Drafter.propose(drafter, *a)) if autoregressive else drafter.propose
+    return propose(ids, feats, DynamicCache())[:, :steps]
+
+
+@pytest.mark.parametrize("recipe", ["eagle3", "parallelspec_eagle3"])
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_eagle3_roundtrip_identical_logits(deep_target, tmp_path, recipe, fmt):
+    drafter = _eagle3(deep_target, recipe)
+    _, cfg = export_drafter(drafter, fmt, tmp_path, verifier="/models/target", num_speculative_tokens=3,
+                            target_config=deep_target.config)  # fmt: skip
+    back = load_exported(tmp_path, fmt, deep_target)
+    # SGLang drafts autoregressively: a parallel drafter exported there runs (and reads back) as EAGLE-3
+    assert torch.equal(_chain(back, deep_target), _chain(drafter, deep_target, autoregressive=fmt == "sglang"))
+    assert torch.equal(back.draft_token_ids, drafter.draft_token_ids) and torch.equal(back.t2d, drafter.t2d)
+    assert back.name == (recipe if fmt == "speculators" else "eagle3")
+    if fmt == "speculators" and recipe == "parallelspec_eagle3":  # the mask slot state vLLM reads
+        assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == drafter.mask_token_id
+        assert torch.equal(back.mask_hidden, drafter.mask_hidden)
+        assert torch.equal(back.draft_inputs(), drafter.draft_inputs())
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+@pytest.mark.parametrize("restricted", [True, False])
+def test_eagle3_tensor_names_are_the_engines(deep_target, tmp_path, fmt, restricted):
+    """Every tensor written is one the engine's loader maps onto a parameter, and none it needs is missing
+    (names recorded from vLLM 0.32's llama_eagle3.py / SGLang's llama_eagle3.py)."""
+    from drafttrain.export.sglang import sglang_consumed_names
+    from drafttrain.export.speculators import vllm_consumed_names
+
+    drafter = _eagle3(deep_target, n_vocab=300 if restricted else 0)
+    export_drafter(drafter, fmt, tmp_path, target_config=deep_target.config)
+    w = load_tensors(tmp_path / "model.safetensors")
+    expected = vllm_consumed_names(restricted, False) if fmt == "speculators" else sglang_consumed_names(restricted)
+    assert set(w) == expected
+    if restricted:  # the engines' offset convention: target id = i + d2t[i]
+        assert torch.equal(w["d2t"] + torch.arange(w["d2t"].numel()), drafter.draft_token_ids)
+        assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 300
+    assert w["fc.weight"].shape == (64, 3 * 64)
+    assert w[("layers.0" if fmt == "speculators" else "midlayer") + ".self_attn.q_proj.weight"].shape[1] == 2 * 64
+
+
+def test_eagle3_layer_ids_each_engine_reads_its_own(deep_target, tmp_path):
+    """Probe of the two conventions: the HF hidden-state indices each engine feeds the fc, computed with the
+    engine's own reading rules, are the drafter's ids; vLLM reading the SGLang folder too (top-level ids)."""
+    from drafttrain.export.eagle3_common import sglang_captured_ids, vllm_captured_ids
+
+    drafter = _eagle3(deep_target, aux_layer_ids=[1, 3, 6])
+    L = deep_target.config.num_hidden_layers
+    export_drafter(drafter, "speculators", tmp_path / "v", target_config=deep_target.config)
+    export_drafter(drafter, "sglang", tmp_path / "s", target_config=deep_target.config)
+    vcfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    scfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert vcfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6] == vllm_captured_ids(vcfg, L)
+    assert scfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang adds 1
+    assert sglang_captured_ids(scfg, L) == [1, 3, 6] == vllm_captured_ids(scfg, L)
+    # without the top-level ids vLLM would read SGLang's nested ones one layer off: why both are written
+    assert vllm_captured_ids({"eagle_config": scfg["eagle_config"]}, L) == [0, 2, 5]
+
+
+def test_eagle3_features_are_the_layers_the_ids_name(deep_target):
+    """id i = HF output_hidden_states[i] = the state entering decoder layer i, which is what vLLM's
+    _maybe_add_hidden_state captures (hidden + residual before layer i; the embeddings for i = 0)."""
+    ids = torch.tensor([[5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        hs = deep_target.model(ids, output_hidden_states=True).hidden_states
+        x = deep_target.model.model.embed_tokens(ids)
+        pos = torch.arange(5)[None]
+        pe = deep_target.model.model.rotary_emb(x, pos)
+        entering = []
+        for layer in deep_target.model.model.layers:
+            entering.append(x)
+            x = layer(x, position_embeddings=pe, position_ids=pos, attention_mask=None)
+            x = x[0] if isinstance(x, tuple) else x
+    for i in range(deep_target.config.num_hidden_layers):
+        assert torch.allclose(hs[i], entering[i], atol=1e-5)
+
+
+@pytest.mark.parametrize("ids", [[4, 2, 6], [2, 2, 5], [1, 3, 8]])
+def test_eagle3_export_refuses_ids_vllm_would_reorder(deep_target, tmp_path, ids):
+    drafter = _eagle3(deep_target)
+    drafter.aux_layer_ids = tuple(ids)
+    with pytest.raises(ExportError, match="strictly increasing"):
+        export_drafter(drafter, "speculators", tmp_path)
+
+
+def _speculators_validate(folder: Path) -> dict:
+    """Validate ``folder/config.json`` with the speculators package's config classes (here if importable,
+    else in the vLLM venv); returns the fields read back. Skips where neither has speculators."""
+    code = ("import json, sys\nfrom speculators import SpeculatorModelConfig\n"
+            "c = SpeculatorModelConfig.from_pretrained(sys.argv[1])\n"
+            "print(json.dumps({'cls': type(c).__name__, 'draft_vocab_size': c.draft_vocab_size,"
+            " 'norm_before_residual': c.norm_before_residual, 'ids': c.eagle_aux_hidden_state_layer_ids,"
+            " 'verifier': c.speculators_config.verifier.name_or_path,"
+            " 'tokens': c.speculators_config.proposal_methods[0].speculative_tokens,"
+            " 'layer_cls': type(c.transformer_layer_config).__name__,"
+            " 'mask_token_id': getattr(c, 'mask_token_id', None)}))\n")  # fmt: skip
+    import importlib.util
+    import subprocess
+    import sys
+
+    from scripts.serve_check import vllm_python
+
+    if importlib.util.find_spec("speculators") is not None:
+        py = sys.executable
+    else:
+        py = vllm_python()
+        if py is None:
+            pytest.skip("speculators is not installed here and there is no .venv-vllm (bash scripts/install_vllm.sh)")
+    out = subprocess.run([str(py), "-c", code, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("recipe", ["eagle3", "parallelspec_eagle3"])
+def test_speculators_config_validates(deep_target, tmp_path, recipe):
+    drafter = _eagle3(deep_target, recipe)
+    export_drafter(drafter, "speculators", tmp_path, verifier="/models/target", num_speculative_tokens=3,
+                   target_config=deep_target.config)  # fmt: skip
+    got = _speculators_validate(tmp_path)
+    assert got["cls"] == ("PEagleSpeculatorConfig" if recipe == "parallelspec_eagle3" else "Eagle3SpeculatorConfig")
+    assert got["draft_vocab_size"] == 300 and got["norm_before_residual"] is False
+    assert got["ids"] == list(drafter.aux_layer_ids) and got["verifier"] == "/models/target" and got["tokens"] == 3
+    assert got["layer_cls"] == "LlamaConfig"
+    if recipe == "parallelspec_eagle3":
+        assert got["mask_token_id"] == drafter.mask_token_id
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+def test_export_cli_writes_folder_and_commands(tiny_target, tiny_target_dir, tmp_path):
+    from scripts.export import main
+
+    torch.manual_seed(0)
+    drafter = _randomise(build_drafter("medusa", {"num_heads": 2, "draft_vocab_size": 200}, tiny_target))
+    drafter.save_pretrained(tmp_path / "run" / "drafter")
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"target": {"name": "tiny", "random_init": True}}))
+    out = tmp_path / "exported"
+    main([f"checkpoint={tmp_path / 'run'}", f"target_path={tiny_target_dir}", f"output_dir={out}"])
+    info = json.loads((out / "export_info.json").read_text())
+    assert info["format"] == "vllm_medusa" and info["num_speculative_tokens"] == 2
+    assert any('"method": "medusa"' in cmd for cmd in info["commands"])
+    back = load_exported(out, "vllm_medusa", tiny_target)
+    f = torch.randn(3, tiny_target.config.hidden_size)
+    assert torch.equal(back.head_logits(f), drafter.head_logits(f))
+
+
+def test_export_cli_errors_before_loading(tmp_path, tiny_target):
+    from drafttrain.config import ConfigError
+    from scripts.export import main
+
+    with pytest.raises(ConfigError, match="checkpoint"):
+        main([])
+    with pytest.raises(ConfigError):
+        main(["checkpont=x"])  # typo'd key
+    drafter = build_drafter("parallelspec", {"num_mask_tokens": 2}, tiny_target)
+    drafter.save_pretrained(tmp_path / "ps")
+    with pytest.raises(ExportError, match="no serving-engine format exists for 'parallelspec'"):
+        main([f"checkpoint={tmp_path / 'ps'}"])
+    drafter = build_drafter("medusa", {"num_heads": 2}, tiny_target)
+    drafter.save_pretrained(tmp_path / "md" / "drafter")
+    (tmp_path / "md" / "config.json").write_text(json.dumps({"target": {"name": "tiny", "random_init": True}}))
+    with pytest.raises(ConfigError, match="target_path"):  # a random target is on no disk: say so
+        main([f"checkpoint={tmp_path / 'md'}"])
+
+
+# -- vLLM itself (optional: scripts/install_vllm.sh) ----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
+    """vLLM's CPU build loads the exported EAGLE-3 (speculators) and Medusa folders of a tiny target and
+    its speculative greedy output equals its plain greedy output. Several minutes on 2 cores (engine
+    start-ups); skipped without .venv-vllm, so CI (a fresh clone) skips it."""
+    from scripts.serve_check import run_vllm, vllm_python
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
+    target_dir = tmp_path / "target"
+    deep_target.model.save_pretrained(target_dir)
+    deep_target.tokenizer.save_pretrained(target_dir)
+    runs = [{"speculative_config": None}]
+    if _has("eagle3"):
+        export_drafter(_eagle3(deep_target), "speculators", tmp_path / "eagle3", verifier=str(target_dir),
+                       num_speculative_tokens=3, target_config=deep_target.config)  # fmt: skip
+        runs.append({"speculative_config": {"model": str(tmp_path / "eagle3"), "method": "eagle3",
+                                            "num_speculative_tokens": 3}})  # fmt: skip
+    torch.manual_seed(0)
+    medusa = build_drafter("medusa", {"num_heads": 3, "draft_vocab_size": 300}, deep_target)
+    _vocab(medusa, 300)
+    export_drafter(medusa, "vllm_medusa", tmp_path / "medusa")
+    runs.append({"speculative_config": {"model": str(tmp_path / "medusa"), "method": "medusa", "num_speculative_tokens": 3}})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 5)]
+    job = {"model": str(target_dir), "prompts": prompts, "max_new_tokens": 16, "stop_token_ids": [],
+           "max_model_len": 256, "eager": True, "runs": runs}  # fmt: skip
+    results = run_vllm(py, job, threads="0-1", memory_gb=1, timeout_s=1800, log_path=tmp_path / "vllm.log")
+    plain = results[0]
+    assert "error" not in plain, plain.get("error")
+    assert len(set(map(tuple, plain["outputs"]))) == 2 and all(len(o) == 16 for o in plain["outputs"])
+    for run, res in zip(runs[1:], results[1:]):
+        method = run["speculative_config"]["method"]
+        assert "error" not in res, f"{method}: {res.get('error')}"
+        assert res["outputs"] == plain["outputs"], method
+        assert res["acceptance"]["num_drafts"] > 0 and len(res["acceptance"]["per_position"]) == 3, method

@@ -1,0 +1,143 @@
+"""What the two EAGLE-3 folder formats (vLLM's speculators format, SGLang's) share: the checks that the
+drafter computes what the engines compute, the layer-id conventions, and the one-layer Llama config.
+
+The network both engines run (vLLM ``model_executor/models/llama_eagle3.py`` 0.32, SGLang
+``srt/models/llama_eagle3.py``): g = fc([low; mid; high]) (no bias); layer 0 attends over
+cat(input_layernorm(e), hidden_norm(g)) with 2d-wide q/k/v; the residual is g itself (vLLM:
+``norm_before_residual`` false; SGLang always); h = residual + attention, h + MLP(post-norm(h)); logits =
+lm_head(norm(h)) over the draft vocabulary, scattered to target ids i + d2t[i]; the next step's g is h
+before ``norm``. :class:`drafttrain.drafters.eagle3.Eagle3Drafter` computes this with the same names.
+
+Layer ids (../shared/SERVING.md). drafttrain and vLLM: id i = the hidden state *entering* decoder layer
+i (HF ``output_hidden_states[i]``); vLLM captures them while walking the layers in order, so its fc
+input is [h_i for i in sorted(set(ids))]: ids must be strictly increasing or vLLM concatenates them in
+another order (or fewer of them). SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and
+adds 1 (its ids name the *output* of layer i), so it gets ids - 1 there. vLLM reads a top-level
+``eagle_aux_hidden_state_layer_ids`` first and only then the nested one *without* adding 1: a folder
+with only the nested SGLang ids would load in vLLM one layer off. Our SGLang folder therefore writes
+both (top level: vLLM's ids; nested: SGLang's), and each engine reads its own.
+
+Shape letters: d hidden, v target vocab, N draft vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafttrain.export.common import ExportError
+
+LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")  # fmt: skip
+# keys of the target's config that say nothing about the draft layer (or would mislead a loader)
+_DROP = ("architectures", "_name_or_path", "transformers_version", "auto_map", "quantization_config", "torch_dtype",
+         "dtype", "layer_types", "use_cache", "output_hidden_states", "return_dict", "_attn_implementation_autoset",
+         "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions")  # fmt: skip
+
+
+def check_drafter(drafter) -> None:
+    """Refuse a drafter whose network the engines would not reproduce.
+
+    Raises:
+        ExportError: not an EAGLE-3 drafter; biases the engines do not build; layer ids that are not
+            three strictly increasing ids in [0, L - 1].
+    """
+    if drafter.name not in ("eagle3", "parallelspec_eagle3"):
+        raise ExportError(f"the EAGLE-3 formats write eagle3 / parallelspec_eagle3 drafters, not '{drafter.name}'")
+    if drafter.fc.bias is not None:
+        raise ExportError("fc has a bias; vLLM's and SGLang's EAGLE-3 fc have none")
+    attn = drafter.layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if getattr(attn, name).bias is not None:
+            raise ExportError(f"layers.0.self_attn.{name} has a bias; the engines' EAGLE-3 layer (Llama) has none")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if getattr(drafter.layer.mlp, name).bias is not None:
+            raise ExportError(f"layers.0.mlp.{name} has a bias; the engines' EAGLE-3 MLP has none")
+    ids = [int(i) for i in drafter.aux_layer_ids]
+    n_layers = int(drafter.shared.model_config.num_hidden_layers)
+    if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= n_layers:
+        raise ExportError(f"aux_layer_ids {ids}: vLLM concatenates the captured layers in layer order, once each, "
+                          f"so the ids must be 3 strictly increasing ids in [0, {n_layers - 1}] "
+                          f"(train with e.g. drafter.aux_layer_ids=[2,{n_layers // 2},{n_layers - 3}])")  # fmt: skip
+
+
+def sglang_layer_ids(vllm_ids) -> list[int]:
+    """SGLang's ids for the same tensors: it captures id + 1 (ids name a layer's *output*)."""
+    return [int(i) - 1 for i in vllm_ids]
+
+
+def vllm_captured_ids(config: dict, num_target_layers: int) -> list[int]:
+    """The HF hidden-state indices vLLM 0.32 feeds the fc, in order, for a draft ``config.json`` as vLLM
+    sees it (``GPUModelRunner._get_eagle3_aux_layers_from_config`` + ``_maybe_add_hidden_state``):
+    top-level ids, else nested ``eagle_config`` ids (no + 1), else (2, L // 2, L - 3); captured in layer order."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = (2, num_target_layers // 2, num_target_layers - 3)
+    return sorted(set(int(i) for i in ids))
+
+
+def sglang_captured_ids(config: dict, num_target_layers: int) -> list[int]:
+    """The HF hidden-state indices SGLang feeds the fc (``set_eagle3_layers_to_capture``): nested
+    ``eagle_config`` ids + 1, else (2, L // 2, L - 3); captured in layer order."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [int(i) + 1 for i in ids] if ids else [2, num_target_layers // 2, num_target_layers - 3]
+    return sorted(set(ids))
+
+
+def layer_config(target_config) -> dict:
+    """The one draft decoder layer as a Llama config dict (the target's hyper-parameters, 1 layer, untied)."""
+    mc = {k: v for k, v in target_config.to_dict().items() if k not in _DROP}
+    if mc.get("model_type") != "llama":
+        raise ExportError(f"the EAGLE-3 folders are written for Llama-architecture targets (vLLM's "
+                          f"Eagle3LlamaForCausalLM), not model_type '{mc.get('model_type')}'")  # fmt: skip
+    mc.update(num_hidden_layers=1, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    mc.setdefault("head_dim", target_config.hidden_size // target_config.num_attention_heads)
+    return mc
+
+
+def drafter_tensors(drafter, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The drafter's weights under the engines' names: fc, ``{layer_prefix}.*``, norm, lm_head, and the
+    draft-vocabulary buffers d2t (offsets) / t2d (bool) when the vocabulary is restricted (with N = v,
+    vLLM has no ``draft_id_to_target_id`` parameter and would refuse a d2t)."""
+    sd = drafter.state_dict()
+    out = {"fc.weight": sd["fc.weight"], "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    out.update({f"{layer_prefix}.{n}": sd[f"layers.0.{n}"] for n in LAYER_WEIGHTS})
+    if drafter.restricted_vocab:
+        out["d2t"] = sd["d2t"].long()
+        out["t2d"] = sd["t2d"].bool()
+    if "mask_hidden" in sd:
+        out["mask_hidden"] = sd["mask_hidden"].reshape(-1)
+    return out
+
+
+def build_drafter(directory, target, *, aux_ids, draft_vocab_size: int, depth: int, layer_prefix: str, weights: dict,
+                  recipe: str = "eagle3", extra: dict | None = None):  # fmt: skip
+    """drafttrain's EAGLE-3 drafter holding an exported folder's weights (for the round-trip tests).
+
+    Raises:
+        ExportError: the folder's tensors do not fill the drafter exactly.
+    """
+    from drafttrain.drafters import DRAFTERS, SharedTargetModules
+
+    if recipe not in DRAFTERS:
+        raise ExportError(f"this drafttrain has no '{recipe}' drafter to read {directory} into")
+    v = target.lm_head.weight.shape[0]
+    cfg = {"aux_layer_ids": list(aux_ids), "draft_vocab_size": 0 if draft_vocab_size == v else draft_vocab_size,
+           "draft_depth": int(depth), **(extra or {})}  # fmt: skip
+    cls = DRAFTERS[recipe]
+    drafter = cls({k: val for k, val in cfg.items() if k in cls.defaults}, SharedTargetModules.from_target(target),
+                  init_weights=False)  # fmt: skip
+    state = {k: val for k, val in drafter.state_dict().items()}
+    for name, t in weights.items():
+        key = name.replace(f"{layer_prefix}.", "layers.0.", 1) if name.startswith(layer_prefix + ".") else name
+        if key not in state:
+            raise ExportError(f"{directory}: tensor {name} has no place in drafttrain's {recipe} drafter")
+        state[key] = t.reshape(state[key].shape)
+    missing = sorted(k for k in drafter.state_dict() if k not in {
+        n.replace(f"{layer_prefix}.", "layers.0.", 1) for n in weights} and k not in ("d2t", "t2d"))  # fmt: skip
+    if missing:
+        raise ExportError(f"{directory}: no tensors for {missing}")
+    drafter.load_state_dict(state)
+    return drafter

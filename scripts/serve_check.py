@@ -1,0 +1,218 @@
+"""Round trip in a real engine: vLLM runs the target with and without an exported drafter, beside drafttrain's engine.
+
+    bash scripts/install_vllm.sh                                     # once: vLLM's CPU build in .venv-vllm
+    python -m scripts.export checkpoint=outputs/eagle3-smollm2-135m-instruct output_dir=outputs/export/eagle3
+    python -m scripts.serve_check export_dir=outputs/export/eagle3 num_prompts=16 max_new_tokens=128
+
+On the same prompts (chat template applied, greedy, the tokenizer's end-of-turn ids as stops) it runs:
+vLLM plain and vLLM speculative (one ``vllm_runner`` process, ``.venv-vllm/bin/python``), then
+drafttrain's :class:`~drafttrain.verify.engine.SpecEngine` plain and speculative with the drafter read
+back from the exported folder (what vLLM loaded) drafting a chain of the same ``num_speculative_tokens``,
+both at batch 1. It checks vLLM speculative == vLLM plain token for token on every prompt and writes
+``results.json`` + ``report.md`` to ``output_dir``: vLLM's mean acceptance length (1 + accepted / drafts)
+and per-position acceptance beside our tau and per-position rates, tokens/s of both engines, and how
+many prompts the two engines' plain outputs agree on. Exit status 1 if vLLM's speculative output differs.
+
+Keys: drafttrain.export.config.ServeCheckConfig (``--help``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("drafttrain.serve_check")
+RUNNER = Path(__file__).resolve().parents[1] / "drafttrain" / "export" / "vllm_runner.py"
+METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}
+
+
+def vllm_python(explicit: str | None = None) -> Path | None:
+    """The vLLM venv's python: ``explicit``, else $DRAFTTRAIN_VLLM_PYTHON, else ``.venv-vllm/bin/python`` (None if absent)."""
+    for cand in (explicit, os.environ.get("DRAFTTRAIN_VLLM_PYTHON"),
+                 str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")):  # fmt: skip
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    return None
+
+
+def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | None = None) -> dict:
+    """vLLM's ``speculative_config`` for an exported folder (format from its export_info.json)."""
+    fmt = info["format"]
+    if fmt not in METHOD:
+        raise ValueError(f"vLLM does not load the '{fmt}' format; export with format=speculators (EAGLE-3) instead")
+    cfg = json.loads((export_dir / "config.json").read_text())
+    spec = {"model": str(export_dir.resolve()), "method": METHOD[fmt], "num_speculative_tokens": int(n_spec)}
+    if cfg.get("speculators_model_type") == "peagle":
+        spec["parallel_drafting"] = True
+    return {**spec, **(extra or {})}
+
+
+def run_vllm(python: Path, job: dict, *, threads: str, memory_gb: float, timeout_s: int, log_path: Path) -> list[dict]:
+    """Run ``vllm_runner`` on ``job`` under the vLLM venv (CPU settings of ../shared/PLATFORM.md); its results.
+
+    Raises:
+        RuntimeError: the runner exited non-zero (the tail of its log in the message).
+    """
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(memory_gb)}  # fmt: skip
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        jp.write_text(json.dumps(job))
+        with open(log_path, "w") as logf:
+            proc = subprocess.run([str(python), str(RUNNER), str(jp), str(op)], env=env, stdout=logf,
+                                  stderr=subprocess.STDOUT, timeout=timeout_s, cwd=tmp)  # fmt: skip
+        if proc.returncode != 0 or not op.is_file():
+            tail = "".join(open(log_path).readlines()[-30:])
+            raise RuntimeError(f"vLLM runner failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+        return json.loads(op.read_text())
+
+
+def ours_per_position(hist: dict, steps: int, n: int) -> list[float]:
+    """Per-position acceptance from our engine's histogram of accepted drafts per step: position i is
+    accepted in a step iff at least i + 1 drafts were (vLLM's ``num_accepted_tokens_per_pos`` / drafts)."""
+    return [sum(c for m, c in hist.items() if int(m) > i) / max(steps, 1) for i in range(n)]
+
+
+def run(c) -> dict:
+    """The whole check per ``c`` (:class:`~drafttrain.export.config.ServeCheckConfig`); returns results.json's dict."""
+    import torch
+
+    from drafttrain.config import ConfigError, TargetConfig
+    from drafttrain.data.template import end_of_turn_ids, prompt_ids
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.export import load_exported
+    from drafttrain.export.config import ExportConfig
+    from drafttrain.target import load_target
+
+    py = vllm_python(c.vllm_python)
+    if py is None:
+        raise ConfigError("no vLLM venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm) or set vllm_python=")
+    out = Path(c.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if c.export_dir:
+        export_dir = Path(c.export_dir)
+    elif c.checkpoint:
+        from scripts.export import run as export_run
+
+        export_dir = export_run(ExportConfig(checkpoint=c.checkpoint, format=c.format, target_path=c.target_path,
+                                             output_dir=str(out / "export"), overwrite=True,
+                                             num_speculative_tokens=c.num_speculative_tokens))  # fmt: skip
+    else:
+        raise ConfigError("set export_dir= (a folder from scripts.export) or checkpoint=")
+    info = json.loads((export_dir / "export_info.json").read_text())
+    n_spec = int(c.num_speculative_tokens or info["num_speculative_tokens"])
+    target_path = c.target_path or info["target_path"]
+    if c.num_threads:
+        torch.set_num_threads(c.num_threads)
+    target = load_target(TargetConfig(path=target_path))
+    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset)
+    prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+    stops = sorted(end_of_turn_ids(target.tokenizer))
+    log.info("%d prompts of %s, %d new tokens, %s drafter (%s), %d speculative tokens", len(prompts), c.prompts,
+             c.max_new_tokens, info["recipe"], info["format"], n_spec)  # fmt: skip
+
+    # -- vLLM: plain, then speculative, in one runner process --------------------------------------
+    spec = speculative_config(export_dir, info, n_spec, dict(c.extra))
+    job = {"model": str(Path(target_path).resolve()), "prompts": prompts, "max_new_tokens": c.max_new_tokens,
+           "stop_token_ids": stops, "max_model_len": c.max_model_len, "max_num_seqs": 1,
+           "runs": [{"speculative_config": None}, {"speculative_config": spec}]}  # fmt: skip
+    t0 = time.perf_counter()
+    v_plain, v_spec = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
+                               log_path=out / "vllm.log")  # fmt: skip
+    log.info("vLLM runs took %.0f s (engine start-ups included)", time.perf_counter() - t0)
+    for name, r in (("plain", v_plain), ("speculative", v_spec)):
+        if "error" in r:
+            raise RuntimeError(f"vLLM {name} run failed: {r['error']}\n{r.get('traceback', '')}")
+    equal = [a == b for a, b in zip(v_spec["outputs"], v_plain["outputs"])]
+    results = {
+        "recipe": info["recipe"], "format": info["format"], "export_dir": str(export_dir), "target": target_path,
+        "prompts": c.prompts, "num_prompts": len(prompts), "max_new_tokens": c.max_new_tokens,
+        "num_speculative_tokens": n_spec, "speculative_config": spec, "vllm_version": v_plain.get("vllm_version"),
+        "vllm": {"plain_tokens_per_s": v_plain["generated"] / v_plain["seconds"],
+                 "spec_tokens_per_s": v_spec["generated"] / v_spec["seconds"],
+                 "plain_generated": v_plain["generated"], "spec_generated": v_spec["generated"],
+                 "acceptance": v_spec["acceptance"], "metrics": v_spec["metrics"]},
+        "vllm_spec_equals_plain": all(equal), "vllm_spec_equal_per_prompt": equal,
+    }  # fmt: skip
+
+    # -- ours: the drafter vLLM loaded, read back, through SpecEngine ------------------------------
+    if c.ours:
+        from drafttrain.verify.engine import SpecEngine
+        from drafttrain.verify.proposers import PlainProposer, proposer_for
+
+        drafter = load_exported(export_dir, info["format"], target).eval()
+        proposer = proposer_for(drafter, widths=[1] * n_spec)
+
+        def engine(prop):
+            return SpecEngine(target, prop, batch_size=1, max_new_tokens=c.max_new_tokens, stop_token_ids=stops)
+
+        engine(proposer).run(prompts[:1])  # warm-up (allocations, first calls)
+        o_plain = engine(PlainProposer()).run(prompts)
+        o_spec = engine(proposer).run(prompts)
+        ours_plain = [list(r.tokens) for r in o_plain.results]
+        ours_spec = [list(r.tokens) for r in o_spec.results]
+        st = o_spec.stats
+        results["ours"] = {
+            "plain_tokens_per_s": o_plain.stats.tokens_per_s, "spec_tokens_per_s": st.tokens_per_s, "tau": st.tau,
+            "per_position": ours_per_position(st.accept_hist, st.seq_steps, n_spec),
+            "spec_equals_plain": ours_spec == ours_plain,
+        }  # fmt: skip
+        results["plain_outputs_agree"] = sum(a == b for a, b in zip(ours_plain, v_plain["outputs"]))
+        v_tau = (v_spec["acceptance"] or {}).get("mean_acceptance_length")
+        results["tau_ratio_vllm_over_ours"] = v_tau / st.tau if v_tau and st.tau else None
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(report(results))
+    return results
+
+
+def report(r: dict) -> str:
+    """A markdown summary of ``results.json``."""
+    v, o = r["vllm"], r.get("ours")
+    acc = v["acceptance"] or {}
+    lines = [f"# serve_check: {r['recipe']} ({r['format']}), vLLM {r['vllm_version']}", "",
+             f"{r['num_prompts']} prompts of {r['prompts']}, {r['max_new_tokens']} new tokens, greedy, batch 1, "
+             f"{r['num_speculative_tokens']} speculative tokens.", "",
+             f"- vLLM speculative == vLLM plain on every prompt: **{r['vllm_spec_equals_plain']}** "
+             f"({sum(r['vllm_spec_equal_per_prompt'])}/{r['num_prompts']})"]  # fmt: skip
+    if o:
+        lines += [f"- drafttrain speculative == drafttrain plain: {o['spec_equals_plain']}; plain outputs of the two "
+                  f"engines agree on {r['plain_outputs_agree']}/{r['num_prompts']} prompts", ""]  # fmt: skip
+    lines += ["| engine | mean acceptance length (tau) | per-position acceptance | plain tok/s | speculative tok/s |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    pp = ", ".join(f"{x:.3f}" for x in acc.get("per_position", []))
+    lines.append(f"| vLLM | {acc.get('mean_acceptance_length', float('nan')):.3f} | {pp} | "
+                 f"{v['plain_tokens_per_s']:.1f} | {v['spec_tokens_per_s']:.1f} |")  # fmt: skip
+    if o:
+        pp = ", ".join(f"{x:.3f}" for x in o["per_position"])
+        lines.append(f"| drafttrain | {o['tau']:.3f} | {pp} | {o['plain_tokens_per_s']:.1f} | {o['spec_tokens_per_s']:.1f} |")
+        if r.get("tau_ratio_vllm_over_ours"):
+            lines += ["", f"vLLM / drafttrain acceptance length: {r['tau_ratio_vllm_over_ours']:.3f}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from drafttrain.export.cli import parse
+    from drafttrain.export.config import ServeCheckConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    c = parse(ServeCheckConfig, argv)
+    r = run(c)
+    print(report(r), flush=True)
+    return 0 if r["vllm_spec_equals_plain"] else 1
+
+
+if __name__ == "__main__":
+    from drafttrain.config import ConfigError
+
+    try:
+        sys.exit(main())
+    except ConfigError as err:
+        print(f"[drafttrain] error: {err}", file=sys.stderr)
+        sys.exit(2)
