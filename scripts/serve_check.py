@@ -91,6 +91,10 @@ def run(c) -> dict:
     from drafttrain.export.config import ExportConfig
     from drafttrain.target import load_target
 
+    if c.num_prompts < 1 or c.max_new_tokens < 1 or c.prompt_stride < 1 or c.prompt_offset < 0:
+        raise ConfigError("num_prompts, max_new_tokens and prompt_stride must be >= 1, prompt_offset >= 0")
+    if c.num_speculative_tokens is not None and c.num_speculative_tokens < 1:
+        raise ConfigError("num_speculative_tokens must be >= 1 (or null: the exported default)")
     py = vllm_python(c.vllm_python)
     if py is None:
         raise ConfigError("no vLLM venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm) or set vllm_python=")
@@ -112,7 +116,7 @@ def run(c) -> dict:
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
     target = load_target(TargetConfig(path=target_path))
-    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset)
+    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset, stride=c.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     stops = sorted(end_of_turn_ids(target.tokenizer))
     log.info("%d prompts of %s, %d new tokens, %s drafter (%s), %d speculative tokens", len(prompts), c.prompts,

@@ -315,8 +315,8 @@ def test_export_cli_errors_before_loading(tmp_path, tiny_target):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
-    """vLLM's CPU build loads the exported EAGLE-3 (speculators) and Medusa folders of a tiny target and
-    its speculative greedy output equals its plain greedy output. Several minutes on 2 cores (engine
+    """vLLM's CPU build loads the exported EAGLE-3 (speculators; and the SGLang folder) and Medusa folders
+    of a tiny target, and its speculative greedy output equals its plain greedy output. Several minutes on 2 cores (engine
     start-ups); skipped without .venv-vllm, so CI (a fresh clone) skips it."""
     from scripts.serve_check import run_vllm, vllm_python
 
@@ -332,6 +332,10 @@ def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
                        num_speculative_tokens=3, target_config=deep_target.config)  # fmt: skip
         runs.append({"speculative_config": {"model": str(tmp_path / "eagle3"), "method": "eagle3",
                                             "num_speculative_tokens": 3}})  # fmt: skip
+        # the SGLang folder loads in vLLM too (midlayer.* mapped, top-level ids read first)
+        export_drafter(_eagle3(deep_target), "sglang", tmp_path / "sglang", target_config=deep_target.config)
+        runs.append({"speculative_config": {"model": str(tmp_path / "sglang"), "method": "eagle3",
+                                            "num_speculative_tokens": 3}})  # fmt: skip
     torch.manual_seed(0)
     medusa = build_drafter("medusa", {"num_heads": 3, "draft_vocab_size": 300}, deep_target)
     _vocab(medusa, 300)
@@ -346,7 +350,7 @@ def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
     assert "error" not in plain, plain.get("error")
     assert len(set(map(tuple, plain["outputs"]))) == 2 and all(len(o) == 16 for o in plain["outputs"])
     for run, res in zip(runs[1:], results[1:]):
-        method = run["speculative_config"]["method"]
+        method = run["speculative_config"]["model"]
         assert "error" not in res, f"{method}: {res.get('error')}"
         assert res["outputs"] == plain["outputs"], method
         assert res["acceptance"]["num_drafts"] > 0 and len(res["acceptance"]["per_position"]) == 3, method

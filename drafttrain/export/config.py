@@ -43,6 +43,7 @@ class ServeCheckConfig:
     prompts: str = "mt_bench"
     num_prompts: int = 16
     prompt_offset: int = 0
+    prompt_stride: int = 5  # every 5th MT-bench question: 2 of each of its 8 categories (the main job's eval set)
     max_new_tokens: int = 128
     num_speculative_tokens: int | None = None  # null = the drafter's depth
     vllm_python: str | None = None  # null = .venv-vllm/bin/python (scripts/install_vllm.sh), else $DRAFTTRAIN_VLLM_PYTHON

@@ -12,12 +12,13 @@ deliberate deviation, documented in :mod:`drafttrain.drafters.feature_layer`):
 
 1. fc has a bias (``fc_bias``, default true): vLLM builds fc without one and would drop it;
 2. the decoder layer keeps its input RMSNorm (initialised from the target's last layer): vLLM's layer 0
-   has none, so ``layers.0.input_layernorm.weight`` would be skipped by its loader without a word;
+   has none (0.32's AutoWeightsLoader rejects ``layers.0.input_layernorm.weight``; older releases
+   skipped it without a word);
 3. the layer output goes through the target's final norm before the head *and* before it is fed back
    (f^ = norm(h)); vLLM applies no norm on either path.
 
-No weight rewrite turns one network into the other (RMSNorm is not linear), so an export would load
-and run, losslessly, but draft with a different network: :func:`export` refuses and names each
+No weight rewrite turns one network into the other (RMSNorm is not linear), so an export without the
+input norm would load and run, losslessly, but draft with a different network (difference 3 is silent): :func:`export` refuses and names each
 difference. A drafter whose config says it computes vLLM's network (``fc_bias`` false, and config keys
 ``input_norm`` / ``output_norm`` false where the drafter has them) is exported exactly.
 
