@@ -4,7 +4,7 @@
     python -m scripts.export checkpoint=outputs/eagle3-smollm2-135m-instruct format=sglang
     python -m scripts.export checkpoint=outputs/medusa-smollm2-135m-instruct output_dir=exported/medusa
 
-Keys: drafttrain.export.config.ExportConfig (``--help`` lists them); a typo'd key fails before any model
+Keys: :class:`ExportConfig` below (``--help`` lists them); a typo'd key fails before any model
 loads, and a recipe without an engine format fails with the formats that exist. Writes the engine's
 ``config.json`` + ``model.safetensors`` and ``export_info.json`` (format, target, the serve commands).
 """
@@ -13,13 +13,37 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("drafttrain.export")
 
 
+@dataclass
+class ExportConfig:
+    """Export a trained drafter to a folder a serving engine loads.
+
+    ``checkpoint``: a training run folder (``drafter/`` + ``config.json``) or a drafter folder.
+    ``format``: speculators | sglang | vllm_medusa | vllm_eagle; null = the recipe's default
+    (eagle3 / parallelspec_eagle3 -> speculators, medusa -> vllm_medusa, eagle -> vllm_eagle).
+    ``target_path``: the target's HF folder; null = the run's own target (the converted SmolLM2 by default).
+    A drafter trained on a random ``target=tiny`` needs the tiny target saved to disk and named here.
+    ``verifier``: the target name written into the exported config (``vllm serve DIR`` serves it);
+    null = the target's folder.
+    ``num_speculative_tokens``: the default chain length in the speculators config; null = the drafter's depth.
+    """
+
+    checkpoint: str | None = None
+    format: str | None = None
+    output_dir: str | None = None  # null = outputs/export/<run name>-<format>
+    target_path: str | None = None
+    verifier: str | None = None
+    num_speculative_tokens: int | None = None
+    overwrite: bool = False
+
+
 def run(c) -> Path:
-    """Export per ``c`` (an :class:`~drafttrain.export.config.ExportConfig`); returns the folder written.
+    """Export per ``c`` (an :class:`ExportConfig`); returns the folder written.
 
     Raises:
         ConfigError: no checkpoint; a random tiny target with no ``target_path``; an existing output folder.
@@ -34,7 +58,10 @@ def run(c) -> Path:
 
     if not c.checkpoint:
         raise ConfigError("checkpoint is required (checkpoint=outputs/<run> or a drafter folder)")
-    ddir = drafter_dir(c.checkpoint)
+    try:
+        ddir = drafter_dir(c.checkpoint)
+    except FileNotFoundError as err:
+        raise ConfigError(f"checkpoint={c.checkpoint}: {err}") from None
     recipe = json.loads((ddir / DRAFTER_CONFIG).read_text())["name"]
     fmt = resolve_format(recipe, c.format)  # before any model loads
     run_cfg = run_config(ddir)
@@ -79,11 +106,10 @@ def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from drafttrain.export.config import ExportConfig
-    from drafttrain.export.cli import parse
+    from drafttrain.cliconfig import parse_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = run(parse(ExportConfig, argv))
+    out = run(parse_cli(ExportConfig, argv))
     info = json.loads((out / "export_info.json").read_text())
     print(f"[drafttrain] exported {info['recipe']} -> {out} ({info['format']}); serve it with:", flush=True)
     for cmd in info["commands"]:
@@ -91,13 +117,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    from drafttrain.cliconfig import run_cli
 
-    from drafttrain.config import ConfigError
-    from drafttrain.export.common import ExportError
-
-    try:
-        main()
-    except (ConfigError, ExportError, FileNotFoundError) as err:
-        print(f"[drafttrain] error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)  # ExportError is a ConfigError: one line, exit status 2

@@ -13,7 +13,7 @@ both at batch 1. It checks vLLM speculative == vLLM plain token for token on eve
 and per-position acceptance beside our tau and per-position rates, tokens/s of both engines, and how
 many prompts the two engines' plain outputs agree on. Exit status 1 if vLLM's speculative output differs.
 
-Keys: drafttrain.export.config.ServeCheckConfig (``--help``).
+Keys: :class:`ServeCheckConfig` below (``--help``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,41 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("drafttrain.serve_check")
 RUNNER = Path(__file__).resolve().parents[1] / "drafttrain" / "export" / "vllm_runner.py"
 METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}
+
+
+@dataclass
+class ServeCheckConfig:
+    """Run vLLM on the target with and without an exported drafter, beside drafttrain's own engine.
+
+    ``export_dir``: a folder written by ``scripts.export`` (its ``export_info.json`` names the format and
+    target); or ``checkpoint`` (+ ``format``): exported first into ``output_dir/export``.
+    """
+
+    export_dir: str | None = None
+    checkpoint: str | None = None
+    format: str | None = None
+    target_path: str | None = None
+    prompts: str = "mt_bench"
+    num_prompts: int = 16
+    prompt_offset: int = 0
+    prompt_stride: int = 5  # every 5th MT-bench question: 2 of each of its 8 categories (the main job's eval set)
+    max_new_tokens: int = 128
+    num_speculative_tokens: int | None = None  # null = the drafter's depth
+    vllm_python: str | None = None  # null = .venv-vllm/bin/python (scripts/install_vllm.sh), else $DRAFTTRAIN_VLLM_PYTHON
+    vllm_threads: str = "0-1"  # VLLM_CPU_OMP_THREADS_BIND
+    vllm_memory_gb: float = 4.0  # VLLM_CPU_KVCACHE_SPACE
+    max_model_len: int = 1024
+    ours: bool = True  # also run drafttrain's SpecEngine (tau, tokens/s) on the same prompts
+    num_threads: int | None = None  # torch threads for our engine (null = torch's default)
+    output_dir: str = "outputs/serve_check"
+    timeout_s: int = 3600
+    extra: dict = field(default_factory=dict)  # extra keys for vLLM's speculative_config
 
 
 def vllm_python(explicit: str | None = None) -> Path | None:
@@ -81,14 +111,13 @@ def ours_per_position(hist: dict, steps: int, n: int) -> list[float]:
 
 
 def run(c) -> dict:
-    """The whole check per ``c`` (:class:`~drafttrain.export.config.ServeCheckConfig`); returns results.json's dict."""
+    """The whole check per ``c`` (:class:`ServeCheckConfig`); returns results.json's dict."""
     import torch
 
     from drafttrain.config import ConfigError, TargetConfig
     from drafttrain.data.template import end_of_turn_ids, prompt_ids
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.export import load_exported
-    from drafttrain.export.config import ExportConfig
     from drafttrain.target import load_target
 
     if c.num_prompts < 1 or c.max_new_tokens < 1 or c.prompt_stride < 1 or c.prompt_offset < 0:
@@ -103,7 +132,7 @@ def run(c) -> dict:
     if c.export_dir:
         export_dir = Path(c.export_dir)
     elif c.checkpoint:
-        from scripts.export import run as export_run
+        from scripts.export import ExportConfig, run as export_run
 
         export_dir = export_run(ExportConfig(checkpoint=c.checkpoint, format=c.format, target_path=c.target_path,
                                              output_dir=str(out / "export"), overwrite=True,
@@ -201,22 +230,17 @@ def report(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from drafttrain.export.cli import parse
-    from drafttrain.export.config import ServeCheckConfig
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    c = parse(ServeCheckConfig, argv)
-    r = run(c)
+    r = run(parse_cli(ServeCheckConfig, argv))
     print(report(r), flush=True)
-    return 0 if r["vllm_spec_equals_plain"] else 1
+    if not r["vllm_spec_equals_plain"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
-    from drafttrain.config import ConfigError
+    from drafttrain.cliconfig import run_cli
 
-    try:
-        sys.exit(main())
-    except ConfigError as err:
-        print(f"[drafttrain] error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from drafttrain.cliconfig import ConfigError
 
-class ExportError(ValueError):
-    """A drafter cannot be written in the asked format (wrong recipe, or no exact mapping exists)."""
+
+class ExportError(ConfigError):
+    """A drafter cannot be written in the asked format (wrong recipe, or no exact mapping exists).
+    A :class:`ConfigError` (a ValueError): the scripts report it in one line, exit status 2."""
 
 
 def drafter_dir(checkpoint: str | Path) -> Path:

@@ -12,6 +12,15 @@ What vLLM reads (vllm/model_executor/models/medusa.py and transformers_utils/con
   ``Drafter.draft_token_ids``. Head k = ``heads[k]`` here: vLLM's block k drafts the k-th token after the
   target's own next token, like ours.
 
+**vLLM 0.32 loads only full-vocabulary Medusa heads.** Its ``Medusa.__init__`` builds every
+``lm_heads[k]`` over ``vocab_size`` rows, while ``load_weights`` cuts the rows to ``token_map``, so a
+truncated checkpoint stops at ``assert loaded_weight.shape[output_dim] == self.org_vocab_size``
+(``vocab_parallel_embedding.py``), whichever row count the file holds (older releases built the
+heads over ``truncated_vocab_size`` and loaded this layout). A full-vocabulary drafter
+(``drafter.draft_vocab_size=0``) is written without ``token_map`` and loads. Padding a truncated
+head to v rows would not be exact (a zero row scores 0, above negative draft logits), so it is not
+done: the layout stays the documented one and :func:`export` logs a warning.
+
 The network is the same function: vLLM's ResidualBlock is x + SiLU(A x + c), then ``lm_heads[k]`` on the
 target's post-norm last hidden state (vLLM's Llama returns hidden states after the final norm), as in
 :class:`drafttrain.drafters.medusa.MedusaHead`. The export is exact.
@@ -21,12 +30,14 @@ Shape letters: K heads, d hidden, v target vocab, N draft vocab.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from drafttrain.export.common import ExportError, draft_token_ids, check_consumed, load_tensors, read_json, save_tensors, write_json
 
+log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 ENGINE = "vLLM Medusa loader"
 
@@ -83,6 +94,10 @@ def export(drafter, out_dir: Path, **_) -> dict:
     }
     save_tensors(out_dir / WEIGHTS, tensors, {"format": "pt"})
     write_json(out_dir / "config.json", config)
+    if truncated:
+        log.warning("vLLM 0.32 cannot load a truncated-vocabulary Medusa (its heads are built over the full "
+                    "vocabulary: an assertion in ParallelLMHead.weight_loader); train with "
+                    "drafter.draft_vocab_size=0 to serve with it (module docstring)")  # fmt: skip
     return config
 
 
