@@ -97,9 +97,9 @@ def medusa_reference(dr, batch, target) -> float:
     """Eq. 2 by loops: head k on f_p guesses x_{p+k+1}; per-head mean CE (mixed with the soft term when
     kd_weight > 0, the target's distribution of x_m being softmax(LM head(f_{m-1}))), weights 0.8^k."""
     ids, mask, lengths, feats = batch["input_ids"], batch["loss_mask"], batch["lengths"], batch["features"]
-    t2d = {int(tok): i for i, tok in enumerate(dr.d2t)}
+    t2d = {int(tok): i for i, tok in enumerate(dr.draft_token_ids)}
     a = dr.config["kd_weight"]
-    rows = target.lm_head.weight[dr.d2t]
+    rows = target.lm_head.weight[dr.draft_token_ids]
     terms: dict[int, list] = {}
     for i in range(ids.shape[0]):
         n = int(lengths[i])
@@ -162,9 +162,9 @@ def test_medusa_propose(tiny_target, batch):
     feats = batch["features"][:1, :6]
     out = dr.propose(batch["input_ids"][:1, 1:7], feats, DynamicCache())
     assert out.shape == (1, K, tiny_target.config.vocab_size) and out.dtype == torch.float32
-    torch.testing.assert_close(out[0][:, dr.d2t], dr.head_logits(feats[0, -1]))
+    torch.testing.assert_close(out[0][:, dr.draft_token_ids], dr.head_logits(feats[0, -1]))
     outside = torch.ones(tiny_target.config.vocab_size, dtype=torch.bool)
-    outside[dr.d2t] = False
+    outside[dr.draft_token_ids] = False
     assert torch.isinf(out[0][:, outside]).all()
 
 
@@ -278,11 +278,11 @@ def test_eagle_metrics_equal_teacher_token_chain(tiny_target, batch, monkeypatch
                 cache = DynamicCache()
                 pos, mask = L.inference_layout(a + 1, 0, torch.float32)
                 logits, f = dr.draft_step(ids[i : i + 1, 1 : a + 2], feats[i : i + 1, : a + 1], pos, mask, cache)
-                preds, f = [int(dr.d2t[logits[0, -1].argmax()])], f[:, -1:]
+                preds, f = [int(dr.draft_token_ids[logits[0, -1].argmax()])], f[:, -1:]
                 for j in range(1, D):
                     pos, mask = L.inference_layout(1, 0, torch.float32, past=cache.get_seq_length())
                     logits, f = dr.draft_step(torch.tensor([[max(y[a + j - 1], 0)]]), f, pos, mask, cache)
-                    preds.append(int(dr.d2t[logits[0, -1].argmax()]))
+                    preds.append(int(dr.draft_token_ids[logits[0, -1].argmax()]))
                 rows_v.append([y[a + j] != IGN for j in range(D)])
                 rows_c.append([y[a + j] != IGN and preds[j] == y[a + j] for j in range(D)])
     ref = group_acceptance_sums(torch.tensor(rows_c), torch.tensor(rows_v))
@@ -517,7 +517,7 @@ def test_draft_head_rows_cache_follows_the_draft_vocabulary(tiny_target):
     f = torch.randn(3, head.weight.shape[1])
 
     def fresh():
-        return F.linear(f, head.weight[d.d2t]).float()
+        return F.linear(f, head.weight[d.draft_token_ids]).float()
 
     torch.testing.assert_close(d.vocab_logits(f), fresh())
     first = d.draft_head_rows()[0]
@@ -534,3 +534,29 @@ def test_draft_head_rows_cache_follows_the_draft_vocabulary(tiny_target):
         with torch.no_grad():
             head.weight.copy_(old)
     torch.testing.assert_close(d.target_logits(f), fresh())
+
+
+def test_draft_vocab_uses_the_engines_offset_convention(tiny_target, tmp_path):
+    """d2t holds offsets (target id = i + d2t[i], vLLM / speculators / SGLang) and t2d marks the draft ids;
+    a checkpoint written before the convention (d2t = absolute ids, no t2d) loads to the same vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    d = build_drafter("eagle", {"draft_depth": 2, "draft_vocab_size": 4, "init_from_target_layer": False}, tiny_target)
+    assert d.d2t.tolist() == [0, 0, 0, 0] and d.t2d[:4].all() and not d.t2d[4:].any()
+    d.set_draft_vocab(torch.tensor([10, 3, 7, 500]))
+    assert d.d2t.tolist() == [10, 2, 5, 497]
+    assert d.draft_token_ids.tolist() == [10, 3, 7, 500]
+    assert torch.nonzero(d.t2d).flatten().tolist() == [3, 7, 10, 500]
+    assert d.target_to_draft(torch.tensor([7, 8, 500, -100])).tolist() == [2, -1, 3, -1]
+    with pytest.raises(ValueError, match="distinct"):
+        d.set_draft_vocab(torch.tensor([1, 1, 2, 3]))
+    d.save_pretrained(tmp_path / "new")
+    state = load_file(str(tmp_path / "new" / "drafter.safetensors"))
+    assert state["d2t"].tolist() == [10, 2, 5, 497] and state["t2d"].dtype == torch.bool
+    legacy = {k: v for k, v in state.items() if k != "t2d"}
+    legacy["d2t"] = torch.tensor([10, 3, 7, 500])  # the old absolute form
+    (tmp_path / "old").mkdir()
+    save_file(legacy, str(tmp_path / "old" / "drafter.safetensors"))
+    (tmp_path / "old" / "drafter_config.json").write_text((tmp_path / "new" / "drafter_config.json").read_text())
+    back = Drafter.from_pretrained(tmp_path / "old", tiny_target)
+    assert torch.equal(back.d2t, d.d2t) and torch.equal(back.t2d, d.t2d)

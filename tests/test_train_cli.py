@@ -192,6 +192,7 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
     init = drafter.state_dict()
     assert trained.keys() == init.keys()
     assert torch.equal(trained["d2t"], init["d2t"]) if "d2t" in init else True
+    assert torch.equal(trained["t2d"], init["t2d"]) if "t2d" in init else True
     params = [name for name, p in drafter.named_parameters() if p.requires_grad]
     assert KEY_PARAMS[recipe] <= set(params)
     for k in params:
@@ -219,7 +220,7 @@ def test_recipe_short_run(recipe_run3):
     assert "eval/tau_sim" in final and final["peak_memory_mb"] > 0
     trained, _, target = check_trained_drafter_only(run_dir, recipe)
     if recipe == "medusa":  # every head's W started as the target head's draft rows and moved a little
-        rows_w = target.lm_head.weight[trained["d2t"]]
+        rows_w = target.lm_head.weight[trained["d2t"] + torch.arange(trained["d2t"].numel())]  # offsets -> ids
         assert max((trained[f"heads.{k}.out.weight"] - rows_w).abs().max().item() for k in range(4)) < 1e-3
 
 

@@ -16,9 +16,17 @@ The in-training speculative evaluation (:mod:`drafttrain.eval.spec`) needs one m
 The target's embedding, final norm and LM head are shared *by reference* and frozen; they are kept
 out of the module tree (so they are neither optimised, nor wrapped by DDP, nor saved).
 
-Draft vocabulary (EAGLE-3's lever, docs/design.md): every drafter has a buffer ``d2t`` [N] int64 (draft
-id -> target id; N = v when unrestricted). Drafters score the N rows only; :meth:`Drafter.full_vocab_logits`
-scatters back to the target vocabulary with -inf elsewhere, so acceptance rules always see target ids.
+Draft vocabulary (EAGLE-3's lever, docs/design.md): every drafter has two buffers in the serving
+engines' convention (vLLM / speculators / SGLang, ../shared/SERVING.md), the ONE convention of this codebase:
+
+- ``d2t`` [N] int64, an **offset**: draft id i is target id ``i + d2t[i]`` (all zeros when unrestricted,
+  N = v); :attr:`Drafter.draft_token_ids` gives the absolute ids ``arange(N) + d2t``;
+- ``t2d`` [v] bool: True where a target id is in the draft vocabulary.
+
+Exporters write both buffers as they are. Checkpoints written before this convention (``d2t`` held
+absolute ids, no ``t2d``) are converted on load (:meth:`Drafter.from_pretrained`). Drafters score the N
+rows only; :meth:`Drafter.full_vocab_logits` scatters back to the target vocabulary with -inf elsewhere,
+so acceptance rules always see target ids.
 
 Shape letters: b batch, t items, d hidden, v target vocab, N draft vocab, m selected slots.
 """
@@ -120,7 +128,8 @@ class Drafter(nn.Module):
         return self.shared.lm_head.weight.shape[0]
 
     def _init_draft_vocab(self, draft_vocab_size: int) -> None:
-        """Register ``d2t`` = arange(N) (N = ``draft_vocab_size``, 0 = v); set real ids with :meth:`set_draft_vocab`.
+        """Register ``d2t`` = zeros(N) (offsets: the identity, N = ``draft_vocab_size``, 0 = v) and ``t2d``
+        (True on the first N ids); set real ids with :meth:`set_draft_vocab`.
 
         Raises:
             ValueError: N > v.
@@ -129,30 +138,43 @@ class Drafter(nn.Module):
         n = int(draft_vocab_size) or v
         if n > v:
             raise ValueError(f"draft_vocab_size {n} exceeds the target vocabulary {v}")
-        self.register_buffer("d2t", torch.arange(n), persistent=True)  # draft id -> target id
+        self.register_buffer("d2t", torch.zeros(n, dtype=torch.long), persistent=True)  # target id = i + d2t[i]
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[:n] = True
+        self.register_buffer("t2d", t2d, persistent=True)  # target id -> in the draft vocabulary
 
     @property
     def restricted_vocab(self) -> bool:
         return self.d2t.numel() < self.vocab_size
 
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        """[N] int64 target id of every draft id: ``arange(N) + d2t`` (the engines' offset convention)."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
     @torch.no_grad()
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Use the given target token ids ([N] int64, distinct, N = draft_vocab_size) as the draft vocabulary.
+        """Use the given target token ids ([N] int64, distinct, N = draft_vocab_size) as the draft vocabulary:
+        draft id i is ``token_ids[i]`` (stored as the offset ``d2t[i] = token_ids[i] - i``, and ``t2d``).
 
         Raises:
-            ValueError: wrong count or repeated ids.
+            ValueError: wrong count, repeated ids or ids outside [0, v).
         """
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).to(self.d2t.device)
         if token_ids.numel() != self.d2t.numel() or token_ids.unique().numel() != token_ids.numel():
             raise ValueError(f"need {self.d2t.numel()} distinct token ids, got {token_ids.numel()}")
-        self.d2t.copy_(token_ids.to(self.d2t.device))
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size):
+            raise ValueError(f"draft token ids must lie in [0, {self.vocab_size})")
+        self.d2t.copy_(token_ids - torch.arange(token_ids.numel(), device=token_ids.device))
+        self.t2d.zero_()
+        self.t2d[token_ids] = True
 
     def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         """Map target token ids [...] to draft ids (-1 where the id is outside the draft vocabulary or < 0)."""
         if not self.restricted_vocab:
             return ids
         t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=ids.device)
+        t2d[self.draft_token_ids.to(ids.device)] = torch.arange(self.d2t.numel(), device=ids.device)
         return t2d[ids.clamp_min(0)].masked_fill(ids < 0, -1)
 
     def vocab_logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -182,7 +204,7 @@ class Drafter(nn.Module):
         cached = self.__dict__.get("_head_rows_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                idx = self.d2t.to(wt.device)
+                idx = self.draft_token_ids.to(wt.device)
                 rows = (wt[idx].detach(), None if bias is None else bias[idx].detach())
             self.__dict__["_head_rows_cache"] = cached = (key, rows)
         return cached[1]
@@ -203,12 +225,12 @@ class Drafter(nn.Module):
         if not self.restricted_vocab:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.d2t] = logits
+        full[..., self.draft_token_ids.to(logits.device)] = logits
         return full
 
     # -- checkpoint format ----------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``drafter.safetensors`` (trainable weights + ``d2t``) and ``drafter_config.json``."""
+        """Write ``drafter.safetensors`` (trainable weights + ``d2t`` / ``t2d``) and ``drafter_config.json``."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -238,5 +260,10 @@ class Drafter(nn.Module):
         if name not in DRAFTERS:
             raise ValueError(f"unknown drafter '{name}' in {cfg_path}; known: {sorted(DRAFTERS)}")
         drafter = DRAFTERS[name](config, SharedTargetModules.from_target(target), init_weights=False)
-        drafter.load_state_dict(load_file(str(directory / DRAFTER_WEIGHTS)))
+        state = load_file(str(directory / DRAFTER_WEIGHTS))
+        if "d2t" in state and "t2d" not in state:  # written before the offset convention: d2t held absolute ids
+            ids = state.pop("d2t")
+            state["d2t"] = ids - torch.arange(ids.numel())
+            state["t2d"] = torch.zeros(drafter.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        drafter.load_state_dict(state)
         return drafter.to(target.device)

@@ -139,7 +139,7 @@ class FeatureLayerDrafter(Drafter):
                 (remove speculative entries afterwards with ``cache.crop(-count)``), or None.
 
         Returns:
-            (logits [b, q, N] float32 over the draft vocabulary (map ids with ``d2t`` or
+            (logits [b, q, N] float32 over the draft vocabulary (map ids with ``draft_token_ids`` or
             :meth:`full_vocab_logits`), predicted features f^ [b, q, d]).
         """
         h = self.decode(x, attention_mask, position_ids, past_key_values=cache, use_cache=cache is not None)

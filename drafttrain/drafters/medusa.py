@@ -13,7 +13,7 @@ target's next token. Training loss (Eq. 2): sum_k lambda_k CE(p_t^(k), x_{t+k+1}
 (Medusa's 0.8**k by default), each term averaged over its labelled positions.
 
 Draft vocabulary (``draft_vocab_size`` = N > 0): W_k holds only the target head's rows of the N draft
-token ids (``d2t``), copied from the target's rows, instead of all v rows. K full copies of
+token ids (``draft_token_ids``), copied from the target's rows, instead of all v rows. K full copies of
 SmolLM2-135M's 49152 x 576 head would be 4 x 28.3M trainable parameters whose matmuls dominate a CPU step;
 with N = 8192 a head is 4.7M. Labels outside the draft vocabulary are left out of the loss and count as
 misses in the metrics, as for the other drafters. N = 0 keeps Medusa's full-vocabulary heads.
@@ -89,7 +89,7 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def _copy_target_rows(self) -> None:
-        rows = self.shared.lm_head.weight[self.d2t.to(self.shared.lm_head.weight.device)]  # [N, d]
+        rows = self.shared.lm_head.weight[self.draft_token_ids.to(self.shared.lm_head.weight.device)]  # [N, d]
         for head in self.heads:
             head.out.weight.copy_(rows.to(head.out.weight))
 
@@ -110,7 +110,7 @@ class MedusaDrafter(Drafter):
         """Every head's logits from target features: [..., d] -> [..., K, N] float32 (draft vocabulary).
 
         Row k - 1 is head k, which guesses the k-th token after the token the target's head produces
-        from the same feature. Map draft ids to target ids with ``d2t`` or :meth:`full_vocab_logits`.
+        from the same feature. Map draft ids to target ids with ``draft_token_ids`` or :meth:`full_vocab_logits`.
         """
         f = features.to(self.heads[0].out.weight.dtype)
         return torch.stack([head(f) for head in self.heads], dim=-2).float()

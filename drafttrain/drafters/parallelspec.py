@@ -31,7 +31,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
     ``anchor_ratio`` (training anchor subsample, default 1.0; eval mode scores every anchor),
     ``init_from_target_layer`` (copy the target's last decoder layer as the starting point),
     ``fc_bias``, ``draft_vocab_size`` (0 = the target's full vocabulary; N > 0 = the drafter only
-    proposes the N token ids in buffer ``d2t``, a row subset of the frozen LM head, as in EAGLE-3; set
+    proposes the N token ids ``draft_token_ids`` (buffers ``d2t`` / ``t2d``), a row subset of the frozen LM head, as in EAGLE-3; set
     them with :meth:`set_draft_vocab`), ``kd_weight`` (mix of the target's soft distribution into Eq. 3's
     CE; the target's logits for the token at position t are LM head(f_{t-1}), read from the batch's
     features, so they cost no target forward).
