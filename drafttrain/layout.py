@@ -372,3 +372,77 @@ def chain_rollout_layout(anchors: torch.Tensor, num_items: int, step: int, dtype
     allowed = torch.cat([see_items, see_slots], dim=-1)
     position_ids = (anchors.clamp_min(0) + step).masked_fill(anchors < 0, 0)
     return position_ids, additive_mask(allowed, dtype)[:, None]
+
+
+def ttt_mask(num_items: int, num_steps: int) -> torch.Tensor:
+    """Allowed matrix of EAGLE-3's training-time test (TTT) unrolled over ``num_steps`` steps (Li et al.
+    2025, "EAGLE-3", section 3.2 and Fig. 6).
+
+    Step 0 is the teacher-forced pass over the t items; step k >= 1 adds one more query per position j
+    (row j of step k = the chain drafted from item j, at depth k: fed the token x_{j+k+1} and the
+    drafter's own output hidden state of step k - 1 at row j). Slot (k, j) sits at index k * t + j and
+    has RoPE position j + k (:func:`ttt_step_layout`). A query (k, j) attends to
+
+    - the step-0 keys at positions 0..j (the real context of its chain's anchor), and
+    - its own keys of steps 1..k at position j (its chain's earlier speculative items, itself included),
+
+    never to another position's speculative keys: exactly what inference drafting from item j sees after
+    k - 1 chain steps (tested against an autoregressive rollout). Example (t = 3, K = 3 steps; rows are
+    queries (step, position), 1 = may attend)::
+
+                 s0:0 s0:1 s0:2 | s1:0 s1:1 s1:2 | s2:0 s2:1 s2:2
+        s0:0       1    0    0  |   0    0    0  |   0    0    0
+        s0:1       1    1    0  |   0    0    0  |   0    0    0
+        s0:2       1    1    1  |   0    0    0  |   0    0    0
+        s1:0       1    0    0  |   1    0    0  |   0    0    0
+        s1:1       1    1    0  |   0    1    0  |   0    0    0
+        s1:2       1    1    1  |   0    0    1  |   0    0    0
+        s2:0       1    0    0  |   1    0    0  |   1    0    0
+        s2:1       1    1    0  |   0    1    0  |   0    1    0
+        s2:2       1    1    1  |   0    0    1  |   0    0    1
+
+    Args:
+        num_items: t >= 1.
+        num_steps: K >= 1 (step 0 included).
+
+    Returns:
+        [K * t, K * t] bool.
+
+    Raises:
+        ValueError: t < 1 or K < 1.
+    """
+    if num_items < 1 or num_steps < 1:
+        raise ValueError(f"need num_items >= 1 and num_steps >= 1, got {num_items}, {num_steps}")
+    t, k = num_items, num_steps
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))  # step-0 keys: positions <= j
+    diag = torch.eye(t, dtype=torch.bool)  # speculative keys: same position only
+    step_q = torch.arange(k)[:, None]
+    step_k = torch.arange(k)[None, :]
+    block_kind = torch.where(step_k == 0, 1, torch.where(step_k <= step_q, 2, 0))  # [K, K]: 1 causal, 2 diag, 0 none
+    blocks = torch.stack([torch.zeros(t, t, dtype=torch.bool), causal, diag])[block_kind]  # [K, K, t, t]
+    return blocks.permute(0, 2, 1, 3).reshape(k * t, k * t)
+
+
+def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype):
+    """Position ids and additive mask of TTT step k, run after steps 0..k-1 with their keys in a KV cache.
+
+    The rows of :func:`ttt_mask` for step k (queries (k, 0..t-1)) against the keys of steps 0..k (the
+    cache holds steps 0..k-1 in step order, t keys each, then this step's t keys). Shared by every
+    sequence of a right-padded batch: a real row j only sees keys at positions <= j, never padding.
+
+    Args:
+        num_items: t (the padded batch length of the items).
+        step: k >= 0 (0 = the teacher-forced causal pass).
+        dtype: mask dtype.
+
+    Returns:
+        (position_ids [1, t] int64 = j + k, attention_mask [1, 1, t, (k + 1) * t] additive float).
+
+    Raises:
+        ValueError: t < 1 or k < 0.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    allowed = ttt_mask(num_items, step + 1)[step * num_items :]  # [t, (k + 1) * t]
+    position_ids = torch.arange(num_items)[None] + step
+    return position_ids, additive_mask(allowed, dtype)[None, None]

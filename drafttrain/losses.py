@@ -1,6 +1,7 @@
 """Losses, one function per paper equation.
 
 - :func:`parallel_group_loss`: ParallelSpec Eq. 3 (and, with the anchor weight left out, Medusa's Eq. 2);
+- :func:`forward_kl`: EAGLE-3's training-time-test term, per TTT step;
 - :func:`eagle_group_loss`: EAGLE's objective (ParallelSpec Eq. 4) summed over group positions
   (ParallelSpec section 4.3, EAGLE integration; a single position is plain EAGLE).
 
@@ -38,6 +39,18 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
     """
     p = torch.softmax(target_logits.float(), dim=-1)
     return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_x p(x) (log p(x) - log q(x)) per row, p = softmax(target_logits), q = softmax(logits):
+    [m, v] x2 -> [m] float32 (0 where p == q).
+
+    EAGLE-3's training-time-test objective (Li et al. 2025, section 3.2; the peers' ``kl_div_loss``): the
+    soft cross-entropy of :func:`soft_cross_entropy` minus the target's entropy, so the value reads as a
+    distance and its gradient in ``logits`` is the soft CE's.
+    """
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    return (logp.exp() * (logp - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
 
 
 def weighted_position_mean(

@@ -59,7 +59,8 @@ def merge_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) ->
 
 def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
     """Turn (already reduced) sums into named metrics: ``{prefix}/acc_k``, ``cond_acc_k``, ``tau_sim``,
-    ``loss_k`` (when ``ce_sum``/``ce_count`` are present: mean hard CE at position k) and ``reg_loss_k``
+    ``loss_k`` (when ``ce_sum``/``ce_count`` are present: mean hard CE at position k), ``kl_k`` (when
+    ``kl_sum``/``kl_count`` are present: EAGLE-3's mean KL at TTT step k) and ``reg_loss_k``
     (when ``reg_sum``/``reg_count`` are present: EAGLE's mean feature regression loss at position k)."""
     out: dict[str, float] = {}
     if "acc_num" in sums:
@@ -74,6 +75,10 @@ def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
         for k in range(sums["ce_sum"].numel()):
             if sums["ce_count"][k] > 0:
                 out[f"{prefix}/loss_{k}"] = float(sums["ce_sum"][k] / sums["ce_count"][k])
+    if "kl_sum" in sums:
+        for k in range(sums["kl_sum"].numel()):
+            if sums["kl_count"][k] > 0:
+                out[f"{prefix}/kl_{k}"] = float(sums["kl_sum"][k] / sums["kl_count"][k])
     if "reg_sum" in sums:
         for k in range(sums["reg_sum"].numel()):
             if sums["reg_count"][k] > 0:

@@ -293,3 +293,68 @@ def test_additive_mask_values(dtype):
     lo = torch.finfo(dtype).min
     assert m.tolist() == [[0.0, lo], [0.0, 0.0]]
     assert torch.isfinite(m).all()
+
+
+# ---------------------------------------------------------------- EAGLE-3 training-time test (TTT)
+
+
+def reference_ttt_allowed(t: int, k: int) -> list[list[int]]:
+    """EAGLE-3's TTT rule as loops over (step, position) slots: (s, j) sees step-0 keys at positions <= j
+    and its own position's keys of steps 1..s."""
+    slots = [(s, j) for s in range(k) for j in range(t)]
+    return [[int((ks == 0 and kj <= qj) or (1 <= ks <= qs and kj == qj)) for ks, kj in slots] for qs, qj in slots]
+
+
+def test_ttt_mask_literal_t3_k3():
+    """The docstring matrix, written by hand."""
+    expected = [
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]  # fmt: skip
+    assert L.ttt_mask(3, 3).int().tolist() == expected
+    assert L.ttt_mask(2, 1).int().tolist() == [[1, 0], [1, 1]]  # one step: plain causal
+
+
+@pytest.mark.parametrize("t, k", [(1, 1), (1, 4), (4, 2), (5, 7), (7, 3)])
+def test_ttt_mask_matches_plain_loop(t, k):
+    assert L.ttt_mask(t, k).int().tolist() == reference_ttt_allowed(t, k)
+
+
+def test_ttt_step_layout_rows_and_positions():
+    """Step k: rows k*t.. of the full matrix over keys of steps 0..k, positions j + k; the same as the
+    EAGLE chain rollout from every item as anchor (two independent constructions of one rule)."""
+    t, k = 4, 3
+    full = L.ttt_mask(t, k + 1)
+    for step in range(k + 1):
+        pos, mask = L.ttt_step_layout(t, step, torch.float32)
+        assert pos.tolist() == [[j + step for j in range(t)]]
+        assert mask.shape == (1, 1, t, (step + 1) * t)
+        assert torch.equal(mask[0, 0] == 0, full[step * t : (step + 1) * t, : (step + 1) * t])
+        if step:
+            rpos, rmask = L.chain_rollout_layout(torch.arange(t)[None], t, step, torch.float32)
+            assert torch.equal(rpos, pos) and torch.equal(rmask, mask)
+    with pytest.raises(ValueError):
+        L.ttt_mask(0, 2)
+    with pytest.raises(ValueError):
+        L.ttt_step_layout(3, -1, torch.float32)
+
+
+def test_forward_kl_is_soft_ce_minus_entropy():
+    """EAGLE-3's per-step term: KL(p || q) >= 0, zero iff the distributions agree, soft CE - H(p)."""
+    from drafttrain.losses import forward_kl, soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    q, p = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    kl = forward_kl(q, p)
+    pp = torch.softmax(p, -1)
+    ref = (pp * (pp.log() - torch.log_softmax(q, -1))).sum(-1)
+    torch.testing.assert_close(kl, ref)
+    torch.testing.assert_close(kl, soft_cross_entropy(q, p) + (pp * pp.log()).sum(-1))
+    assert (kl > 0).all() and forward_kl(p, p).abs().max() < 1e-6
