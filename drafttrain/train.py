@@ -81,9 +81,9 @@ def prepare_data(c: TrainConfig, target, accelerator):
         else:
             convs = load_conversations(c)
             if c.data.self_distill:
-                name = Path(str(getattr(target.model, "name_or_path", "") or c.target.name)).name
-                if c.target.random_init:
-                    name = f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
+                from drafttrain.fingerprint import target_fingerprint
+
+                name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
                 key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
                                   c.data.first_turn_only)
                 ds, report = self_distill(
@@ -104,7 +104,7 @@ def prepare_data(c: TrainConfig, target, accelerator):
     if c.data.features == "cache":
         from drafttrain.data.feature_cache import attach_feature_cache
 
-        ds = attach_feature_cache(ds, c.data.feature_cache)
+        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target)
     keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
     if c.data.features == "live":
         keep = [k for k in keep if k != "features"]
@@ -279,28 +279,163 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path) -> Path:
+def remove_incomplete_checkpoints(out_dir: Path) -> list[Path]:
+    """Delete what a killed save left behind: ``.tmp_*`` / ``.old_*`` folders and ``step_*`` folders
+    without the COMPLETE marker (rank 0 only). Returns the removed paths."""
+    root = out_dir / CHECKPOINTS
+    gone = [p for p in root.glob(".tmp_step_*")] + [p for p in root.glob(".old_step_*")]
+    gone += [p for p in root.glob("step_*") if not (p / COMPLETE).is_file()]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+        log.warning("removed an incomplete checkpoint folder %s (a save was interrupted)", p)
+    return gone
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished folder ``tmp`` to ``final`` (same file system), replacing an older ``final``.
+
+    Both renames are atomic: a kill leaves either the old folder, or none at ``final`` (the old one
+    is then at ``.old_<name>`` and removed by the next save), never a half-written ``final``.
+    """
+    old = final.with_name(f".old_{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fault_point(name: str, step: int) -> None:
+    """Test-only fault injection: ``DRAFTTRAIN_FAULT=<name>@<step>`` makes this process SIGKILL itself at
+    the named point of that step (``step``: mid-step, after backward and before the optimizer step;
+    ``checkpoint``: while a checkpoint is being written, state saved but no marker; ``complete``: right
+    after a checkpoint became COMPLETE). Unset (always, outside ``tests/test_kill_resume.py``): nothing."""
+    spec = os.environ.get("DRAFTTRAIN_FAULT")
+    if spec and spec == f"{name}@{step}":
+        import signal
+
+        print(f"[drafttrain] DRAFTTRAIN_FAULT: SIGKILL at {spec}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path, metrics_lines: int = 0) -> Path:
     """accelerate state (drafter, optimizer, scheduler, RNG, TrainState) + drafter safetensors + config + git SHA.
 
-    A checkpoint counts only once its COMPLETE marker exists (written last), so a run killed while
-    saving resumes from the previous one. Old checkpoints beyond ``keep_checkpoints`` are removed.
+    Written into ``checkpoints/.tmp_step_N`` by every rank, then (after a barrier across ranks, so
+    every rank's shards are on disk) rank 0 writes the COMPLETE marker and renames the folder to
+    ``step_N``. A run killed at any point leaves either a complete checkpoint or a temporary folder
+    that the next save (or resume) removes; :func:`latest_checkpoint` only trusts COMPLETE ones.
+    ``metrics_lines`` (rows of ``metrics.jsonl`` so far) goes into ``meta.json``: a resume cuts the
+    file back to it, so every step is logged once. Old checkpoints beyond ``keep_checkpoints`` are removed.
     """
     from drafttrain.distributed import full_drafter
 
-    path = out_dir / CHECKPOINTS / f"step_{state.step:07d}"
+    root = out_dir / CHECKPOINTS
+    path = root / f"step_{state.step:07d}"
+    tmp = root / f".tmp_{path.name}"
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
     model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if accelerator.is_main_process:
-        model.save_pretrained(path / "drafter")
-        (path / "config.json").write_text(json.dumps(to_dict(c), indent=1))
-        (path / "meta.json").write_text(json.dumps({"git_sha": git_sha(), **state.state_dict()}, indent=1))
-        (path / COMPLETE).write_text("ok")
-        done = sorted(p for p in (out_dir / CHECKPOINTS).glob("step_*") if (p / COMPLETE).is_file())
+        model.save_pretrained(tmp / "drafter")
+        (tmp / "config.json").write_text(json.dumps(to_dict(c), indent=1))
+        from drafttrain.fingerprint import target_fingerprint
+
+        meta = {"git_sha": git_sha(), **state.state_dict(), "metrics_lines": metrics_lines,
+                "target_fingerprint": target_fingerprint(c.target)}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    fault_point("checkpoint", state.step)
+    accelerator.wait_for_everyone()  # every rank's part is written before the marker
+    if accelerator.is_main_process:
+        (tmp / COMPLETE).write_text("ok")
+        replace_dir(tmp, path)
+        fault_point("complete", state.step)
+        remove_incomplete_checkpoints(out_dir)
+        done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
         for old in done[: -c.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
+
+
+#: Keys that may differ between a checkpoint's config and a resumed run's (everything else must match,
+#: or ``resume=true`` refuses). Prefixes end with a dot or an underscore. trainer.max_steps: the
+#: learning rate follows the warm-up + cosine schedule of the *new* max_steps from the resume step on.
+RESUME_MAY_CHANGE = (
+    "resume", "run_name", "output_dir", "data.cache_dir", "logging.", "trainer.max_steps", "trainer.max_minutes",
+    "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.num_threads",
+    "trainer.progress", "trainer.spec_eval",
+)  # fmt: skip
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_mismatch(saved: dict, now: dict) -> list[str]:
+    """Keys (dotted) whose values differ between a checkpoint's config and this run's, leaving out
+    :data:`RESUME_MAY_CHANGE`; each as ``"key: checkpoint X, now Y"``."""
+    a, b = _flat(saved), _flat(now)
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k))
+    return [f"{k}: checkpoint {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}" for k in keys]
+
+
+def check_resume(c: TrainConfig) -> Path | None:
+    """The checkpoint ``resume=true`` will load, after checking it is this job's (no model loads here).
+
+    Raises:
+        ConfigError: the checkpoint's config differs in a key outside :data:`RESUME_MAY_CHANGE`; the
+            message names every differing key with both values.
+    """
+    from drafttrain.config import ConfigError
+    from drafttrain.data.shards import read_json
+
+    ckpt = latest_checkpoint(Path(c.output_dir))
+    if ckpt is None:
+        return None
+    saved = read_json(ckpt / "config.json", f"delete {ckpt} (an older checkpoint, if any, is used) and rerun")
+    diff = resume_mismatch(saved, to_dict(c))
+    meta_path = ckpt / "meta.json"
+    meta = read_json(meta_path, f"delete {ckpt} (an older checkpoint, if any, is used) and rerun") if meta_path.is_file() else {}
+    if meta.get("target_fingerprint"):
+        from drafttrain.fingerprint import target_fingerprint
+
+        now = target_fingerprint(c.target)
+        if meta["target_fingerprint"] != now:
+            diff.append(f"target weights: checkpoint {meta['target_fingerprint']}, now {now}")
+    if diff:
+        raise ConfigError(
+            f"resume=true: {ckpt} was written by a different job; these keys differ: {'; '.join(diff)}. "
+            f"Only {', '.join(RESUME_MAY_CHANGE)} may change on resume. Use another output_dir, or resume=false to "
+            f"start over."
+        )
+    return ckpt
+
+
+def set_schedule_lr(optimizer, base_lrs: list[float], step: int, c: TrainConfig) -> None:
+    """Set every param group's lr to the schedule's value for the next step (after a resume): the
+    warm-up + cosine of the *current* ``trainer.max_steps``, which a resume may have changed."""
+    factor = lr_lambda(step, c.optim.warmup_steps, c.trainer.max_steps, c.optim.min_lr_ratio)
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = base * factor
+
+
+def atomic_save_pretrained(model, final: Path) -> None:
+    """``model.save_pretrained`` into a temporary folder renamed into place (:func:`replace_dir`)."""
+    tmp = final.with_name(f".tmp_{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    replace_dir(tmp, final)
 
 
 # ==================================================================================================
@@ -359,15 +494,47 @@ def peak_memory_mb(device) -> float:
 
 
 class MetricsLog:
-    """Rank 0's JSONL file of every logged metric dict (``metrics.jsonl`` in the run folder)."""
+    """Rank 0's JSONL file of every logged metric dict (``metrics.jsonl`` in the run folder).
+
+    ``lines`` counts its rows; a checkpoint records it, and :meth:`start` cuts the file back to the
+    checkpoint's count on resume (a fresh run starts an empty file), so a resumed run logs each step once.
+    """
 
     def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+        self.path, self.enabled, self.lines = path, enabled, 0
+
+    def start(self, keep_lines: int | None) -> None:
+        """Fresh run (``keep_lines=None``): empty the file. Resume: keep its first ``keep_lines`` rows."""
+        if not self.enabled:
+            return
+        from drafttrain.data.shards import atomic_write_text
+
+        rows = []
+        if keep_lines and self.path.is_file():
+            rows = self.path.read_text().splitlines(keepends=True)[:keep_lines]
+            if len(rows) < keep_lines:
+                log.warning("%s has %d rows, the checkpoint expected %d", self.path, len(rows), keep_lines)
+        atomic_write_text(self.path, "".join(rows))
+        self.lines = len(rows)
 
     def write(self, metrics: dict[str, Any], step: int) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.lines += 1
+
+
+def wandb_run_id(out_dir: Path, resume_from: Path | None) -> str:
+    """The W&B run id of this run folder: a resumed run reuses the one in ``out_dir/wandb_run_id``
+    (written by the run that started the folder), so W&B continues the same run; a fresh run makes a new one."""
+    path = out_dir / "wandb_run_id"
+    if resume_from is not None and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id
 
 
 # ==================================================================================================
@@ -388,6 +555,10 @@ def run(cfg) -> dict[str, Any]:
 
         return train_decision_model(c)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
+    resume_from = check_resume(c) if c.resume else None  # a changed job fails here, before anything loads
+    from drafttrain.fingerprint import target_fingerprint
+
+    target_fp = target_fingerprint(c.target)  # config + weights hash (cached); recorded with every checkpoint
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -417,6 +588,7 @@ def run(cfg) -> dict[str, Any]:
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(c), indent=1))
+        (out_dir / "target.json").write_text(json.dumps({"name": c.target.name, "fingerprint": target_fp}, indent=1))
     set_seed(c.seed)
     t_start = time.time()
 
@@ -448,13 +620,18 @@ def run(cfg) -> dict[str, Any]:
     state = TrainState()
     accelerator.register_for_checkpointing(state)
 
-    if c.resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is not None:
-            accelerator.load_state(str(ckpt))
-            log.info("resumed from %s at step %d (samples %d)", ckpt, state.step, state.samples)
-        else:
-            log.info("resume=true but no checkpoint in %s: starting fresh", out_dir / CHECKPOINTS)
+    metrics_lines = None  # fresh run: metrics.jsonl starts empty
+    if main and (out_dir / CHECKPOINTS).is_dir():
+        remove_incomplete_checkpoints(out_dir)
+    accelerator.wait_for_everyone()
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        meta = json.loads((resume_from / "meta.json").read_text())
+        metrics_lines = meta.get("metrics_lines")
+        set_schedule_lr(opt, sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs, state.step, c)
+        log.info("resumed from %s at step %d (samples %d)", resume_from, state.step, state.samples)
+    elif c.resume:
+        log.info("resume=true but no checkpoint in %s: starting fresh", out_dir / CHECKPOINTS)
     elif main and (out_dir / CHECKPOINTS).exists():
         log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
 
@@ -465,9 +642,11 @@ def run(cfg) -> dict[str, Any]:
         accelerator.init_trackers(
             c.logging.wandb_project,
             config={**to_dict(c), "git_sha": git_sha(), "trainable_params": n_params, "launch": launch},
-            init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name}},
+            init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name, "id": wandb_run_id(out_dir, resume_from) if main else None,
+                                   "resume": "allow"}},
         )
     mlog = MetricsLog(out_dir / "metrics.jsonl", main)
+    mlog.start(metrics_lines)
 
     def log_metrics(metrics: dict[str, Any], step: int) -> None:
         mlog.write(metrics, step)
@@ -503,6 +682,7 @@ def run(cfg) -> dict[str, Any]:
             with accelerator.accumulate(drafter), accelerator.autocast():
                 out = drafter(batch, gen)
                 accelerator.backward(out.loss)
+            fault_point("step", state.step + 1)
             window_sums = merge_sums(window_sums, out.sums)
             window_tokens += out.num_tokens
             window_seq_tokens += int(batch["lengths"].sum())
@@ -553,7 +733,7 @@ def run(cfg) -> dict[str, Any]:
             accelerator.wait_for_everyone()
             seg_start, base_seconds = time.time(), state.train_seconds  # eval time is not training time
         if c.trainer.save_every and state.step % c.trainer.save_every == 0:
-            save_checkpoint(accelerator, drafter, c, state, out_dir)
+            save_checkpoint(accelerator, drafter, c, state, out_dir, mlog.lines)
     bar.close()
     train_seconds = state.train_seconds
 
@@ -567,19 +747,21 @@ def run(cfg) -> dict[str, Any]:
     }
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))
-    save_checkpoint(accelerator, drafter, c, state, out_dir)
+    save_checkpoint(accelerator, drafter, c, state, out_dir, mlog.lines)
     final["peak_mem_mb_per_rank"] = [round(x, 1) for x in per_rank(accelerator, peak_memory_mb(accelerator.device))]
     final["launch"] = launch
     model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if main:
-        model.save_pretrained(out_dir / "drafter")
+        atomic_save_pretrained(model, out_dir / "drafter")
         if c.trainer.spec_eval_num_prompts > 0:
             final.update(spec_eval(c, target, model))
         final["wall_seconds"] = round(time.time() - t_start, 1)
         log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:
             log_eval_table(accelerator, final, state.step)
-        (out_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
+        from drafttrain.data.shards import atomic_write_text
+
+        atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
         summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
         print(f"[drafttrain] done: {summary}", flush=True)
     accelerator.wait_for_everyone()

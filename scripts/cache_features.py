@@ -49,9 +49,11 @@ def run(cfg) -> dict:
         return {"bytes_estimated": est, "rows": len(ds)}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(c.target, device=device)
-    name = c.target.name if not c.target.random_init else f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
+    from drafttrain.fingerprint import target_fingerprint
+
+    fp = target_fingerprint(c.target)  # the target's content (config + weights), not its name
     meta = build_feature_cache(target, ds, out, dtype=c.dtype, top_k=c.top_k, batch_size=c.batch_size,
-                               shard_size=c.shard_size, target_name=name, progress=c.progress)
+                               shard_size=c.shard_size, target_name=c.target.name, target_fingerprint=fp, progress=c.progress)
     off = 100 * (meta["bytes_written"] - meta["bytes_estimated"]) / max(meta["bytes_estimated"], 1)
     print(f"[cache_features] wrote {meta['bytes_written']} bytes (estimate {meta['bytes_estimated']}, {off:+.2f}%): "
           f"{json.dumps({k: meta[k] for k in ('rows', 'dtype', 'top_k', 'schema_version')})}", flush=True)

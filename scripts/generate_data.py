@@ -48,8 +48,10 @@ def run(cfg) -> dict:
     log.info(stats.report())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(c.target, device=device)
-    name = c.target.name if not c.target.random_init else f"tiny-{c.target.hidden_size}-{c.target.num_hidden_layers}-{c.target.seed}"
-    _, report = generate_dataset(target, convs, out, c.generation, target_name=name, load_stats=stats, progress=c.progress,
+    from drafttrain.fingerprint import target_fingerprint
+
+    fp = target_fingerprint(c.target)  # the target's content (config + weights), not its name
+    _, report = generate_dataset(target, convs, out, c.generation, target_name=fp, load_stats=stats, progress=c.progress,
                                  max_seconds=60 * c.max_minutes if c.max_minutes else None)
     (out / "config.json").write_text(json.dumps(to_dict(c), indent=1))
     r = report

@@ -44,8 +44,11 @@ def generated(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cache16(tiny_target, generated, tmp_path_factory):
     out = tmp_path_factory.mktemp("cache") / "fp16"
+    from drafttrain.config import TargetConfig
+    from drafttrain.fingerprint import target_fingerprint
+
     meta = build_feature_cache(tiny_target, generated[1], out, dtype="float16", top_k=4, batch_size=3, shard_size=3,
-                               progress=False)
+                               progress=False, target_fingerprint=target_fingerprint(TargetConfig(random_init=True)))
     return out, meta
 
 

@@ -103,20 +103,43 @@ def recipe_run3(request, tmp_path_factory, data_cache):
     return request.param, run_dir, proc
 
 
+def launch_killed(run_dir: Path, data_cache: Path, fault: str, *overrides: str) -> subprocess.CompletedProcess:
+    """A training launch that SIGKILLs itself at ``fault`` (``DRAFTTRAIN_FAULT``, :func:`drafttrain.train.fault_point`)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
+           "+recipe=parallelspec", "target=tiny", *FAST, f"data.cache_dir={data_cache}", f"output_dir={run_dir}",
+           *overrides]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "DRAFTTRAIN_FAULT": fault}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"SIGKILL at {fault}" in output(proc), output(proc)[-4000:]
+    return proc
+
+
+SIX = ("trainer.max_steps=6", "trainer.save_every=2")
+
+
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory, data_cache):
-    """Run A (6 steps, checkpoint every 3); run B identical, then 'killed' after step 3 and relaunched."""
+    """Run A: 6 steps, never interrupted. Run B: the same job, SIGKILLed three times and resumed each time:
+
+    1. while the step-4 checkpoint is being written (state saved, no marker): resumes from step 2;
+    2. in the middle of step 5 (after backward, before the optimizer step): resumes from step 4;
+    3. right after the final (step-6) checkpoint became COMPLETE, before ``drafter/`` and
+       ``final_metrics.json``: resumes from step 6 and only finishes.
+
+    Returns (A, B, {what: the state of B right after that kill / the relaunch's output}).
+    """
     root = tmp_path_factory.mktemp("resume")
     a, b = root / "A", root / "B"
-    six = ("trainer.max_steps=6", "trainer.save_every=3")
-    train(a, data_cache, *six)
-    train(b, data_cache, *six)
-    shutil.rmtree(b / "checkpoints" / "step_0000006")
-    assert (b / "checkpoints" / "step_0000003" / "COMPLETE").is_file()
-    lines = [line for line in (b / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
-    (b / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
-    relaunch = train(b, data_cache, *six, "resume=true")
-    return a, b, relaunch
+    train(a, data_cache, *SIX)
+    seen = {}
+    launch_killed(b, data_cache, "checkpoint@4", *SIX)
+    seen["after_kill_1"] = sorted(p.name for p in (b / "checkpoints").iterdir())
+    seen["log_2"] = output(launch_killed(b, data_cache, "step@5", *SIX, "resume=true"))
+    seen["log_3"] = output(launch_killed(b, data_cache, "complete@6", *SIX, "resume=true"))
+    seen["after_kill_3"] = (sorted(p.name for p in (b / "checkpoints").iterdir()),
+                            (b / "drafter").exists(), (b / "final_metrics.json").exists())  # fmt: skip
+    seen["log_4"] = output(train(b, data_cache, *SIX, "resume=true"))
+    return a, b, seen
 
 
 # ---------------------------------------------------------------- a short run
@@ -227,19 +250,49 @@ def test_recipe_short_run(recipe_run3):
 # ---------------------------------------------------------------- resume
 
 
-def test_resume_replays_the_uninterrupted_run(resume_runs):
-    """A killed run resumes at the right step, learning rate and data position: its steps 4..6 log the
-    same loss, lr and sample count as the run that was never interrupted."""
-    a, b, relaunch = resume_runs
+def test_kill_9_and_resume_equals_the_uninterrupted_run(resume_runs):
+    """SIGKILLed mid-step, mid-checkpoint and right after COMPLETE, then resumed: the same per-step loss,
+    lr and data position as the run that was never interrupted, each step logged once (no truncation
+    of metrics.jsonl by the test: the resumed run itself cuts it back to its checkpoint), and the same
+    final drafter weights."""
+    from safetensors.torch import load_file
+
+    a, b, seen = resume_runs
+    assert seen["after_kill_1"] == [".tmp_step_0000004", "step_0000002"]  # the interrupted save left no step_4
+    assert re.search(r"resumed from \S*step_0000002 at step 2", seen["log_2"]), seen["log_2"][-3000:]
+    assert "removed an incomplete checkpoint folder" in seen["log_2"]
+    assert re.search(r"resumed from \S*step_0000004 at step 4", seen["log_3"]), seen["log_3"][-3000:]
+    # killed before the old step_2 was pruned and before drafter/ and final_metrics.json were written
+    assert seen["after_kill_3"] == (["step_0000002", "step_0000004", "step_0000006"], False, False)
+    assert re.search(r"resumed from \S*step_0000006 at step 6", seen["log_4"]), seen["log_4"][-3000:]
+
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    steps_b = [r["step"] for r in rows_b if "train/loss" in r]
+    assert steps_b == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [r["step"] for r in rows_b] == [r["step"] for r in rows_a]  # and every other row (final eval) once
     ra, rb = train_rows(a), train_rows(b)
-    assert sorted(ra) == sorted(rb) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5, 6):
+    for step in range(1, 7):
         for key in ("train/loss", "train/lr", "train/samples"):
-            assert rb[step][key] == pytest.approx(ra[step][key], rel=1e-6), (step, key)
+            assert rb[step][key] == pytest.approx(ra[step][key], rel=1e-6, abs=0), (step, key)
     assert [ra[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(GOLDEN_LOSSES, rel=1e-4)
-    log = output(relaunch)
-    assert re.search(r"resumed from \S*step_0000003 at step 3", log), log[-3000:]
+    wa, wb = load_file(str(a / "drafter" / "drafter.safetensors")), load_file(str(b / "drafter" / "drafter.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-6, atol=0, msg=k)
     assert json.loads((b / "final_metrics.json").read_text())["step"] == 6
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_0000004", "step_0000006"]
+    assert not list(b.glob(".tmp_*")) and not list(b.glob(".old_*"))
+
+
+def test_resumed_run_is_one_wandb_run(resume_runs):
+    """Every launch of the killed-and-resumed run B logs to the same W&B run id (offline: one folder per
+    launch, all named with that id); run A has its own."""
+    a, b, _ = resume_runs
+    ids_b = {p.name.rsplit("-", 1)[-1] for p in (b / "wandb").glob("offline-run-*")}
+    ids_a = {p.name.rsplit("-", 1)[-1] for p in (a / "wandb").glob("offline-run-*")}
+    assert len(list((b / "wandb").glob("offline-run-*"))) == 4
+    assert ids_b == {(b / "wandb_run_id").read_text().strip()}
+    assert len(ids_a) == 1 and ids_a != ids_b
 
 
 # ---------------------------------------------------------------- config errors fail fast

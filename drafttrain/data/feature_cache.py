@@ -138,6 +138,7 @@ def build_feature_cache(
     shard_size: int = 64,
     target_name: str = "target",
     progress: bool = True,
+    target_fingerprint: str | None = None,
 ) -> dict:
     """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable).
 
@@ -149,7 +150,9 @@ def build_feature_cache(
         top_k: also store the target's top-k logits (0: none).
         batch_size: rows per target forward (sorted by length within a shard: little padding).
         shard_size: rows per shard (the unit of resume).
-        target_name: recorded in the metadata; part of the job fingerprint.
+        target_name: recorded in the metadata (for messages).
+        target_fingerprint: the target's content fingerprint (:func:`drafttrain.fingerprint.target_fingerprint`),
+            part of the job fingerprint and checked when the cache is attached to a training run.
 
     Returns:
         The metadata dict written to ``feature_cache.json`` (``bytes_estimated``, ``bytes_written``, ...).
@@ -170,7 +173,8 @@ def build_feature_cache(
     lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
     fp = dataset_fingerprint(ds)
     job = {"schema_version": SCHEMA_VERSION, "dataset_fingerprint": fp, "target": target_name, "dtype": dtype,
-           "top_k": top_k, "shard_size": shard_size, "rows": len(ds), "hidden_size": d}
+           "top_k": top_k, "shard_size": shard_size, "rows": len(ds), "hidden_size": d,
+           "target_fingerprint": target_fingerprint}
     job["fingerprint"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     estimate = estimate_bytes(lengths, d, top_k, shard_size)
     store = ShardStore(out_dir, job)
@@ -205,12 +209,14 @@ def build_feature_cache(
     return meta
 
 
-def load_feature_cache(path: str | Path, ds=None):
+def load_feature_cache(path: str | Path, ds=None, target_cfg=None):
     """The cache as one ``datasets.Dataset`` in dataset row order.
 
     Args:
         path: a folder written by :func:`build_feature_cache`.
         ds: if given, the dataset the cache must belong to (same ``input_ids``, row for row).
+        target_cfg: if given, the :class:`~drafttrain.config.TargetConfig` the cache must have been made
+            with (compared by :func:`drafttrain.fingerprint.target_fingerprint`, not by name).
 
     Raises:
         FeatureCacheError: no finished cache there, another schema version, or another dataset.
@@ -227,6 +233,16 @@ def load_feature_cache(path: str | Path, ds=None):
         raise FeatureCacheError(
             f"{path}: feature cache schema version {meta.get('schema_version')}, this code reads {SCHEMA_VERSION}; rebuild it"
         )
+    if target_cfg is not None:
+        from drafttrain.fingerprint import target_fingerprint
+
+        now = target_fingerprint(target_cfg)
+        if meta.get("target_fingerprint") != now:
+            raise FeatureCacheError(
+                f"{path} holds the features of target {meta.get('target')!r} (fingerprint "
+                f"{meta.get('target_fingerprint')}), not of this run's target {target_cfg.name!r} (fingerprint {now}): "
+                f"rebuild it with `python -m scripts.cache_features` for this target, or use data.features=live"
+            )
     if ds is not None:
         if len(ds) != meta["rows"] or dataset_fingerprint(ds) != meta["dataset_fingerprint"]:
             raise FeatureCacheError(f"{path} was built for another dataset ({meta['rows']} rows, input_ids "
@@ -238,17 +254,18 @@ def load_feature_cache(path: str | Path, ds=None):
     return datasets.concatenate_datasets(parts)
 
 
-def attach_feature_cache(ds, path: str | Path):
+def attach_feature_cache(ds, path: str | Path, target_cfg=None):
     """``ds`` with the cache's columns (``features`` [+ ``topk_ids``, ``topk_logits``]) joined row by row.
 
     A ``features`` column the dataset already has is replaced by the cache's.
 
     Raises:
-        FeatureCacheError: the cache does not belong to ``ds`` (see :func:`load_feature_cache`).
+        FeatureCacheError: the cache does not belong to ``ds`` or (``target_cfg`` given) was made with
+            another target (see :func:`load_feature_cache`).
     """
     import datasets
 
-    cache = load_feature_cache(path, ds)
+    cache = load_feature_cache(path, ds, target_cfg)
     drop = [c for c in cache.column_names if c in ds.column_names]
     base = ds.remove_columns(drop) if drop else ds
     if base._indices is not None:  # a selection: materialise the order so the rows line up

@@ -44,14 +44,31 @@ def _drafter_dir(checkpoint: Path) -> Path:
 def check_checkpoint(c: EvalConfig) -> Path | None:
     """Find the drafter folder and check the checkpoint was trained for the configured target (no model loads).
 
+    The run folder's ``target.json`` (written by training) identifies the target by its content
+    (:func:`drafttrain.fingerprint.target_fingerprint`: config + weights hash); a run without it (older
+    runs, hand-made folders) is checked by ``target.name`` in its ``config.json``.
+
     Raises:
         FileNotFoundError: no drafter in ``c.checkpoint``.
-        ConfigError: the training config names another target.
+        ConfigError: the checkpoint was trained for another target (the message names both).
     """
     if c.checkpoint is None:
         return None
     ckpt = Path(c.checkpoint).expanduser()
     ddir = _drafter_dir(ckpt)
+    for tpath in (ddir.parent / "target.json", ckpt / "target.json", ddir.parent.parent.parent / "target.json"):
+        if tpath.is_file():  # written by training: the target's content fingerprint (config + weights)
+            from drafttrain.fingerprint import target_fingerprint
+
+            trained = json.loads(tpath.read_text())
+            now = target_fingerprint(c.target)
+            if trained.get("fingerprint") != now:
+                raise ConfigError(
+                    f"{c.checkpoint} was trained for target '{trained.get('name')}' (fingerprint {trained.get('fingerprint')}), "
+                    f"but this evaluation's target '{c.target.name}' is another model (fingerprint {now}): pass the "
+                    f"target it was trained for (target=... / target.path=...)"
+                )
+            return ddir
     for cfg_path in (ddir.parent / "config.json", ckpt / "config.json"):
         if cfg_path.is_file():
             trained = json.loads(cfg_path.read_text()).get("target", {})

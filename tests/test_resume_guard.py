@@ -1,0 +1,100 @@
+"""Resume refuses a changed job, before any model loads; a short documented list of keys may change
+(issue 17, item 3). Also the checkpoint writing helpers (atomic rename, cleanup of interrupted saves).
+
+Why: ``resume=true`` used to load any checkpoint in ``output_dir`` into whatever the new command
+built: another drafter width failed deep inside ``load_state`` and another data or optimizer setting
+silently trained a mixture of two jobs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafttrain import train as T
+from drafttrain.config import ConfigError, to_dict
+
+
+def _cfg(tmp_path, *overrides):
+    from helpers import compose_dict
+
+    return compose_dict("train", ["+recipe=parallelspec", "target=tiny", f"output_dir={tmp_path / 'run'}", *overrides])
+
+
+def _fake_checkpoint(tmp_path, *overrides, step=3):
+    from drafttrain.config import resolve_mixed_precision, validate
+
+    c = validate(_cfg(tmp_path, *overrides))
+    c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
+    ck = tmp_path / "run" / T.CHECKPOINTS / f"step_{step:07d}"
+    ck.mkdir(parents=True)
+    (ck / "config.json").write_text(json.dumps(to_dict(c)))
+    (ck / T.COMPLETE).write_text("ok")
+    return ck
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    import drafttrain.target
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the resume check")
+
+    monkeypatch.setattr(drafttrain.target, "load_target", boom)
+
+
+@pytest.mark.parametrize("changed", [["drafter.num_mask_tokens=2"], ["data.max_conversations=100"], ["optim.lr=1e-3"],
+                                     ["target.hidden_size=32"], ["seed=1", "optim.weight_decay=0.1"]])  # fmt: skip
+def test_resume_refuses_a_changed_job_naming_the_keys(tmp_path, no_model, changed):
+    _fake_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="different job") as err:
+        T.run(_cfg(tmp_path, "resume=true", *changed))
+    for override in changed:
+        assert override.split("=")[0] in str(err.value)
+    assert "Use another output_dir" in str(err.value)
+
+
+def test_resume_allows_the_documented_keys(tmp_path):
+    ck = _fake_checkpoint(tmp_path)
+    c = T.validate(_cfg(tmp_path, "resume=true", "trainer.max_steps=5000", "trainer.max_minutes=30", "trainer.log_every=3",
+                        "trainer.save_every=7", "trainer.keep_checkpoints=4", "logging.wandb=false", "run_name=again"))  # fmt: skip
+    c.trainer.mixed_precision = T.resolve_mixed_precision(c.trainer.mixed_precision)
+    assert T.check_resume(c) == ck
+
+
+def test_changed_max_steps_follows_the_new_schedule():
+    """After a resume with another trainer.max_steps, the next step's lr is the warm-up + cosine schedule
+    of the NEW max_steps at that step (the already-taken steps keep theirs)."""
+    from drafttrain.config import TrainConfig
+
+    c = TrainConfig()
+    c.optim.lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 1e-3, 2, 0.1
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=c.optim.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: T.lr_lambda(s, 2, 6, 0.1))  # the first run: 6 steps
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    c.trainer.max_steps = 20
+    T.set_schedule_lr(opt, sched.base_lrs, 4, c)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * T.lr_lambda(4, 2, 20, 0.1))
+    assert opt.param_groups[0]["lr"] != pytest.approx(1e-3 * T.lr_lambda(4, 2, 6, 0.1))
+
+
+def test_interrupted_saves_are_removed_and_replace_is_atomic(tmp_path):
+    root = tmp_path / T.CHECKPOINTS
+    for name in ("step_0000002", "step_0000004", ".tmp_step_0000006", ".old_step_0000004"):
+        (root / name).mkdir(parents=True)
+    (root / "step_0000002" / T.COMPLETE).write_text("ok")  # step_4 has no marker: an interrupted save
+    gone = T.remove_incomplete_checkpoints(tmp_path)
+    assert sorted(p.name for p in gone) == [".old_step_0000004", ".tmp_step_0000006", "step_0000004"]
+    assert T.latest_checkpoint(tmp_path).name == "step_0000002"
+    new = tmp_path / ".tmp_x"
+    new.mkdir()
+    (new / "f").write_text("new")
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "f").write_text("old")
+    T.replace_dir(new, tmp_path / "x")
+    assert (tmp_path / "x" / "f").read_text() == "new" and not new.exists() and not (tmp_path / ".old_x").exists()
