@@ -120,14 +120,12 @@ def _eagle3(target, recipe="eagle3", n_vocab=300, **cfg):
 def deep_target():
     """A tiny random target with 8 layers and head_dim 32: EAGLE-3's default ids (2, 4, 5) are distinct
     there, and vLLM's CPU attention takes head_dim 32 (not the usual tiny target's 16)."""
-    from drafttrain import assets
     from drafttrain.config import TargetConfig
     from drafttrain.target import load_target
+    from helpers import need_input
 
-    try:
-        t = load_target(TargetConfig(random_init=True, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1))
-    except assets.MissingAssetError as err:
-        pytest.skip(str(err))
+    t = need_input(lambda: load_target(TargetConfig(random_init=True, num_hidden_layers=8, num_attention_heads=2,
+                                                    num_key_value_heads=1)))  # missing package: fail, never skip
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # varied weights: greedy continuations change at every step
         for p in t.model.parameters():
