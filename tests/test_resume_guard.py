@@ -98,3 +98,12 @@ def test_interrupted_saves_are_removed_and_replace_is_atomic(tmp_path):
     (tmp_path / "x" / "f").write_text("old")
     T.replace_dir(new, tmp_path / "x")
     assert (tmp_path / "x" / "f").read_text() == "new" and not new.exists() and not (tmp_path / ".old_x").exists()
+
+
+def test_resume_refuses_other_target_weights_under_the_same_config(tmp_path, no_model):
+    """Same config, but the checkpoint's meta.json records another target fingerprint (the weights at
+    target.path changed): refused, naming the target weights."""
+    ck = _fake_checkpoint(tmp_path)
+    (ck / "meta.json").write_text(json.dumps({"step": 3, "target_fingerprint": "0123456789abcdef"}))
+    with pytest.raises(ConfigError, match=r"target weights: checkpoint 0123456789abcdef, now tiny-"):
+        T.run(_cfg(tmp_path, "resume=true"))
