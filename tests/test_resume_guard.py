@@ -107,3 +107,16 @@ def test_resume_refuses_other_target_weights_under_the_same_config(tmp_path, no_
     (ck / "meta.json").write_text(json.dumps({"step": 3, "target_fingerprint": "0123456789abcdef"}))
     with pytest.raises(ConfigError, match=r"target weights: checkpoint 0123456789abcdef, now tiny-"):
         T.run(_cfg(tmp_path, "resume=true"))
+
+
+def test_metrics_log_is_cut_back_to_the_checkpoint_on_resume(tmp_path):
+    """A resumed run keeps the rows its checkpoint counted and appends after them (each step once); a
+    fresh run in the same folder starts an empty file (it used to append to the old run's rows)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5)))  # killed after step 5
+    mlog = T.MetricsLog(path, True)
+    mlog.start(3)  # the checkpoint at step 3 had written 3 rows
+    mlog.write({"train/loss": 1.0}, 4)
+    assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2, 3, 4] and mlog.lines == 4
+    T.MetricsLog(path, True).start(None)
+    assert path.read_text() == ""
