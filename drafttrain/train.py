@@ -309,7 +309,7 @@ def fault_point(name: str, step: int) -> None:
     """Test-only fault injection: ``DRAFTTRAIN_FAULT=<name>@<step>`` makes this process SIGKILL itself at
     the named point of that step (``step``: mid-step, after backward and before the optimizer step;
     ``checkpoint``: while a checkpoint is being written, state saved but no marker; ``complete``: right
-    after a checkpoint became COMPLETE). Unset (always, outside ``tests/test_kill_resume.py``): nothing."""
+    after a checkpoint became COMPLETE). Unset (always, outside ``tests/test_train_cli.py``): nothing."""
     spec = os.environ.get("DRAFTTRAIN_FAULT")
     if spec and spec == f"{name}@{step}":
         import signal
