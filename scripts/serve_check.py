@@ -53,7 +53,7 @@ class ServeCheckConfig:
     num_speculative_tokens: int | None = None  # null = the drafter's depth
     vllm_python: str | None = None  # null = .venv-vllm/bin/python (scripts/install_vllm.sh), else $DRAFTTRAIN_VLLM_PYTHON
     vllm_threads: str = "0-1"  # VLLM_CPU_OMP_THREADS_BIND
-    vllm_memory_gb: float = 4.0  # VLLM_CPU_KVCACHE_SPACE
+    vllm_memory_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE (GiB, an integer)
     max_model_len: int = 1024
     ours: bool = True  # also run drafttrain's SpecEngine (tau, tokens/s) on the same prompts
     num_threads: int | None = None  # torch threads for our engine (null = torch's default)
@@ -83,14 +83,14 @@ def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | 
     return {**spec, **(extra or {})}
 
 
-def run_vllm(python: Path, job: dict, *, threads: str, memory_gb: float, timeout_s: int, log_path: Path) -> list[dict]:
+def run_vllm(python: Path, job: dict, *, threads: str, memory_gb: int, timeout_s: int, log_path: Path) -> list[dict]:
     """Run ``vllm_runner`` on ``job`` under the vLLM venv (CPU settings of ../shared/PLATFORM.md); its results.
 
     Raises:
         RuntimeError: the runner exited non-zero (the tail of its log in the message).
     """
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": str(memory_gb)}  # fmt: skip
+           "VLLM_CPU_KVCACHE_SPACE": str(int(memory_gb))}  # fmt: skip
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory() as tmp:
         jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"

@@ -312,6 +312,7 @@ def test_export_cli_errors_before_loading(tmp_path, tiny_target):
 # -- vLLM itself (optional: scripts/install_vllm.sh) ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(3600)  # engine start-ups: ~1 min each on 2 idle cores, far more on a loaded machine
 def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
     """vLLM's CPU build loads the exported EAGLE-3 (speculators; and the SGLang folder) and Medusa folders
     of a tiny target, and its speculative greedy output equals its plain greedy output. Several minutes on 2 cores (engine
