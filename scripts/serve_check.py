@@ -55,6 +55,7 @@ class ServeCheckConfig:
     vllm_threads: str = "0-1"  # VLLM_CPU_OMP_THREADS_BIND
     vllm_memory_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE (GiB, an integer)
     max_model_len: int = 1024
+    vllm_eager: bool = False  # no torch.compile in vLLM: minutes less start-up on 2 cores, slower decoding
     ours: bool = True  # also run drafttrain's SpecEngine (tau, tokens/s) on the same prompts
     num_threads: int | None = None  # torch threads for our engine (null = torch's default)
     output_dir: str = "outputs/serve_check"
@@ -154,7 +155,7 @@ def run(c) -> dict:
     # -- vLLM: plain, then speculative, in one runner process --------------------------------------
     spec = speculative_config(export_dir, info, n_spec, dict(c.extra))
     job = {"model": str(Path(target_path).resolve()), "prompts": prompts, "max_new_tokens": c.max_new_tokens,
-           "stop_token_ids": stops, "max_model_len": c.max_model_len, "max_num_seqs": 1,
+           "stop_token_ids": stops, "max_model_len": c.max_model_len, "max_num_seqs": 1, "eager": c.vllm_eager,
            "runs": [{"speculative_config": None}, {"speculative_config": spec}]}  # fmt: skip
     t0 = time.perf_counter()
     v_plain, v_spec = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
