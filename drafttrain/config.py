@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from drafttrain.cliconfig import ConfigError, validate_into
 
@@ -63,26 +64,75 @@ class DataConfig:
 
 @dataclass
 class DrafterConfig:
-    """A drafter. ``name`` selects the class (medusa | eagle | parallelspec | parallelspec_eagle).
+    """A drafter: ``name`` selects a registered class (:data:`drafttrain.drafters.DRAFTERS`: medusa | eagle |
+    parallelspec | parallelspec_eagle | any class added with ``register_drafter``).
 
-    Each drafter reads a subset of these keys (its ``defaults``, see ``drafttrain/drafters``); setting a
-    key the chosen drafter does not read to anything but its default here is an error (e.g.
-    ``drafter.num_mask_tokens=3`` with Medusa, whose K is ``num_heads``).
+    Its other keys are not listed here: they are the class's own ``defaults``, the one source of every
+    drafter key and its default. :func:`drafter_schema` derives each drafter's schema (a subclass of
+    this dataclass) from them, so a key the chosen drafter does not read is an unknown key (e.g.
+    ``drafter.num_mask_tokens=3`` with Medusa, whose K is ``num_heads``), and a drafter defined outside
+    the library has its keys validated the same way once registered. ``conf/drafter/NAME.yaml`` lists
+    the same keys with the same values (tests/test_config.py holds them equal); a recipe
+    (``conf/recipe/NAME.yaml``) sets the values it tunes.
     """
 
     name: str = "parallelspec"
-    num_mask_tokens: int = 4  # parallelspec*: K [MASK] tokens; a parallel group has K + 1 positions
-    num_heads: int = 4  # medusa: K heads, head k predicts x_{t+k+1}
-    draft_depth: int = 5  # eagle: tokens drafted autoregressively per verification step
-    loss_decay: float = 0.8  # lambda_k = loss_decay ** k (ParallelSpec Eq. 3 / Medusa Eq. 2)
-    anchor_ratio: float = 0.25  # fraction of candidate anchors kept per sequence (eagle: of metric rollouts)
-    init_from_target_layer: bool = True  # copy the target's last decoder layer into the drafter layer
-    fc_bias: bool = True
-    draft_vocab_size: int = 0  # 0 = full target vocabulary; N = the N most frequent answer tokens
-    kd_weight: float = 0.0  # weight of the soft target-distribution term in the CE (0 = the papers' hard CE)
-    reg_weight: float = 1.0  # eagle*: w_reg of the SmoothL1 feature regression (EAGLE)
-    cls_weight: float = 0.1  # eagle*: w_cls of the classification loss (EAGLE)
-    feature_noise: float = 0.1  # eagle*: a of the U(-a, a) noise added to input features in training (EAGLE)
+
+
+#: The flat drafter schema of older runs: their saved config.json holds every one of these keys. When such a
+#: file is validated again, a key the drafter does not read is dropped if it still has this old default (as
+#: the old schema allowed); any other value of it stays an error.
+LEGACY_DRAFTER_KEYS: dict[str, Any] = {
+    "num_mask_tokens": 4, "num_heads": 4, "draft_depth": 5, "loss_decay": 0.8, "anchor_ratio": 0.25,
+    "init_from_target_layer": True, "fc_bias": True, "draft_vocab_size": 0, "kd_weight": 0.0, "reg_weight": 1.0,
+    "cls_weight": 0.1, "feature_noise": 0.1,
+}  # fmt: skip
+
+_SCHEMAS: dict[type, type] = {}
+
+
+def drafter_schema(name: str) -> type:
+    """The config dataclass of drafter ``name``: :class:`DrafterConfig` (``name``) plus one field per key of
+    the class's ``defaults``, typed by its default value (bool, int, float, str; a list or None: any).
+
+    Raises:
+        ConfigError: no drafter of that name is registered.
+    """
+    from dataclasses import make_dataclass
+
+    from drafttrain.drafters import DRAFTERS  # torch, no model: still before anything loads
+
+    if name not in DRAFTERS:
+        raise ConfigError(f"drafter.name '{name}' is not one of {sorted(DRAFTERS)} (a drafter defined elsewhere "
+                          f"must be registered with drafttrain.drafters.register_drafter before validation)")  # fmt: skip
+    cls = DRAFTERS[name]
+    if cls not in _SCHEMAS:
+        cols = []
+        for key, value in cls.defaults.items():
+            typ = type(value) if isinstance(value, (bool, int, float, str)) else Any
+            default = field(default_factory=lambda v=value: list(v)) if isinstance(value, list) else field(default=value)
+            cols.append((key, typ, default))
+        _SCHEMAS[cls] = make_dataclass(f"{cls.__name__}Config", cols, bases=(DrafterConfig,))
+        _SCHEMAS[cls].__module__ = __name__
+    return _SCHEMAS[cls]
+
+
+def _validate_drafter(section: dict[str, Any]) -> DrafterConfig:
+    """The ``drafter`` section merged into its drafter's schema (unknown keys and wrong types name the key)."""
+    section = dict(section or {})
+    name = section.get("name", DrafterConfig.name)
+    schema = drafter_schema(name)
+    own = {f.name for f in fields(schema)}
+    section = {k: v for k, v in section.items() if k in own or LEGACY_DRAFTER_KEYS.get(k, object()) != v}
+    from dataclasses import make_dataclass
+
+    wrapper = make_dataclass("DrafterSection", [("drafter", schema, field(default_factory=schema))])  # keys: drafter.*
+    try:
+        out = validate_into(wrapper, {"drafter": section}).drafter
+    except ConfigError as e:
+        raise ConfigError(f"{e} (drafter {name} reads {sorted(own - {'name'})})") from None
+    out.name = name
+    return out
 
 
 @dataclass
@@ -217,6 +267,9 @@ class CacheFeaturesConfig:
     output_dir: str = ""  # the cache folder; empty = <dataset>/features-<target.name>
     dtype: str = "float16"  # storage dtype of the hidden states: float16 | bfloat16
     top_k: int = 0  # also store the target's top-k logits per position (0 = none)
+    # target layer ids to store (a drafter's declared feature_layers: id i = the hidden state entering decoder
+    # layer i, 0 = embeddings, -1 or L = the final post-norm state); null = the final state
+    feature_layers: list[int] | None = None
     batch_size: int = 8
     shard_size: int = 64  # rows per shard (the unit of resume)
     estimate: bool = False  # print the bytes the cache will take and exit
@@ -231,7 +284,18 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
         ConfigError: a key is unknown (the message names it with its full path), a value has the
             wrong type, or a value is out of range.
     """
+    drafter = None
+    if schema is TrainConfig and not isinstance(cfg, TrainConfig):  # the drafter section: against its own class
+        if isinstance(cfg, DictConfig):
+            try:
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+            except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
+                raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}") from None
+        cfg = dict(cfg)
+        drafter = cfg.pop("drafter", None) or {}
     out = validate_into(schema, cfg)
+    if drafter is not None:
+        out.drafter = _validate_drafter(drafter)
     problems = numeric_problems(out)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -302,7 +366,9 @@ def numeric_problems(obj, prefix: str = "") -> list[str]:
     """Every numeric value of a config (dataclass instance, nested ones included) outside its
     :data:`NUMERIC_RANGES` range, as ``"trainer.log_every must be >= 1, got 0"``."""
     problems = []
-    ranges = NUMERIC_RANGES.get(type(obj).__name__, {})
+    ranges = {}  # a drafter's schema (a DrafterConfig subclass) takes DrafterConfig's ranges
+    for cls in reversed(type(obj).__mro__):
+        ranges.update(NUMERIC_RANGES.get(cls.__name__, {}))
     for f in fields(obj):
         v, key = getattr(obj, f.name), prefix + f.name
         if hasattr(v, "__dataclass_fields__"):
@@ -326,18 +392,6 @@ def _check_values(c: TrainConfig) -> None:
             problems.append("decision.data must list at least one decision log (jsonl)")
         if d.epochs < 1 or d.batch_size < 1 or d.num_layers < 1 or d.hidden < 1 or not 0 <= d.heldout_fraction < 1:
             problems.append("decision needs epochs, batch_size, num_layers, hidden >= 1 and heldout_fraction in [0, 1)")
-    dr = c.drafter
-    if dr.num_mask_tokens < 0:
-        problems.append("drafter.num_mask_tokens must be >= 0")
-    if dr.num_heads < 1 or dr.draft_depth < 1:
-        problems.append("drafter.num_heads and drafter.draft_depth must be >= 1")
-    if not 0 < dr.anchor_ratio <= 1:
-        problems.append("drafter.anchor_ratio must be in (0, 1]")
-    if not 0 <= dr.kd_weight <= 1:
-        problems.append("drafter.kd_weight must be in [0, 1]")
-    if dr.loss_decay <= 0 or dr.reg_weight < 0 or dr.cls_weight < 0 or dr.feature_noise < 0 or dr.draft_vocab_size < 0:
-        problems.append("drafter.loss_decay must be > 0; reg_weight, cls_weight, feature_noise, draft_vocab_size >= 0")
-    problems += _drafter_key_problems(dr)
     if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
@@ -360,21 +414,6 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def _drafter_key_problems(dr: DrafterConfig) -> list[str]:
-    """An unknown drafter name, or a key set (away from its default) that the chosen drafter never reads."""
-    from drafttrain.drafters import DRAFTERS  # torch, no model: still before anything loads
-
-    if dr.name not in DRAFTERS:
-        return [f"drafter.name '{dr.name}' is not one of {sorted(DRAFTERS)}"]
-    used = set(DRAFTERS[dr.name].defaults)
-    default = DrafterConfig()
-    unused = [f.name for f in fields(DrafterConfig)
-              if f.name != "name" and f.name not in used and getattr(dr, f.name) != getattr(default, f.name)]  # fmt: skip
-    if unused:
-        return [f"drafter {dr.name} does not read {', '.join('drafter.' + k for k in unused)} (its keys: {sorted(used)})"]
-    return []
 
 
 def _check_generate(c: GenerateConfig) -> None:

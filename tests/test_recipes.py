@@ -9,6 +9,7 @@ against plain greedy decoding.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from drafttrain import layout as L
-from drafttrain.config import DrafterConfig
+from drafttrain.config import drafter_schema
 from drafttrain.drafters import DRAFTERS, Drafter, build_drafter
 from drafttrain.eval.spec import plain_greedy, speculative_greedy
 from drafttrain.metrics import group_acceptance_sums
@@ -463,10 +464,19 @@ def test_speculative_greedy_equals_plain_greedy(tiny_target, varied_target, name
 # ---------------------------------------------------------------- config keys and layout helpers
 
 
-def test_every_drafter_key_is_a_config_field():
-    fields = set(DrafterConfig.__dataclass_fields__)
+def test_drafter_defaults_have_one_source():
+    """A drafter's class ``defaults`` are the one source of its keys and defaults: its config schema is derived
+    from them, and conf/drafter/NAME.yaml lists exactly them (a recipe holds the values it tunes)."""
+    import dataclasses
+
+    import yaml
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "drafter"
+    assert {p.stem for p in conf.glob("*.yaml")} == set(DRAFTERS)
     for name, cls in DRAFTERS.items():
-        assert set(cls.defaults) <= fields, name
+        schema = drafter_schema(name)
+        assert {f.name: f.default for f in dataclasses.fields(schema) if f.name != "name"} == cls.defaults, name
+        assert yaml.safe_load((conf / f"{name}.yaml").read_text()) == {"name": name, **cls.defaults}, name
 
 
 def test_unknown_drafter_key_refused(tiny_target):

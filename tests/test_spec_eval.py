@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafttrain.drafters.base import DrafterSpec
 from drafttrain.eval.spec import evaluate_prompts, plain_greedy, speculative_greedy
 
 K = 3
@@ -38,7 +39,15 @@ class OracleDrafter:
     ``correct(step)`` says how many leading drafts of a step are right (the rest are true token + 1, so
     surely wrong). It also checks the items it is given: next_ids must be x_{N-n+1..N} and the features
     the target's f_{N-n..N-1} of the true sequence, N = items seen so far in this prompt.
+    It declares itself (``spec``, ``feature_layers``, ``draft_depth``) as a drafter of the library does.
     """
+
+    spec = DrafterSpec(drafting="parallel")  # reads the final post-norm state of every new item
+    feature_layers = (-1,)
+    draft_depth = K + 1
+
+    def eval(self):
+        return self
 
     def __init__(self, target: Target, prompts: list[list[int]], horizon: int, correct=lambda step: K + 1):
         self.vocab = target.config.vocab_size

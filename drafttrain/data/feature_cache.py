@@ -1,20 +1,23 @@
 """Offline feature cache: the target runs once over a dataset; training then reads its features from disk.
 
-For every row of a dataset with ``input_ids`` (length L) the cache stores the target's last hidden
-states f_0..f_{L-2} (post final norm; the feature f_t that EAGLE-style drafters read, DESIGN.md §3)
-and optionally the target's top-k logits at those positions (``lm_head(f_t)``, the distribution of
+For every row of a dataset with ``input_ids`` (length L) the cache stores the target's hidden states
+f_0..f_{L-2} of the layers a drafter declares (``feature_layers``, :class:`drafttrain.drafters.base.DrafterSpec`;
+default the final post-norm state, the feature f_t that EAGLE-style drafters read, DESIGN.md §3;
+several layers concatenated along the last dimension in the declared order) and optionally the target's top-k logits at those positions (``lm_head(f_t)``, the distribution of
 token t+1). Rows are stored in dataset order, in shards with a manifest
 (:class:`drafttrain.data.shards.ShardStore`), so an interrupted run resumes where it stopped.
 
 Columns (one row per dataset row):
 
-- ``features``: [L-1, d], ``float16``; or, with ``dtype="bfloat16"``, ``int16`` holding the bf16 bit
-  patterns (Arrow has no bf16 type; :func:`drafttrain.train.collate` turns them back into bf16);
+- ``features``: [L-1, n * d] (n = number of feature layers), ``float16``; or, with ``dtype="bfloat16"``,
+  ``int16`` holding the bf16 bit patterns (Arrow has no bf16 type; the batch collate turns them back
+  into bf16);
 - ``topk_ids`` int32 [L-1, k] and ``topk_logits`` float16 [L-1, k] (``top_k`` > 0 only), best first.
 
 ``feature_cache.json`` records :data:`SCHEMA_VERSION`, the fingerprint of the dataset's
-``input_ids`` (a cache is refused for any other dataset), d, dtype, k, the target, and the bytes
-estimated before and written after the run. Shape letters: s sequence, d hidden, v vocab, k top-k.
+``input_ids`` (a cache is refused for any other dataset), d, the feature layer ids (a cache is refused
+for a drafter that reads other layers; a cache without them holds the final state), dtype, k, the
+target, and the bytes estimated before and written after the run. Shape letters: s sequence, d hidden, v vocab, k top-k.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
+from drafttrain.target import resolve_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,10 @@ def cache_features_schema(hidden_size: int, dtype: str, top_k: int):
     return datasets.Features(cols)
 
 
-def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size: int) -> int:
+def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size: int, num_layers: int = 1) -> int:
     """Bytes the cache of rows with these lengths will take on disk (within ~1% for real sizes).
 
-    Per stored position: 2 d bytes of features (+ 4 k + 2 k of top-k ids and logits) plus a 4-byte
+    Per stored position: 2 n d bytes of features (n = ``num_layers``) (+ 4 k + 2 k of top-k ids and logits) plus a 4-byte
     Arrow list offset per column; per row a 4-byte offset per column; per shard :data:`SHARD_OVERHEAD`;
     per cache :data:`JOB_OVERHEAD`.
 
@@ -79,10 +83,11 @@ def estimate_bytes(lengths: list[int], hidden_size: int, top_k: int, shard_size:
         hidden_size: d.
         top_k: k (0 = no top-k columns).
         shard_size: rows per shard.
+        num_layers: n, the number of target layers stored per position.
     """
     positions = sum(max(n - 1, 0) for n in lengths)
     ncols = 3 if top_k else 1
-    per_position = 2 * hidden_size + (6 * top_k if top_k else 0) + 4 * ncols
+    per_position = 2 * hidden_size * num_layers + (6 * top_k if top_k else 0) + 4 * ncols
     shards = -(-len(lengths) // shard_size) if lengths else 0
     return positions * per_position + len(lengths) * 4 * ncols + shards * SHARD_OVERHEAD + JOB_OVERHEAD
 
@@ -100,8 +105,8 @@ def _to_storage(h: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 @torch.no_grad()
-def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256) -> list[dict]:
-    """Features (and top-k logits) of right-padded rows in one target forward."""
+def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256, feature_layers=None) -> list[dict]:
+    """Features of ``feature_layers`` (and top-k logits) of right-padded rows in one target forward."""
     device = target.device
     lengths = [len(r) for r in rows]
     s = max(lengths)
@@ -110,11 +115,12 @@ def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk:
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.as_tensor(r)
         attn[i, : len(r)] = 1
-    hidden = target.features(ids.to(device), attention_mask=attn.to(device))  # [b, s, d]
+    tout = target.forward(ids.to(device), attention_mask=attn.to(device), with_logits=False, feature_layers=feature_layers)
+    hidden, feats = tout.hidden, tout.features  # [b, s, d] final post-norm state, [b, s, n * d] stored
     out = []
     for i, n in enumerate(lengths):
-        h = hidden[i, : max(n - 1, 0)]  # [n-1, d]: f_0..f_{n-2}
-        row = {"features": _to_storage(h.float().cpu(), dtype)}
+        h = hidden[i, : max(n - 1, 0)]  # [n-1, d]: f_0..f_{n-2} (the LM head's input, for top-k)
+        row = {"features": _to_storage(feats[i, : max(n - 1, 0)].float().cpu(), dtype)}
         if top_k:
             vals, idx = [], []
             for a in range(0, h.shape[0], chunk):  # [chunk, v] logits at a time
@@ -139,6 +145,7 @@ def build_feature_cache(
     target_name: str = "target",
     progress: bool = True,
     target_fingerprint: str | None = None,
+    feature_layers=None,
 ) -> dict:
     """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable).
 
@@ -153,12 +160,14 @@ def build_feature_cache(
         target_name: recorded in the metadata (for messages).
         target_fingerprint: the target's content fingerprint (:func:`drafttrain.fingerprint.target_fingerprint`),
             part of the job fingerprint and checked when the cache is attached to a training run.
+        feature_layers: the target layer ids to store (a drafter's declaration; default the final
+            post-norm state), concatenated per position; recorded (resolved) in the metadata.
 
     Returns:
         The metadata dict written to ``feature_cache.json`` (``bytes_estimated``, ``bytes_written``, ...).
 
     Raises:
-        ValueError: bad ``dtype``/``top_k``; a dataset without ``input_ids``.
+        ValueError: bad ``dtype``/``top_k``; a dataset without ``input_ids``; a layer id outside the target.
         drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a cache of another dataset or settings.
     """
     import datasets
@@ -170,15 +179,18 @@ def build_feature_cache(
         raise ValueError("the dataset has no input_ids column")
     out_dir = Path(out_dir)
     d = target.config.hidden_size
+    layers = resolve_feature_layers(feature_layers, target.num_hidden_layers)
     lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
     fp = dataset_fingerprint(ds)
     job = {"schema_version": SCHEMA_VERSION, "dataset_fingerprint": fp, "target": target_name, "dtype": dtype,
            "top_k": top_k, "shard_size": shard_size, "rows": len(ds), "hidden_size": d,
            "target_fingerprint": target_fingerprint}
+    if layers != (target.num_hidden_layers,):  # (the final state alone keeps the fingerprints of older caches)
+        job["feature_layers"] = list(layers)
     job["fingerprint"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
-    estimate = estimate_bytes(lengths, d, top_k, shard_size)
+    estimate = estimate_bytes(lengths, d, top_k, shard_size, num_layers=len(layers))
     store = ShardStore(out_dir, job)
-    schema = cache_features_schema(d, dtype, top_k)
+    schema = cache_features_schema(d * len(layers), dtype, top_k)
     starts = list(range(0, len(ds), shard_size))
     done = sum(min(shard_size, len(ds) - a) for i, a in enumerate(starts) if store.is_done(i))
     bar = tqdm(total=len(ds), initial=done, desc="cache features", unit="row", disable=not progress, dynamic_ncols=True)
@@ -192,7 +204,8 @@ def build_feature_cache(
         by_len = sorted(idx, key=lambda j: (lengths[j], j))
         for b in range(0, len(by_len), batch_size):
             chunk = by_len[b : b + batch_size]
-            for j, r in zip(chunk, _rows_features(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k)):
+            chunk_rows = _rows_features(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k, feature_layers=layers)
+            for j, r in zip(chunk, chunk_rows):
                 rows[j] = r
             tokens += sum(lengths[j] for j in chunk)
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", refresh=False)
@@ -200,7 +213,8 @@ def build_feature_cache(
         store.write(i, datasets.Dataset.from_dict(cols, features=schema), {"rows": len(idx)})
         bar.update(len(idx))
     bar.close()
-    meta = {**job, "complete": True, "bytes_estimated": estimate, "bytes_written": 0}
+    meta = {**job, "feature_layers": list(layers), "num_hidden_layers": target.num_hidden_layers, "complete": True,
+            "bytes_estimated": estimate, "bytes_written": 0}
     atomic_write_text(out_dir / META, json.dumps(meta, indent=1))
     while meta["bytes_written"] != folder_bytes(out_dir):  # shards + manifest + this file (its own size included)
         meta["bytes_written"] = folder_bytes(out_dir)
@@ -209,7 +223,12 @@ def build_feature_cache(
     return meta
 
 
-def load_feature_cache(path: str | Path, ds=None, target_cfg=None):
+def cached_layers(meta: dict, num_hidden_layers: int) -> tuple[int, ...]:
+    """The resolved target layer ids a cache's metadata says it holds (none recorded: the final state)."""
+    return tuple(meta["feature_layers"]) if "feature_layers" in meta else (int(num_hidden_layers),)
+
+
+def load_feature_cache(path: str | Path, ds=None, target_cfg=None, feature_layers=None, num_hidden_layers: int | None = None):
     """The cache as one ``datasets.Dataset`` in dataset row order.
 
     Args:
@@ -217,9 +236,12 @@ def load_feature_cache(path: str | Path, ds=None, target_cfg=None):
         ds: if given, the dataset the cache must belong to (same ``input_ids``, row for row).
         target_cfg: if given, the :class:`~drafttrain.config.TargetConfig` the cache must have been made
             with (compared by :func:`drafttrain.fingerprint.target_fingerprint`, not by name).
+        feature_layers, num_hidden_layers: if given, the layer ids the reader needs (resolved against
+            L = ``num_hidden_layers``); the cache must hold exactly these, in this order.
 
     Raises:
-        FeatureCacheError: no finished cache there, another schema version, or another dataset.
+        FeatureCacheError: no finished cache there, another schema version, another dataset, or other
+            feature layers.
     """
     import datasets
 
@@ -243,6 +265,15 @@ def load_feature_cache(path: str | Path, ds=None, target_cfg=None):
                 f"{meta.get('target_fingerprint')}), not of this run's target {target_cfg.name!r} (fingerprint {now}): "
                 f"rebuild it with `python -m scripts.cache_features` for this target, or use data.features=live"
             )
+    if num_hidden_layers is not None:
+        want = resolve_feature_layers(feature_layers, num_hidden_layers)
+        have = cached_layers(meta, num_hidden_layers)
+        if have != want:
+            raise FeatureCacheError(
+                f"{path} holds the target's hidden states of layers {list(have)}, but the drafter reads layers "
+                f"{list(want)} (layer id i = the state entering decoder layer i, {num_hidden_layers} = the final "
+                f"post-norm state); rebuild it with `python -m scripts.cache_features ... feature_layers=[{','.join(map(str, want))}]`"
+            )
     if ds is not None:
         if len(ds) != meta["rows"] or dataset_fingerprint(ds) != meta["dataset_fingerprint"]:
             raise FeatureCacheError(f"{path} was built for another dataset ({meta['rows']} rows, input_ids "
@@ -250,22 +281,24 @@ def load_feature_cache(path: str | Path, ds=None, target_cfg=None):
     n = -(-meta["rows"] // meta["shard_size"])
     parts = [load_dataset_folder(path / f"shard_{i:05d}", f"delete {path / f'shard_{i:05d}'} and {rerun}") for i in range(n)]
     if not parts:
-        return datasets.Dataset.from_dict({k: [] for k in cache_features_schema(meta["hidden_size"], meta["dtype"], meta["top_k"])})
+        width = meta["hidden_size"] * len(meta.get("feature_layers", [None]))
+        return datasets.Dataset.from_dict({k: [] for k in cache_features_schema(width, meta["dtype"], meta["top_k"])})
     return datasets.concatenate_datasets(parts)
 
 
-def attach_feature_cache(ds, path: str | Path, target_cfg=None):
+def attach_feature_cache(ds, path: str | Path, target_cfg=None, feature_layers=None, num_hidden_layers: int | None = None):
     """``ds`` with the cache's columns (``features`` [+ ``topk_ids``, ``topk_logits``]) joined row by row.
 
-    A ``features`` column the dataset already has is replaced by the cache's.
+    A ``features`` column the dataset already has is replaced by the cache's. ``feature_layers`` /
+    ``num_hidden_layers``: the layers the drafter reads (checked as in :func:`load_feature_cache`).
 
     Raises:
         FeatureCacheError: the cache does not belong to ``ds`` or (``target_cfg`` given) was made with
-            another target (see :func:`load_feature_cache`).
+            another target, or holds other feature layers than ``feature_layers`` (see :func:`load_feature_cache`).
     """
     import datasets
 
-    cache = load_feature_cache(path, ds, target_cfg)
+    cache = load_feature_cache(path, ds, target_cfg, feature_layers, num_hidden_layers)
     drop = [c for c in cache.column_names if c in ds.column_names]
     base = ds.remove_columns(drop) if drop else ds
     if base._indices is not None:  # a selection: materialise the order so the rows line up

@@ -36,7 +36,8 @@ Stored columns: ``id`` str (source id), ``index`` int32 (position in the input),
 int32 (regenerated turns), ``source_turns`` int32 (assistant turns in the source),
 ``finish_reasons`` list[str] ("stop" | "length" per turn), ``finish_reason`` str (the last turn's),
 ``end_reason`` str ("complete" | "length" | "context window" | "template mismatch"), and with
-``store_features`` ``features`` float16 [L-1, d] (f_0..f_{L-2}).
+``store_features`` ``features`` float16 [L-1, len(feature_layers) * d] (f_0..f_{L-2} of the target layers
+a drafter declares, default the final post-norm state; ``report.json`` records them as ``feature_layers``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_f
 from drafttrain.data.sources import LoadStats
 from drafttrain.data.template import AssistantTurn, TemplateError, end_of_turn_ids, iter_assistant_turns, render_text
 from drafttrain.sampling import SamplingParams, row_generator
+from drafttrain.target import resolve_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +213,10 @@ def _advance(st: _State, tokenizer, gen: GenerationConfig, stops: set[int]) -> N
     st.mask += [0] * len(glue)
 
 
-def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: set[int]) -> int:
-    """Generate the next turn of every state in one batch. Returns the number of generated tokens."""
+def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: set[int],
+                    feature_layers: Sequence[int] | None = None) -> int:  # fmt: skip
+    """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
+    post-norm state, when ``gen.store_features``). Returns the number of generated tokens."""
     sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p) if gen.sampling.do_sample else None
     gens = None
     if sampling is not None:
@@ -220,7 +224,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
     caps = [min(gen.max_new_tokens, gen.max_length - len(st.ids)) for st in states]
     results = target.generate(
         [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
-        sampling=sampling, generators=gens,
+        sampling=sampling, generators=gens, feature_layers=feature_layers,
     )
     n = 0
     for st, r in zip(states, results):
@@ -231,7 +235,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
         st.spans.append((start, len(st.ids)))
         st.finish.append(r["finish_reason"])
         if gen.store_features:
-            st.features = r["features"].to(torch.float16)  # [len(ids) - 1, d]: the whole context so far
+            st.features = r["features"].to(torch.float16)  # [len(ids) - 1, F]: the whole context so far
         n += len(new)
     return n
 
@@ -264,7 +268,8 @@ def batches_by_budget(
 
 
 def generate_shard(
-    target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None
+    target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None,
+    feature_layers: Sequence[int] | None = None,
 ) -> tuple[list[dict], dict[int, str]]:
     """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
 
@@ -272,6 +277,9 @@ def generate_shard(
     ``gen.batch_size`` rows, ``gen.max_batch_tokens`` padded prompt slots and ``gen.max_padding``
     padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped). A batch that raises is retried
     one conversation at a time; a conversation that still raises is recorded as failed.
+
+    ``feature_layers``: the target layers whose hidden states a row's ``features`` hold (with
+    ``gen.store_features``; :func:`drafttrain.target.resolve_feature_layers`; default the final state).
 
     Returns:
         ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
@@ -289,13 +297,13 @@ def generate_shard(
             break
         for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding):
             try:
-                n = _generate_batch(target, batch, gen, stops)
+                n = _generate_batch(target, batch, gen, stops, feature_layers)
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
                 log.warning("generation batch of %d failed (%s: %s); retrying one by one", len(batch), type(err).__name__, err)
                 n = 0
                 for st in batch:
                     try:
-                        n += _generate_batch(target, [st], gen, stops)
+                        n += _generate_batch(target, [st], gen, stops, feature_layers)
                     except Exception as err1:  # noqa: BLE001
                         st.failed = f"generation error: {type(err1).__name__}"
                         log.error("conversation %s failed: %s: %s", st.plan.id, type(err1).__name__, err1)
@@ -333,7 +341,8 @@ def generate_shard(
 
 
 def row_features(hidden_size: int | None):
-    """The ``datasets.Features`` of generated rows (``hidden_size`` None: no ``features`` column)."""
+    """The ``datasets.Features`` of generated rows (``hidden_size``: width of ``features``, len(layers) * d;
+    None: no ``features`` column)."""
     import datasets
 
     cols = {
@@ -369,6 +378,7 @@ def generate_dataset(
     desc: str = "generate",
     reset_on_mismatch: bool = False,
     max_seconds: float | None = None,
+    feature_layers: Sequence[int] | None = None,
 ):
     """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
 
@@ -386,6 +396,9 @@ def generate_dataset(
         reset_on_mismatch: start over when ``out_dir`` holds another job (else raise).
         max_seconds: stop starting new shards after this many seconds of generation; the run then
             returns ``(None, report)`` with ``report["complete"] = False`` (the same call continues).
+        feature_layers: with ``gen.store_features``, the target layer ids whose hidden states ``features``
+            holds, concatenated ([L-1, len(ids) * d]; default: the final post-norm state). Recorded in the
+            report as ``feature_layers`` (resolved ids).
 
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
@@ -405,13 +418,16 @@ def generate_dataset(
     t0 = time.time()
     tok = target.tokenizer
     fingerprint = job_fingerprint(conversations, target_name, tok, gen)
+    layers = resolve_feature_layers(feature_layers, target.num_hidden_layers)
+    if gen.store_features and layers != (target.num_hidden_layers,):  # other layers: another job (the final one keeps old keys)
+        fingerprint = hashlib.sha256(f"{fingerprint}|layers{list(layers)}".encode()).hexdigest()[:16]
     plans, skipped = plan_conversations(tok, conversations, gen)
     store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)},
                        reset_on_mismatch=reset_on_mismatch)
     shard_size = gen.shard_size or gen.batch_size
     by_length = sorted(plans, key=lambda p: (len(p.turns[0].glue), p.index))
     shards = [by_length[i : i + shard_size] for i in range(0, len(by_length), shard_size)]
-    features = row_features(target.config.hidden_size if gen.store_features else None)
+    features = row_features(target.config.hidden_size * len(layers) if gen.store_features else None)
 
     done = sum(len(s) for i, s in enumerate(shards) if store.is_done(i))
     bar = tqdm(total=len(plans), initial=done, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
@@ -430,7 +446,7 @@ def generate_dataset(
         if max_seconds is not None and time.time() - t_gen >= max_seconds:
             stopped = True
             break
-        rows, failed = generate_shard(target, shard, gen, on_tokens)
+        rows, failed = generate_shard(target, shard, gen, on_tokens, layers)
         cols = {k: [r[k] for r in rows] for k in features}
         store.write(i, datasets.Dataset.from_dict(cols, features=features),
                     {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()}})
@@ -503,6 +519,8 @@ def generate_dataset(
         },
         "fingerprint": fingerprint,
     }
+    if gen.store_features:  # which target hidden states the features column holds (DrafterSpec convention)
+        report["feature_layers"] = list(layers)
     if report["generated"] + report["skipped"] + report["failed"] != report["input"]:
         raise RuntimeError(f"lost count: generated + skipped + failed != input in {report}")
     atomic_write_text(out_dir / REPORT, json.dumps(report, indent=1))
@@ -544,14 +562,18 @@ def load_generated(path: str | Path):
 # ==================================================================================================
 def distill_key(
     conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None,
-    first_turn_only: bool = True,
+    first_turn_only: bool = True, feature_layers: Sequence[int] | None = None,
 ) -> str:
-    """Fingerprint of an in-training self-distillation job (inputs + generation settings)."""
+    """Fingerprint of an in-training self-distillation job (inputs + generation settings + the stored
+    feature layers; None = the final post-norm state, which keeps the keys of caches made before layers
+    were declared)."""
     h = hashlib.sha256()
     for c in conversations:
         h.update(c["id"].encode())
         h.update(json.dumps(c["messages"], sort_keys=True).encode())
     h.update(f"{target_name}|{max_new_tokens}|{max_length}|{max_prompt_length}|{first_turn_only}|v{FORMAT_VERSION}".encode())
+    if feature_layers is not None:
+        h.update(f"|layers{[int(i) for i in feature_layers]}".encode())
     return h.hexdigest()[:16]
 
 
@@ -566,6 +588,7 @@ def self_distill(
     max_prompt_length: int | None = None,
     first_turn_only: bool = True,
     target_name: str = "target",
+    feature_layers: Sequence[int] | None = None,
 ):
     """Regenerate the first assistant turn (all turns with ``first_turn_only=False``) greedily, keeping features.
 
@@ -581,9 +604,11 @@ def self_distill(
         batch_size: conversations per generation batch (also the shard size).
         max_prompt_length: optional tighter cap on first-prompt tokens (long prompts make batched
             generation slow and teach the drafter little about answers); longer prompts are skipped.
+        feature_layers: the target layers the drafter reads (its declaration; default the final state).
 
     Returns:
-        ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16 [L-1, d].
+        ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16
+        [L-1, len(feature_layers) * d].
     """
     gen = GenerationConfig(
         max_new_tokens=max_new_tokens, max_length=max_length, max_prompt_length=max_prompt_length,
@@ -591,4 +616,5 @@ def self_distill(
         max_padding=None,  # one batch per shard, as the main job's measured runs and stored losses assume
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
-                            progress=progress, desc="self-distill", reset_on_mismatch=True)
+                            progress=progress, desc="self-distill", reset_on_mismatch=True,
+                            feature_layers=feature_layers)

@@ -1,9 +1,41 @@
 """The small interface every drafter implements, and the frozen target modules they share.
 
 A drafter is a plain ``nn.Module``: no Accelerator, tokenizer, dataset or file I/O beyond its own
-``save_pretrained``/``from_pretrained``. The training loop only needs:
+``save_pretrained``/``from_pretrained``.
 
-- ``needs_features``: whether a batch must carry the target's last hidden states f;
+**The declaration** (:class:`DrafterSpec`, class attribute ``spec``) says what a drafter is; every
+consumer follows it and none looks at a drafter's name or probes its attributes:
+
+- ``drafting``: ``"parallel"`` (one drafter pass gives every draft depth: ParallelSpec, Medusa) or
+  ``"autoregressive"`` (one pass per depth, each feeding back the previous one: EAGLE). The verifier
+  picks the proposer by it (:func:`drafttrain.verify.proposers.proposer_for`), and so do the decoding
+  methods that need per-depth distributions from one pass (MCSD) or a joint likelihood (MTAD).
+- ``feature_layers``: which of the target's hidden states the drafter reads, as layer ids.
+  **Convention**: id i is the hidden state *entering* decoder layer i, i.e. Hugging Face's
+  ``output_hidden_states[i]``; 0 = the token embeddings; id L (L = ``num_hidden_layers``) = the final
+  hidden state after the target's final norm (the LM head's input, ``last_hidden_state``; HF's
+  ``output_hidden_states[L]``). Negative ids count from the end as in Python: -1 = L. Every
+  drafter of the library reads ``(-1,)`` (:data:`LAST_LAYER`), the feature f of DESIGN.md §3.
+  Several ids are **concatenated along the last dimension in the declared order**: the drafter's
+  features are ``[..., len(ids) * d]``, layer ids[j] at ``[..., j * d : (j + 1) * d]``
+  (:func:`drafttrain.target.resolve_feature_layers` normalises ids; ``Target.forward(...,
+  feature_layers=ids).features`` computes them). Self-distillation, the feature cache, the training
+  batch (``batch["features"]`` [b, L-1, len(ids) * d]), the engine and the in-training evaluation
+  all hand the drafter exactly these.
+- ``step_input``: what the engine hands it per verification step. ``"items"``: the features of every
+  new item, i.e. the accepted tokens and the bonus token (DESIGN.md §3), which a drafter with its own
+  KV cache appends; ``"last"``: only the last position's feature (Medusa heads; no drafter cache).
+- ``batched``: the drafter implements the one-decoder-layer interface of
+  :class:`~drafttrain.drafters.feature_layer.FeatureLayerDrafter` (``items``, ``decode``, ``logits`` /
+  ``forward_inputs``, ``draft_inputs``, ``new_ragged_cache``), so proposers draft the whole batch in
+  shared forwards over one ragged drafter cache. False: proposers call :meth:`propose` once per
+  sequence, each with its own ``DynamicCache``.
+
+A drafter defined anywhere (a test file, a user's module) becomes usable by name in the training loop,
+config validation and the engine once registered with :func:`drafttrain.drafters.register_drafter`.
+
+The training loop only needs:
+
 - ``training_loss(batch, generator)``: loss + sums of metrics (reduced across ranks by the loop). In
   ``eval()`` mode it is the held-out evaluation: every group is scored (no subsampling, no noise);
 - ``set_draft_vocab(ids)``: the restricted draft vocabulary, when ``draft_vocab_size`` > 0;
@@ -36,13 +68,52 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
 
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_CONFIG = "drafter_config.json"
+
+#: The final post-norm hidden state (the LM head's input): layer id -1 = L (module docstring).
+LAST_LAYER = -1
+DRAFTING = ("parallel", "autoregressive")
+STEP_INPUTS = ("items", "last")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What a drafter is, for every consumer (module docstring: the layer-id convention and shapes).
+
+    Attributes:
+        drafting: ``"parallel"`` (one pass drafts every depth) or ``"autoregressive"`` (one pass per depth).
+        feature_layers: target hidden states read, as layer ids (id i = HF ``output_hidden_states[i]``,
+            the state entering decoder layer i; 0 = embeddings; L or -1 = the final post-norm state),
+            concatenated in this order along the feature dimension.
+        step_input: ``"items"`` (features of the accepted tokens + bonus token each step) or ``"last"``
+            (only the last position's feature).
+        batched: implements :class:`~drafttrain.drafters.feature_layer.FeatureLayerDrafter`'s batched
+            drafting interface (the whole batch drafts in shared forwards).
+
+    Raises:
+        ValueError: an unknown ``drafting``/``step_input``, no layer ids, non-int or repeated ids.
+    """
+
+    drafting: str
+    feature_layers: tuple[int, ...] = (LAST_LAYER,)
+    step_input: str = "items"
+    batched: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+        if self.drafting not in DRAFTING:
+            raise ValueError(f"DrafterSpec.drafting must be one of {DRAFTING}, got {self.drafting!r}")
+        if self.step_input not in STEP_INPUTS:
+            raise ValueError(f"DrafterSpec.step_input must be one of {STEP_INPUTS}, got {self.step_input!r}")
+        ids = self.feature_layers
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"DrafterSpec.feature_layers must be distinct ints (layer ids), got {ids!r}")
 
 
 @dataclass
@@ -80,12 +151,13 @@ class LossOutput:
 class Drafter(nn.Module):
     """Base class: config keys, shared target modules (outside the module tree), draft vocabulary, save/load.
 
-    Subclasses set ``name`` (= recipe name = registry key), ``defaults`` (every config key the drafter
-    reads, with its default; any other key is refused) and implement ``training_loss`` and ``propose``.
+    Subclasses set ``name`` (= recipe name = registry key), ``spec`` (:class:`DrafterSpec`, the
+    declaration), ``defaults`` (every config key the drafter reads, with its default: the one source of
+    these defaults; any other key is refused) and implement ``training_loss`` and ``propose``.
     """
 
     name: ClassVar[str] = "base"
-    needs_features: ClassVar[bool] = True
+    spec: ClassVar[DrafterSpec]
     defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules):
@@ -107,6 +179,38 @@ class Drafter(nn.Module):
     @property
     def shared(self) -> SharedTargetModules:
         return self._shared
+
+    # -- the declaration, resolved for the bound target ------------------------------------------
+    @classmethod
+    def layers_for(cls, config: dict[str, Any], num_hidden_layers: int) -> tuple[int, ...]:
+        """The target layer ids a drafter of this class with ``config`` reads, normalised to [0, L].
+
+        Default: ``spec.feature_layers``. A drafter whose layers depend on its config or on the
+        target's depth (e.g. EAGLE-3's low/middle/high layers) overrides this classmethod; the data
+        pipeline calls it before the drafter is built.
+
+        Raises:
+            ValueError: an id outside [-(L + 1), L].
+        """
+        from drafttrain.target import resolve_feature_layers
+
+        return resolve_feature_layers(cls.spec.feature_layers, num_hidden_layers)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layer ids this drafter reads, in [0, L] (L = the bound target's ``num_hidden_layers``)."""
+        return self.layers_for(self.config, int(self.shared.model_config.num_hidden_layers))
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the features this drafter reads: ``len(feature_layers) * d``."""
+        return len(self.feature_layers) * int(self.shared.model_config.hidden_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's parameters (the shared embedding's when it has none)."""
+        p = next(self.parameters(), None)
+        return p.dtype if p is not None else self.shared.embed_tokens.weight.dtype
 
     @property
     def draft_depth(self) -> int:

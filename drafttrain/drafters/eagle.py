@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from drafttrain import layout as L
-from drafttrain.drafters.base import LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter
 from drafttrain.losses import eagle_group_loss
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
@@ -53,6 +53,7 @@ class EagleDrafter(FeatureLayerDrafter):
     """
 
     name = "eagle"
+    spec = DrafterSpec(drafting="autoregressive", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "draft_depth": 5,
         "reg_weight": 1.0,
@@ -187,7 +188,7 @@ class EagleDrafter(FeatureLayerDrafter):
         """
         n = next_ids.shape[1]
         past = cache.get_seq_length()
-        dtype, device = self.fc.weight.dtype, next_ids.device
+        dtype, device = self.dtype, next_ids.device
         pos, mask = L.inference_layout(n, 0, dtype=dtype, past=past)
         logits, f = self.draft_step(next_ids, features, pos.to(device), mask.to(device), cache)
         rows = [self.full_vocab_logits(logits[:, -1])]  # [1, v]

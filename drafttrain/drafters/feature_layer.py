@@ -27,7 +27,7 @@ from drafttrain.drafters.base import Drafter, SharedTargetModules
 
 
 class FeatureLayerDrafter(Drafter):
-    """fc (2d -> d) + one decoder layer (+ its rotary embedding) over drafter items; no loss of its own.
+    """fc (d + feature width -> d; 2d -> d for one feature layer) + one decoder layer (+ its rotary embedding) over drafter items; no loss of its own.
 
     Subclasses build their extra parameters, then call ``_init_draft_vocab``, ``reset_parameters`` (when
     ``init_weights``) and ``_finish``. Reads config keys ``fc_bias`` and ``feature_noise`` (when declared).
@@ -39,7 +39,8 @@ class FeatureLayerDrafter(Drafter):
         if getattr(mcfg, "_attn_implementation", None) not in ("sdpa", "eager"):
             mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (PLATFORM.md)
         d = mcfg.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=bool(self.config["fc_bias"]))
+        # items read [e(x_{i+1}); f_i]: d + the declared features' width (len(feature_layers) * d)
+        self.fc = nn.Linear(d + self.feature_dim, d, bias=bool(self.config["fc_bias"]))
         self.layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
         self.rotary = type(shared.rotary_emb)(config=mcfg)
 
@@ -50,11 +51,12 @@ class FeatureLayerDrafter(Drafter):
     # -- initialisation -------------------------------------------------------------------------
     @torch.no_grad()
     def _reset_fc(self) -> None:
-        """fc starts as [noise | I] (u_i ~ f_i: the identity on the feature) with N(0, 0.02) noise."""
+        """fc starts as [noise | I] (u_i ~ f_i: the identity on the feature; with several feature layers, on
+        the last declared one) with N(0, 0.02) noise."""
         std = getattr(self.shared.model_config, "initializer_range", 0.02)
         d = self.fc.out_features
         self.fc.weight.normal_(0.0, std)
-        self.fc.weight[:, d:] += torch.eye(d, dtype=self.fc.weight.dtype)
+        self.fc.weight[:, -d:] += torch.eye(d, dtype=self.fc.weight.dtype)
         if self.fc.bias is not None:
             self.fc.bias.zero_()
 
@@ -145,6 +147,24 @@ class FeatureLayerDrafter(Drafter):
         h = self.decode(x, attention_mask, position_ids, past_key_values=cache, use_cache=cache is not None)
         f = self.predict_features(h)
         return self.vocab_logits(f), f
+
+    def draft_inputs(self) -> torch.Tensor:
+        """Learned input vectors that follow the new items in one parallel drafting forward (ParallelSpec:
+        its K [MASK] inputs), [k, d]; none here ([0, d]: an autoregressive drafter drafts from its items)."""
+        return self.fc.weight.new_zeros((0, self.fc.out_features))
+
+    def new_ragged_cache(self, device: torch.device | str):
+        """An empty one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` (0 rows, 256 slots, grown
+        on demand) shaped for this drafter's decoder layer, in its dtype: the batched proposers' cache."""
+        from types import SimpleNamespace
+
+        from drafttrain.verify.cache import RaggedKVCache
+
+        attn = self.layer.self_attn
+        n_kv = attn.config.num_key_value_heads
+        cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
+                              head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
+        return RaggedKVCache(cfg, 0, 256, self.dtype, device)
 
     def draft_step(self, next_ids, features, position_ids, attention_mask, cache=None):
         """:meth:`forward_inputs` over the items (next_ids [b, q] int64, features [b, q, d]): the EAGLE step.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttrain import layout as L
-from drafttrain.drafters.base import Drafter, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.losses import group_position_weights, parallel_group_loss
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
 
@@ -63,6 +63,7 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="last", batched=False)
     defaults = {"num_heads": 4, "loss_decay": 0.8, "draft_vocab_size": 0, "kd_weight": 0.0}
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules, init_weights: bool = True):

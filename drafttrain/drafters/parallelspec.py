@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from drafttrain import layout as L
-from drafttrain.drafters.base import LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter
 from drafttrain.losses import group_position_weights, parallel_group_loss
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
@@ -44,6 +44,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
     """
 
     name = "parallelspec"
+    spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "num_mask_tokens": 4,
         "loss_decay": 0.8,
@@ -69,6 +70,10 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
     def draft_depth(self) -> int:
         """K + 1: the anchor's own next token and the K mask slots (one forward pass)."""
         return self.num_mask_tokens + 1
+
+    def draft_inputs(self) -> torch.Tensor:
+        """The K learned [MASK] inputs that follow the items in a drafting forward: [K, d]."""
+        return self.mask_embed
 
     def position_weights(self) -> list[float]:
         """Weights of the K + 1 group positions in the loss (Eq. 3: 1, lambda_1..lambda_K)."""

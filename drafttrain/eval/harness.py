@@ -242,7 +242,6 @@ def evaluate(cfg) -> dict[str, Any]:
     c = cfg if isinstance(cfg, EvalConfig) else validate_eval(cfg)
     ddir = check_checkpoint(c)
     from drafttrain.drafters import Drafter, build_drafter
-    from drafttrain.config import DrafterConfig
     from drafttrain.data.template import end_of_turn_ids
     from drafttrain.eval.report import write_report
     from drafttrain.target import load_target
@@ -269,12 +268,12 @@ def evaluate(cfg) -> dict[str, Any]:
     elif ddir is not None:
         drafter = Drafter.from_pretrained(ddir, target).eval()
     else:
-        dcfg = {k: v for k, v in to_dict_drafter(DrafterConfig()).items() if k != "name"}
         torch.manual_seed(c.seed)
-        drafter = build_drafter("parallelspec", dcfg, target).eval()
-    if drafter is not None and drafter.name == "eagle" and "mcsd" in methods:
-        raise ValueError("mcsd grows its trees from the per-depth distributions of one drafter pass: use a "
-                         "parallelspec, parallelspec_eagle or medusa checkpoint for it, not an eagle one")
+        drafter = build_drafter("parallelspec", {}, target).eval()  # its class defaults
+    if drafter is not None and drafter.spec.drafting != "parallel" and "mcsd" in methods:
+        raise ValueError(f"mcsd grows its trees from the per-depth distributions of one drafter pass: use a "
+                         f"parallel drafter's checkpoint for it (parallelspec, parallelspec_eagle, medusa), not "
+                         f"'{drafter.name}', which drafts {drafter.spec.drafting}")
     ids, prompts = load_prompts(c, target.tokenizer)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
     sampling = SamplingParams(c.temperature, c.top_p)
@@ -334,7 +333,8 @@ def evaluate(cfg) -> dict[str, Any]:
                     variants.append((label, lambda bs, refs, beta=beta: MCSDProposer(
                         drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=beta)))  # fmt: skip
         elif m == "mtad":
-            mtad_cls = MTADEagleProposer if drafter.name == "eagle" else MTADProposer  # joint q vs per-depth marginals
+            # an autoregressive drafter gives MTAD the joint q; a parallel one its per-depth marginals
+            mtad_cls = MTADEagleProposer if drafter.spec.drafting == "autoregressive" else MTADProposer
             variants.append(("mtad", lambda bs, refs: mtad_cls(drafter, c.mtad.num_beams, c.mtad.num_steps,
                                                                c.mtad.threshold)))  # fmt: skip
     any_lossy = "mtad" in methods or ("mcsd" in methods and max(c.mcsd.target_roots) > 1)
@@ -431,12 +431,6 @@ def to_dict_eval(c: EvalConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
-
-
-def to_dict_drafter(d) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(d), resolve=True)
 
 
 __all__ = ["evaluate", "check_checkpoint", "load_prompts", "make_proposer"]

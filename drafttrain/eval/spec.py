@@ -51,9 +51,11 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
 
     Args:
         target: :class:`drafttrain.target.Target`.
-        drafter: a drafter with ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, depth, v]``
+        drafter: a drafter with ``propose(next_ids [1, n], features [1, n, F], cache) -> [1, depth, v]``
             (row j: the (j+1)-th token after the last item's x_{i+1}); it keeps its own ``cache``
-            (a ``DynamicCache`` of the real items, created here) consistent.
+            (a ``DynamicCache`` of the real items, created here) consistent. It is handed what it
+            declares (``drafter.spec``): the features of its ``feature_layers`` (F = len(ids) * d), for
+            every new item (``step_input="items"``) or the last one (``"last"``).
         prompt: prompt token ids.
         max_new_tokens: generation cap; ``stop``: end-of-turn id (default the target's eos).
 
@@ -66,13 +68,15 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
     device = target.device
     t0 = time.perf_counter()
     tcache, dcache = DynamicCache(), DynamicCache()
+    layers = drafter.feature_layers  # the declared target layers (drafters/base.py)
+    keep = -1 if drafter.spec.step_input == "last" else 0  # "last": only the last item's feature is handed over
     ids = torch.tensor([prompt], device=device)
-    out = target.forward(ids, past_key_values=tcache, use_cache=True)
+    out = target.forward(ids, past_key_values=tcache, use_cache=True, feature_layers=layers)
     last = int(out.logits[0, -1].argmax())
     generated = [last]
     # drafter items for the prompt: (x_{i+1}, f_i), i = 0..n-1, with x_n = the first generated token
-    item_ids = torch.tensor([prompt[1:] + [last]], device=device)
-    item_feats = out.hidden
+    item_ids = torch.tensor([prompt[1:] + [last]], device=device)[:, keep:]
+    item_feats = out.features[:, keep:]
     res = SpecResult(tokens=[], target_forwards=0, emitted=0)
     while len(generated) < max_new_tokens and generated[-1] != stop:
         draft = drafter.propose(item_ids, item_feats, dcache)[0].argmax(-1)  # [depth]
@@ -80,7 +84,7 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
         cache_len = tcache.get_seq_length()
         verify = torch.cat([torch.tensor([last], device=device), draft])[None]  # [1, depth + 1]
         pos = torch.arange(cache_len, cache_len + k1 + 1, device=device)[None]
-        tout = target.forward(verify, position_ids=pos, past_key_values=tcache, use_cache=True)
+        tout = target.forward(verify, position_ids=pos, past_key_values=tcache, use_cache=True, feature_layers=layers)
         preds = tout.logits[0].argmax(-1)  # [depth + 1] target's next token after each verify input
         match = (draft == preds[:k1]).long()
         m = int(torch.cumprod(match, 0).sum())  # accepted drafts
@@ -94,8 +98,8 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
         res.emitted += len(new)
         res.accept_lengths.append(m)
         generated.extend(new)
-        item_ids = torch.tensor([new], device=device)
-        item_feats = tout.hidden[:, : m + 1]
+        item_ids = torch.tensor([new], device=device)[:, keep:]
+        item_feats = tout.features[:, : m + 1][:, keep:]
         last = bonus
     res.tokens = _truncate(generated, max_new_tokens, stop)
     res.seconds = time.perf_counter() - t0

@@ -13,7 +13,7 @@ each with its own KV-cache length. A step (:meth:`SpecEngine.step`) is::
                                                       # p := norm((p - q)+) and try the next child
         move K/V of [root, path] to contiguous slots  # rejected nodes' slots are simply overwritten later
         emit path tokens + bonus; stop on a stop token or max_new_tokens
-        proposer.commit(i, path tokens + bonus, hidden at [root, path])
+        proposer.commit(i, path tokens + bonus, hidden at [root, path])  # the proposer's feature_layers
     finished sequences free their slot; the next prompt in the queue is prefilled into it
 
 Three modes of the same engine (``mode``):
@@ -192,7 +192,9 @@ class SpecEngine:
 
     Args:
         target: :class:`drafttrain.target.Target` (driven through ``Target.forward`` only).
-        proposer: a :class:`~drafttrain.verify.proposers.Proposer`.
+        proposer: a :class:`~drafttrain.verify.proposers.Proposer`. Its optional ``feature_layers`` (the
+            drafter's declared target layer ids) choose the hidden states handed to ``start``/``commit``
+            (the layers concatenated, [q, len(ids) * d]); absent or None: the final post-norm state.
         batch_size: sequences decoded together (continuous batching refills finished slots).
         max_new_tokens: generated tokens per prompt at most (the prefill's first token counts).
         mode: ``"unpadded"`` | ``"unpadded_kv"`` | ``"padded"`` (module docstring).
@@ -234,6 +236,11 @@ class SpecEngine:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
         self.target = target
         self.proposer = proposer
+        from drafttrain.target import resolve_feature_layers
+
+        # the target hidden states the proposer reads (validated here, against this target)
+        layers = getattr(proposer, "feature_layers", None)  # optional protocol attribute (proposers.py)
+        self.feature_layers = resolve_feature_layers(layers, target.config.num_hidden_layers)
         self.batch_size = int(batch_size)
         self.max_new_tokens = int(max_new_tokens)
         self.mode = mode
@@ -427,8 +434,9 @@ class SpecEngine:
             rows: cache rows (default: every live row, in order).
 
         Returns:
-            (logits, hidden): per row, [1 + n_i, v] float32 target logits and [1 + n_i, d] last hidden
-            states at [root, node 0..n_i-1].
+            (logits, hidden): per row, [1 + n_i, v] float32 target logits and [1 + n_i, F] hidden states
+            of the proposer's ``feature_layers`` (F = len(ids) * d; default the final post-norm state, F = d)
+            at [root, node 0..n_i-1].
         """
         if rows is None:
             rows = [r for r, s in enumerate(self.rows) if s is not None]
@@ -542,15 +550,21 @@ class SpecEngine:
     # =============================================================================================
     def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
-        (hidden [q_i, d], logits [len(sel_i), v]) for the real inputs."""
+        (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs."""
         same = len({t.numel() for t in toks}) == 1
         if self.mode == "unpadded" and not (same and self.pack_inputs == "auto"):
-            hidden = self._forward_packed(rows, toks, pos, masks, slots)
+            hidden, feats = self._forward_packed(rows, toks, pos, masks, slots)
         else:
-            hidden = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
+            hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
         picked = torch.cat([h[s.to(h.device)] for h, s in zip(hidden, sel)])  # [M, d]
         logits = self.target.lm_head(picked).float()  # LM head only where logits are needed
-        return hidden, list(torch.split(logits, [s.numel() for s in sel]))
+        return feats, list(torch.split(logits, [s.numel() for s in sel]))
+
+    def _target_forward(self, ids, **kwargs):
+        """``Target.forward`` keeping the proposer's feature layers. Returns (hidden [1|B, q, d] post-norm,
+        features [1|B, q, F])."""
+        out = self.target.forward(ids, with_logits=False, use_cache=True, feature_layers=self.feature_layers, **kwargs)
+        return out.hidden, out.features
 
     def _neg(self) -> float:
         return torch.finfo(self.dtype).min
@@ -575,13 +589,14 @@ class SpecEngine:
         cache.set_plan(WritePlan(row_ids[None], torch.cat(slots)[None], None, 0, hi, packed=True))
         try:
             with attention_implementation(self.target.model, RAGGED_ATTENTION):
-                out = self.target.forward(
+                hidden, feats = self._target_forward(
                     torch.cat(toks)[None], attention_mask=mask, position_ids=torch.cat(pos)[None],
-                    past_key_values=cache, with_logits=False, use_cache=True, ragged_segments=segs,
+                    past_key_values=cache, ragged_segments=segs,
                 )  # fmt: skip
         finally:
             cache.set_plan(None)
-        return list(torch.split(out.hidden[0], q))  # [q_i, d] each
+        h = list(torch.split(hidden[0], q))  # [q_i, d] each
+        return h, (h if feats is hidden else list(torch.split(feats[0], q)))  # features [q_i, F] each
 
     def _forward_batched(self, rows, toks, pos, masks, slots, left_pad: bool):
         """[B, q_max] inputs; padding continues each row's slots on the padding side (padded mode counts it)."""
@@ -589,8 +604,9 @@ class SpecEngine:
         lay = batched_layout(self.cache, rows, masks, slots, self.dtype, left_pad=left_pad, lo=lo)
         self.cache.set_plan(lay.plan)
         try:
-            out = self.target.forward(lay.scatter(toks), attention_mask=lay.mask, position_ids=lay.scatter(pos),
-                                      past_key_values=self.cache, with_logits=False, use_cache=True)  # fmt: skip
+            hidden, feats = self._target_forward(lay.scatter(toks), attention_mask=lay.mask,
+                                                 position_ids=lay.scatter(pos), past_key_values=self.cache)  # fmt: skip
         finally:
             self.cache.set_plan(None)
-        return lay.gather(out.hidden)
+        h = lay.gather(hidden)
+        return h, (h if feats is hidden else lay.gather(feats))

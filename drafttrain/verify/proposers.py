@@ -19,7 +19,11 @@ small integer naming one live sequence (0..batch_size-1, reused after :meth:`~Pr
    accepted sequence, and rejected drafts never enter it.
 4. ``release(slot)`` when the sequence finished; the slot may be started again later.
 
-Optional: ``accept(slot, tree, target_logits, sampling, generator) -> Acceptance`` replaces the
+Optional: ``feature_layers`` (a tuple of target layer ids, :class:`~drafttrain.drafters.base.DrafterSpec`;
+absent or None = the final post-norm state) says which target hidden states the engine hands ``start``
+and ``commit`` as ``hidden`` ([P, F] / [m + 1, F], F = len(ids) * d, the layers concatenated in order):
+the drafter proposers set it to their drafter's declaration.
+``accept(slot, tree, target_logits, sampling, generator) -> Acceptance`` replaces the
 engine's rule (:func:`~drafttrain.verify.acceptance.accept`) for this proposer's trees (SSSD's
 membership rule, MCSD's target-initialized rule, MTAD's joint-likelihood rule; see
 :mod:`drafttrain.verify.methods`), and ``lossless`` (default True) says whether the output keeps the
@@ -138,18 +142,10 @@ class ReplayProposer:
 
 
 def _reset_drafter_row(drafter, cache, slot: int, like: torch.Tensor):
-    """Give ``slot`` an empty row in a one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` for a
-    drafter's decoder layer (created on first use, grown by rows as slots appear). Returns the cache."""
-    from types import SimpleNamespace
-
-    from drafttrain.verify.cache import RaggedKVCache
-
+    """Give ``slot`` an empty row in the drafter's one-layer :class:`~drafttrain.verify.cache.RaggedKVCache`
+    (``drafter.new_ragged_cache``, created on first use, grown by rows as slots appear). Returns the cache."""
     if cache is None:
-        attn = drafter.layer.self_attn
-        n_kv = attn.config.num_key_value_heads
-        cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
-                              head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
-        cache = RaggedKVCache(cfg, 0, 256, drafter.fc.weight.dtype, like.device)
+        cache = drafter.new_ragged_cache(like.device)
     if slot >= cache.batch_size:
         cache.add_rows(slot + 1 - cache.batch_size)
     cache.valid[slot] = False
@@ -189,20 +185,22 @@ def _ragged_decode(drafter, cache, rows, xs, pos, masks, slot_ids, extra=None) -
     return lay.gather(h)
 
 
-def _new_items_layout(drafter, cache, slots, states, num_mask_tokens: int = 0):
+def _new_items_layout(drafter, cache, slots, states):
     """Inputs of one drafting forward that appends every slot's pending items (``states[i]["ids"]`` [n_i],
-    ``["feats"]`` [n_i, d]), each followed by the drafter's K [MASK] inputs (ParallelSpec; K = 0 for
-    EAGLE), in ParallelSpec's inference layout (:func:`drafttrain.layout.inference_layout`) at the
-    row's own offset. Returns (xs, pos, masks, slot_ids, n) for :func:`_ragged_decode`."""
+    ``["feats"]`` [n_i, F]), each followed by the drafter's ``draft_inputs()`` (ParallelSpec's K [MASK]
+    inputs; K = 0 for EAGLE), in ParallelSpec's inference layout (:func:`drafttrain.layout.inference_layout`)
+    at the row's own offset. Returns (xs, pos, masks, slot_ids, n) for :func:`_ragged_decode`."""
     from drafttrain.layout import inference_layout
 
+    extra = drafter.draft_inputs()  # [K, d]
+    num_mask_tokens = extra.shape[0]
     n = [st["ids"].numel() for st in states]
     u = drafter.items(torch.cat([st["ids"] for st in states])[None], torch.cat([st["feats"] for st in states])[None])[0]
     xs, pos, masks, slot_ids = [], [], [], []
     for slot, ui, ni in zip(slots, torch.split(u, n), n):
         past = int(cache.lengths[slot])
         p, m = inference_layout(ni, num_mask_tokens, dtype=torch.float32, past=past)
-        xs.append(torch.cat([ui, drafter.mask_embed.to(ui.dtype)]) if num_mask_tokens else ui)  # [n_i + K, d]
+        xs.append(torch.cat([ui, extra.to(ui.dtype)]) if num_mask_tokens else ui)  # [n_i + K, d]
         pos.append(p[0].to(u.device))
         masks.append(m[0, 0, :, past:] == 0)  # [q_i, q_i] this call's own part
         slot_ids.append(past + torch.arange(ni + num_mask_tokens, device=u.device))
@@ -230,9 +228,13 @@ class ParallelSpecProposer:
     :func:`~drafttrain.verify.tree.parallelspec_tree` (ParallelSpec Algorithm 1, Appendix A.3; with
     Medusa's choice list this is Medusa's Cartesian-product tree).
 
-    With a ParallelSpec drafter (it has ``items``, ``decode``, ``logits``, ``mask_embed``) and
-    ``batched=True`` the drafter runs **one forward per step for the whole batch**: every sequence's
-    new items + K mask inputs in a ``[B, q_max]`` layout over a one-layer
+    What it hands the drafter follows the drafter's declaration (``drafter.spec``,
+    :class:`~drafttrain.drafters.base.DrafterSpec`): the features of every new item (``step_input =
+    "items"``) or of the last one only (``"last"``, Medusa), of the declared ``feature_layers``.
+    With a drafter that declares ``batched`` (the one-decoder-layer interface: ``items``, ``decode``,
+    ``logits``, ``draft_inputs``, ``new_ragged_cache``) and ``batched=True`` the drafter runs **one
+    forward per step for the whole batch**: every sequence's new items + its ``draft_inputs()`` (K mask
+    inputs) in a ``[B, q_max]`` layout over a one-layer
     :class:`~drafttrain.verify.cache.RaggedKVCache` (each sequence at its own offset; the mask
     slots' keys/values are written but never committed, which is ``propose``'s crop). Otherwise it
     calls ``propose`` once per sequence, each with its own ``DynamicCache``.
@@ -256,9 +258,11 @@ class ParallelSpecProposer:
         choices: Sequence[Sequence[int]] | None = None,
         batched: bool = True,
     ):
-        self.drafter = drafter.eval() if hasattr(drafter, "eval") else drafter
-        self.k = int(getattr(drafter, "num_mask_tokens", 0))
-        self.depth = depth = int(getattr(drafter, "draft_depth", self.k + 1))  # rows of one propose call (Medusa: K heads)
+        self.drafter = drafter.eval()
+        spec = drafter.spec
+        self.feature_layers = tuple(drafter.feature_layers)  # the engine hands start/commit these layers
+        self.last_only = spec.step_input == "last"  # Medusa: the heads read the last feature only
+        self.depth = depth = int(drafter.draft_depth)  # rows of one propose call (ParallelSpec K + 1, Medusa K heads)
         self.template: TreeTemplate | None = template_from_choices(choices) if choices is not None else None
         if widths is None and self.template is not None:  # a static shape: as wide as it asks, as deep as the drafter
             widths = [1 + max((r[t] for r in self.template.ranks if len(r) > t), default=-1) for t in range(depth)]
@@ -267,7 +271,7 @@ class ParallelSpecProposer:
         if budget is None:
             budget = self.template.n if self.template is not None else len(self.widths)
         self.budget = int(budget)
-        self.batched = batched and all(hasattr(drafter, a) for a in ("items", "decode", "logits", "mask_embed"))
+        self.batched = bool(batched) and spec.batched
         self._state: dict[int, dict] = {}
         self._cache = None  # batched path: one-layer RaggedKVCache, row = slot
 
@@ -275,7 +279,9 @@ class ParallelSpecProposer:
     def start(self, slot, prompt_ids, hidden, first_token) -> None:
         prompt_ids = list(prompt_ids)
         ids = torch.tensor(prompt_ids[1:] + [int(first_token)], dtype=torch.long, device=hidden.device)
-        st = {"ids": ids, "feats": hidden}  # [P], [P, d]: the prompt's items
+        if self.last_only:
+            ids, hidden = ids[-1:], hidden[-1:]
+        st = {"ids": ids, "feats": hidden}  # [P], [P, F]: the prompt's items (F = the declared features' width)
         if self.batched:
             self._reset_row(slot, hidden)
         else:
@@ -298,7 +304,9 @@ class ParallelSpecProposer:
     def commit(self, slot, tokens, hidden) -> None:
         st = self._state[slot]
         st["ids"] = torch.tensor(list(tokens), dtype=torch.long, device=hidden.device)  # [m + 1]
-        st["feats"] = hidden  # [m + 1, d]
+        st["feats"] = hidden  # [m + 1, F]
+        if self.last_only:
+            st["ids"], st["feats"] = st["ids"][-1:], st["feats"][-1:]
 
     def release(self, slot) -> None:
         self._state.pop(slot, None)
@@ -319,7 +327,7 @@ class ParallelSpecProposer:
         (:func:`drafttrain.layout.inference_layout`) at each sequence's own cache offset."""
         d, cache = self.drafter, self._cache
         sts = [self._state[s] for s in slots]
-        xs, pos, masks, slot_ids, n = _new_items_layout(d, cache, slots, sts, self.k)
+        xs, pos, masks, slot_ids, n = _new_items_layout(d, cache, slots, sts)
         hs = _ragged_decode(d, cache, slots, xs, pos, masks, slot_ids)
         last = torch.stack([hi[ni - 1 :] for hi, ni in zip(hs, n)])  # [B, K + 1, d]: anchor + K mask slots
         logits = d.full_vocab_logits(d.logits(last))  # [B, K + 1, v]
@@ -378,7 +386,7 @@ class EagleProposer:
         ValueError: a bad choice list (see :func:`~drafttrain.verify.tree.template_from_choices`).
     """
 
-    name = "eagle"
+    name = "autoregressive"  # proposer_for names it after its drafter
 
     def __init__(self, drafter, choices: Sequence[Sequence[int]] | None = None, budget: int | None = None,
                  widths: Sequence[int] | None = None, expand: int | None = None, batched: bool = True):  # fmt: skip
@@ -386,7 +394,8 @@ class EagleProposer:
 
         from drafttrain.verify.tree import chain_template
 
-        self.drafter = drafter.eval() if hasattr(drafter, "eval") else drafter
+        self.drafter = drafter.eval()
+        self.feature_layers = tuple(drafter.feature_layers)  # the engine hands start/commit these layers
         self.dynamic = choices is None and widths is not None
         if self.dynamic:
             self.widths = [int(w) for w in widths]
@@ -478,7 +487,7 @@ class EagleProposer:
         d, cache = self.drafter, st["cache"]
         device = st["feats"].device
         past, n_new = cache.get_seq_length(), st["ids"].numel()
-        pos, mask = L.inference_layout(n_new, 0, dtype=d.fc.weight.dtype, past=past)
+        pos, mask = L.inference_layout(n_new, 0, dtype=d.dtype, past=past)
         logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos.to(device), mask.to(device), cache)
         st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
         return logits[0, -1], f[0, -1], past + n_new
@@ -507,7 +516,7 @@ class EagleProposer:
         device = feats.device
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         pos = torch.full((1, q), committed - 1 + depth, dtype=torch.long, device=device)
-        mask = L.additive_mask(allowed, d.fc.weight.dtype)[None, None].to(device)
+        mask = L.additive_mask(allowed, d.dtype)[None, None].to(device)
         lg, fo = d.draft_step(ids, feats[None], pos, mask, cache)
         return lg[0], fo[0]
 
@@ -689,23 +698,26 @@ class _DynamicTree:
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
                  choices: Sequence[Sequence[int]] | None = None, batched: bool = True):  # fmt: skip
-    """The proposer that drafts the way ``drafter`` was built to.
+    """The proposer that drafts the way ``drafter`` declares (``drafter.spec.drafting``,
+    :class:`~drafttrain.drafters.base.DrafterSpec`).
 
-    - EAGLE (:class:`~drafttrain.drafters.eagle.EagleDrafter`): :class:`EagleProposer` (autoregressive
-      tree; ``choices`` static shape, or ``widths`` children per node at each depth, default a chain of
-      ``draft_depth``).
-    - ParallelSpec (both integrations) and Medusa: :class:`ParallelSpecProposer`, whose trees come from
-      one set of per-depth distributions (the K + 1 slots of one ParallelSpec forward, or the K Medusa
-      heads on the root's feature: Medusa's Cartesian-product tree when ``choices`` is its choice list).
+    - ``"autoregressive"`` (EAGLE): :class:`EagleProposer` (a tree grown one drafter forward per depth;
+      ``choices`` static shape, or ``widths`` children per node at each depth, default a chain of
+      ``draft_depth``). The drafter implements the one-decoder-layer interface (``draft_step``, ...).
+    - ``"parallel"`` (ParallelSpec in both integrations, Medusa, any ``propose`` drafter):
+      :class:`ParallelSpecProposer`, whose trees come from one set of per-depth distributions (the
+      K + 1 slots of one ParallelSpec forward, or the K Medusa heads on the root's feature: Medusa's
+      Cartesian-product tree when ``choices`` is its choice list).
 
-    ``batched``: draft the whole batch in shared drafter forwards (False: one sequence at a time).
+    ``batched``: draft the whole batch in shared drafter forwards where the drafter declares it can
+    (``spec.batched``; False: one sequence at a time).
 
     Returns:
-        a :class:`Proposer` whose ``name`` is the drafter's.
+        a :class:`Proposer` whose ``name`` is the drafter's and whose ``feature_layers`` are the drafter's.
     """
-    if getattr(drafter, "name", None) == "eagle":
+    if drafter.spec.drafting == "autoregressive":
         prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths, batched=batched)
     else:
         prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices, batched=batched)
-        prop.name = getattr(drafter, "name", prop.name)
+    prop.name = drafter.name
     return prop
