@@ -1,11 +1,13 @@
-"""The one training loop for every drafter (accelerate): data, steps, metrics, checkpoints, evaluation.
+"""The one training loop for every drafter (accelerate): steps, metrics, checkpoints, evaluation.
 
 ``run(cfg)`` is what ``train.py`` (the Hydra entry point) calls and what tests call directly.
 Order of work: validate the config (a typo fails here, before any model loads) -> Accelerator ->
 target -> data (self-distilled by default) -> drafter, AdamW, warm-up + cosine -> resume -> steps ->
 held-out eval/tau_sim -> speculative eval on MT-bench (eval/tau, greedy equality) -> final save.
 
-Data order is a pure function of (seed, global sample index), and anchor subsampling draws from a
+The data pipeline (sources -> rows -> datasets, held-out split) is :mod:`drafttrain.data.pipeline`; rows
+-> batches and their order :mod:`drafttrain.data.batches`. Data order is a pure function of (seed,
+global sample index), and anchor subsampling draws from a
 generator seeded by (seed, step, global micro-batch index = micro-step x world + rank), so a run
 resumed from a checkpoint replays the same batches as an uninterrupted one, and 2 processes x 1
 micro-batch see exactly the samples and anchors of 1 process x 2 accumulated micro-batches (tested).
@@ -34,124 +36,8 @@ COMPLETE = "COMPLETE"
 
 
 # ==================================================================================================
-# data
+# config (the data pipeline is drafttrain/data/pipeline.py, batches and their order drafttrain/data/batches.py)
 # ==================================================================================================
-def load_conversations(c: TrainConfig) -> list[dict]:
-    """Conversations from the configured source (ShareGPT by default, a .jsonl/.json file or an HF dataset folder)."""
-    from drafttrain.data.sources import LoadStats
-    from drafttrain.data.sources import load_conversations as load_source
-
-    stats = LoadStats(name=c.data.source)
-    convs = load_source(c.data.source, split=c.data.split, max_conversations=c.data.max_conversations, stats=stats)
-    log.info(stats.report())
-    if c.data.first_turn_only:
-        convs = [_first_turn(conv) for conv in convs]
-    return convs
-
-
-def _first_turn(conv: dict) -> dict:
-    msgs = conv["messages"]
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant" and i > 0:
-            return {**conv, "messages": msgs[: i + 1]}
-    return conv
-
-
-def data_cache_dir(c: TrainConfig) -> Path:
-    from drafttrain.assets import cache_root
-
-    return Path(c.data.cache_dir).expanduser() if c.data.cache_dir else cache_root() / "data"
-
-
-def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
-    """Build (rank 0 first, the others then load the cache) the train and held-out datasets.
-
-    Rows come from ``data.source``: self-distilled in training (``data.self_distill``, the default),
-    tokenized as they are, or read from a folder ``scripts.generate_data`` wrote
-    (``data.source=generated data.path=...``). Features: the rows' stored ``features`` column
-    (``data.features=auto``), a feature cache (``cache``), or a live target forward per batch (``live``).
-
-    ``feature_layers``: the target layers the drafter declares (``Drafter.layers_for``; default the final
-    post-norm state). Self-distillation stores exactly these; a feature cache must hold exactly these
-    (else :class:`~drafttrain.data.feature_cache.FeatureCacheError`); a generated dataset's stored
-    features are used only when they are these (its ``report.json``), else features are computed live.
-    """
-    from drafttrain.data.dataset import build_sft_dataset, split_heldout
-    from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
-    from drafttrain.target import resolve_feature_layers
-
-    L = target.num_hidden_layers
-    layers = resolve_feature_layers(feature_layers, L)
-    key_layers = None if layers == (L,) else layers  # the final state keeps the cache keys of older runs
-    stored_ok = True  # the dataset's own features column (if any) holds the declared layers
-    with accelerator.main_process_first():
-        if c.data.source == "generated":
-            ds = load_generated(c.data.path)
-            log.info("generated dataset %s: %d rows", c.data.path, len(ds))
-            report = Path(c.data.path) / "report.json"
-            stored = json.loads(report.read_text()).get("feature_layers") if report.is_file() else None
-            stored_ok = tuple(stored) == layers if stored is not None else layers == (L,)
-        else:
-            convs = load_conversations(c)
-            if c.data.self_distill:
-                from drafttrain.fingerprint import target_fingerprint
-
-                name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
-                key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
-                                  c.data.first_turn_only, key_layers)
-                ds, report = self_distill(
-                    target,
-                    convs,
-                    data_cache_dir(c) / "selfdistill" / key,
-                    max_new_tokens=c.data.max_new_tokens,
-                    max_length=c.data.max_length,
-                    batch_size=c.data.distill_batch_size,
-                    max_prompt_length=c.data.max_prompt_length,
-                    first_turn_only=c.data.first_turn_only,
-                    target_name=name,
-                    progress=c.trainer.progress and accelerator.is_main_process,
-                    feature_layers=layers,
-                )
-            else:
-                key = f"sft-{len(convs)}-{c.data.max_length}"
-                ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
-    if c.data.features == "cache":
-        from drafttrain.data.feature_cache import attach_feature_cache
-
-        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target, feature_layers=layers,
-                                  num_hidden_layers=L)
-    elif not stored_ok and "features" in ds.column_names:
-        log.info("the dataset's stored features are not of layers %s (the drafter's): computing them live", list(layers))
-    keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
-    if c.data.features == "live" or (c.data.features == "auto" and not stored_ok):
-        keep = [k for k in keep if k != "features"]
-    ds = ds.select_columns(keep)
-    if c.data.source == "generated" and c.data.max_length:
-        ds = truncate_rows(ds, c.data.max_length)
-    ds = ds.with_format("torch")
-    if c.data.heldout > 0 and len(ds) > c.data.heldout:
-        train, held = split_heldout(ds, c.data.heldout, c.seed)
-    else:
-        train, held = ds, None
-    if len(train) == 0:
-        raise RuntimeError("no training sequences: check data.source / data.max_conversations")
-    return train, held
-
-
-class LocalProcess:
-    """Stands in for an Accelerator in :func:`prepare_data` outside ``accelerate launch`` (one process:
-    scripts and tests that need the run's exact datasets)."""
-
-    is_main_process = True
-    process_index = 0
-    num_processes = 1
-
-    def main_process_first(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
 def compose_config(overrides: list[str]) -> TrainConfig:
     """Compose ``conf/train.yaml`` with Hydra ``overrides`` (e.g. ``["+recipe=eagle", "target=tiny"]``) and
     validate it, as ``train.py`` would (for scripts and tests; raises ConfigError like a launch)."""
@@ -161,99 +47,6 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     return validate(cfg)
-
-
-def truncate_rows(ds, max_length: int):
-    """Keep the first ``max_length`` tokens of every row (features: the first ``max_length - 1``).
-
-    Rows left without any loss-mask 1 are dropped (counted in the log), so no all-zero mask is trained on.
-    """
-    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
-    if max(lengths, default=0) <= max_length:
-        return ds
-
-    def cut(row):
-        out = {"input_ids": row["input_ids"][:max_length], "loss_mask": row["loss_mask"][:max_length]}
-        if "features" in row:
-            out["features"] = row["features"][: max_length - 1]
-        return out
-
-    before = len(ds)
-    ds = ds.map(cut, desc="truncate", keep_in_memory=True)
-    ds = ds.filter(lambda row: any(row["loss_mask"]), keep_in_memory=True)
-    if len(ds) < before:
-        log.warning("%d rows have no answer token within data.max_length=%d and were dropped", before - len(ds), max_length)
-    return ds
-
-
-def collate(rows: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad rows to one batch: input_ids/loss_mask [b, L], lengths [b], features [b, L-1, F] float32 if
-    present (F = len(feature_layers) * d: the drafter's declared layers, concatenated).
-
-    Row features may be float (any float dtype) or integers holding bfloat16 bit patterns (a feature
-    cache stored with ``dtype=bfloat16``: Arrow has no bf16 type).
-    """
-    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
-    L = int(lengths.max())
-    b = len(rows)
-    ids = torch.full((b, L), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n] = torch.as_tensor(r["input_ids"]).long()
-        mask[i, :n] = torch.as_tensor(r["loss_mask"]).long()
-    batch = {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
-    if "features" in rows[0]:
-        d = rows[0]["features"].shape[-1]
-        feats = torch.zeros((b, max(L - 1, 1), d), dtype=torch.float32)
-        for i, r in enumerate(rows):
-            f = torch.as_tensor(r["features"])
-            if not f.is_floating_point():  # a bfloat16 feature cache stores bf16 bit patterns as int16
-                f = f.to(torch.int16).view(torch.bfloat16)
-            feats[i, : f.shape[0]] = f.float()
-        batch["features"] = feats
-    return batch
-
-
-def epoch_order(n: int, seed: int, epoch: int, lengths: list[int] | None = None, group: int = 0) -> list[int]:
-    """Row order of one epoch: a permutation drawn from ``seed`` and ``epoch``.
-
-    With ``lengths`` and ``group`` > 1, every run of ``group`` consecutive rows of the permutation is
-    sorted by length, so consecutive micro-batches hold sequences of similar length (less padding)
-    while the epoch stays a random order at the scale of groups.
-    """
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch)).tolist()
-    if lengths is not None and group > 1:
-        perm = [i for g in range(0, n, group) for i in sorted(perm[g : g + group], key=lambda r: (lengths[r], r))]
-    return perm
-
-
-def sample_indices(
-    global_start: int, count: int, n: int, seed: int, lengths: list[int] | None = None, group: int = 0
-) -> list[int]:
-    """Dataset rows for global sample positions [global_start, global_start + count).
-
-    The data position of a run is just its sample counter, so resume needs nothing but the step.
-    """
-    out, orders = [], {}
-    for g in range(global_start, global_start + count):
-        e = g // n
-        if e not in orders:
-            orders[e] = epoch_order(n, seed, e, lengths, group)
-        out.append(orders[e][g % n])
-    return out
-
-
-def get_batch(ds, target, indices: list[int], device, feature_layers=None) -> dict[str, torch.Tensor]:
-    """Collate rows and add the target's features of ``feature_layers`` (default the final post-norm state;
-    [b, L-1, len(ids) * d]) when the dataset does not carry them."""
-    batch = collate([ds[i] for i in indices])
-    batch = {k: v.to(device) for k, v in batch.items()}
-    if "features" not in batch:
-        attn = (torch.arange(batch["input_ids"].shape[1], device=device)[None] < batch["lengths"][:, None]).long()
-        feats = target.features(batch["input_ids"], attention_mask=attn, feature_layers=feature_layers)
-        batch["features"] = feats[:, :-1].float()
-    return batch
 
 
 # ==================================================================================================
@@ -484,6 +277,7 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator, feature_layer
     every rank runs the same number of forward passes (ZeRO-3's gathers are collective): a rank whose
     share is used up runs a padding batch whose sums are dropped.
     """
+    from drafttrain.data.batches import get_batch
     from drafttrain.metrics import merge_sums
 
     if ds is None:
@@ -594,6 +388,8 @@ def run(cfg) -> dict[str, Any]:
         peak_memory_mb,
         prepare,
     )
+    from drafttrain.data.batches import get_batch, sample_indices
+    from drafttrain.data.pipeline import prepare_data
     from drafttrain.drafters import build_drafter, drafter_class, drafter_config
     from drafttrain.metrics import finalize, merge_sums
     from drafttrain.target import load_target

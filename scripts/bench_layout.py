@@ -70,27 +70,30 @@ def _step(dr, opt, batch, method: str, seed: int) -> float:
 
 
 def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
-    from drafttrain import train as T
+    from drafttrain.config import to_dict
+    from drafttrain.data.batches import get_batch, sample_indices
+    from drafttrain.data.pipeline import LocalProcess, prepare_data
     from drafttrain.data.vocab import frequent_tokens
     from drafttrain.drafters import build_drafter, drafter_config
     from drafttrain.target import load_target
+    from drafttrain.train import compose_config
 
-    c = T.compose_config(["+recipe=parallelspec", *overrides])
+    c = compose_config(["+recipe=parallelspec", *overrides])
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     target = load_target(c.target)
-    train_ds, _ = T.prepare_data(c, target, T.LocalProcess())
+    train_ds, _ = prepare_data(c, target, LocalProcess())
     lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
     mbs = c.trainer.micro_batch_size
     group = mbs * c.trainer.length_group_steps
-    batches = [T.get_batch(train_ds, target, T.sample_indices(s * mbs, mbs, len(train_ds), c.seed, lengths, group),
-                           target.device) for s in range(steps + 1)]  # fmt: skip
+    batches = [get_batch(train_ds, target, sample_indices(s * mbs, mbs, len(train_ds), c.seed, lengths, group),
+                         target.device) for s in range(steps + 1)]  # fmt: skip
     vocab = None
     if c.drafter.draft_vocab_size:
         vocab, _ = frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])
     rows = []
     for ratio in anchor_ratios:
-        full = {**T.to_dict(c)["drafter"], "anchor_ratio": ratio}
+        full = {**to_dict(c)["drafter"], "anchor_ratio": ratio}
         times: dict[str, list[float]] = {"layout": [], "naive": []}
         models = {}
         for method in times:

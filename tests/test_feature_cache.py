@@ -24,7 +24,8 @@ from drafttrain.data.feature_cache import (
     load_feature_cache,
 )
 from drafttrain.data.selfdistill import generate_dataset, load_generated
-from drafttrain.train import get_batch, prepare_data
+from drafttrain.data.batches import get_batch
+from drafttrain.data.pipeline import prepare_data
 
 CONVS = [
     {"id": f"c{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "a"}]}

@@ -193,8 +193,8 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
     saved). Returns (trained state, initial state, target)."""
     from safetensors.torch import load_file
 
-    from drafttrain import train as T
     from drafttrain.config import validate
+    from drafttrain.data.pipeline import LocalProcess, prepare_data
     from drafttrain.data.vocab import frequent_tokens
     from drafttrain.drafters import build_drafter, drafter_config
     from drafttrain.target import load_target
@@ -210,7 +210,7 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
     target = load_target(c.target)  # seeds itself: same weights (and RNG state for the drafter init) as in the run
     drafter = build_drafter(recipe, drafter_config(recipe, json.loads((ck / "config.json").read_text())["drafter"]), target)
     if c.drafter.draft_vocab_size:
-        train_ds, _ = T.prepare_data(c, target, T.LocalProcess())
+        train_ds, _ = prepare_data(c, target, LocalProcess())
         drafter.set_draft_vocab(frequent_tokens(train_ds, c.drafter.draft_vocab_size, target.lm_head.weight.shape[0])[0])
     init = drafter.state_dict()
     assert trained.keys() == init.keys()

@@ -11,7 +11,7 @@ Columns (one row per dataset row):
 
 - ``features``: [L-1, n * d] (n = number of feature layers), ``float16``; or, with ``dtype="bfloat16"``,
   ``int16`` holding the bf16 bit patterns (Arrow has no bf16 type; the batch collate turns them back
-  into bf16);
+  into bf16, :func:`drafttrain.data.batches.collate`);
 - ``topk_ids`` int32 [L-1, k] and ``topk_logits`` float16 [L-1, k] (``top_k`` > 0 only), best first.
 
 ``feature_cache.json`` records :data:`SCHEMA_VERSION`, the fingerprint of the dataset's

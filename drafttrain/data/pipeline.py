@@ -1,0 +1,159 @@
+"""The training data pipeline: sources -> rows -> datasets, the held-out split.
+
+:func:`prepare_data` is what the training loop (:mod:`drafttrain.train`) and the scripts and tests that
+need a run's exact datasets call: conversations from the configured source (:func:`load_conversations`),
+self-distilled by the target (:mod:`drafttrain.data.selfdistill`, the default), tokenized as they are
+(:mod:`drafttrain.data.dataset`), or read from a folder ``scripts.generate_data`` wrote; features from
+the rows themselves, a feature cache (:mod:`drafttrain.data.feature_cache`) or a live target forward per
+batch (:func:`drafttrain.data.batches.get_batch`), always of the layers the drafter declares
+(:class:`drafttrain.drafters.base.DrafterSpec`). Batches and their order: :mod:`drafttrain.data.batches`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from drafttrain.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_conversations(c: TrainConfig) -> list[dict]:
+    """Conversations from the configured source (ShareGPT by default, a .jsonl/.json file or an HF dataset folder)."""
+    from drafttrain.data.sources import LoadStats
+    from drafttrain.data.sources import load_conversations as load_source
+
+    stats = LoadStats(name=c.data.source)
+    convs = load_source(c.data.source, split=c.data.split, max_conversations=c.data.max_conversations, stats=stats)
+    log.info(stats.report())
+    if c.data.first_turn_only:
+        convs = [_first_turn(conv) for conv in convs]
+    return convs
+
+
+def _first_turn(conv: dict) -> dict:
+    msgs = conv["messages"]
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and i > 0:
+            return {**conv, "messages": msgs[: i + 1]}
+    return conv
+
+
+def data_cache_dir(c: TrainConfig) -> Path:
+    from drafttrain.assets import cache_root
+
+    return Path(c.data.cache_dir).expanduser() if c.data.cache_dir else cache_root() / "data"
+
+
+def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
+    """Build (rank 0 first, the others then load the cache) the train and held-out datasets.
+
+    Rows come from ``data.source``: self-distilled in training (``data.self_distill``, the default),
+    tokenized as they are, or read from a folder ``scripts.generate_data`` wrote
+    (``data.source=generated data.path=...``). Features: the rows' stored ``features`` column
+    (``data.features=auto``), a feature cache (``cache``), or a live target forward per batch (``live``).
+
+    ``feature_layers``: the target layers the drafter declares (``Drafter.layers_for``; default the final
+    post-norm state). Self-distillation stores exactly these; a feature cache must hold exactly these
+    (else :class:`~drafttrain.data.feature_cache.FeatureCacheError`); a generated dataset's stored
+    features are used only when they are these (its ``report.json``), else features are computed live.
+    """
+    from drafttrain.data.dataset import build_sft_dataset, split_heldout
+    from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
+    from drafttrain.target import resolve_feature_layers
+
+    L = target.num_hidden_layers
+    layers = resolve_feature_layers(feature_layers, L)
+    key_layers = None if layers == (L,) else layers  # the final state keeps the cache keys of older runs
+    stored_ok = True  # the dataset's own features column (if any) holds the declared layers
+    with accelerator.main_process_first():
+        if c.data.source == "generated":
+            ds = load_generated(c.data.path)
+            log.info("generated dataset %s: %d rows", c.data.path, len(ds))
+            report = Path(c.data.path) / "report.json"
+            stored = json.loads(report.read_text()).get("feature_layers") if report.is_file() else None
+            stored_ok = tuple(stored) == layers if stored is not None else layers == (L,)
+        else:
+            convs = load_conversations(c)
+            if c.data.self_distill:
+                from drafttrain.fingerprint import target_fingerprint
+
+                name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
+                key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
+                                  c.data.first_turn_only, key_layers)
+                ds, report = self_distill(
+                    target,
+                    convs,
+                    data_cache_dir(c) / "selfdistill" / key,
+                    max_new_tokens=c.data.max_new_tokens,
+                    max_length=c.data.max_length,
+                    batch_size=c.data.distill_batch_size,
+                    max_prompt_length=c.data.max_prompt_length,
+                    first_turn_only=c.data.first_turn_only,
+                    target_name=name,
+                    progress=c.trainer.progress and accelerator.is_main_process,
+                    feature_layers=layers,
+                )
+            else:
+                key = f"sft-{len(convs)}-{c.data.max_length}"
+                ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
+    if c.data.features == "cache":
+        from drafttrain.data.feature_cache import attach_feature_cache
+
+        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target, feature_layers=layers,
+                                  num_hidden_layers=L)
+    elif not stored_ok and "features" in ds.column_names:
+        log.info("the dataset's stored features are not of layers %s (the drafter's): computing them live", list(layers))
+    keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
+    if c.data.features == "live" or (c.data.features == "auto" and not stored_ok):
+        keep = [k for k in keep if k != "features"]
+    ds = ds.select_columns(keep)
+    if c.data.source == "generated" and c.data.max_length:
+        ds = truncate_rows(ds, c.data.max_length)
+    ds = ds.with_format("torch")
+    if c.data.heldout > 0 and len(ds) > c.data.heldout:
+        train, held = split_heldout(ds, c.data.heldout, c.seed)
+    else:
+        train, held = ds, None
+    if len(train) == 0:
+        raise RuntimeError("no training sequences: check data.source / data.max_conversations")
+    return train, held
+
+
+class LocalProcess:
+    """Stands in for an Accelerator in :func:`prepare_data` outside ``accelerate launch`` (one process:
+    scripts and tests that need the run's exact datasets)."""
+
+    is_main_process = True
+    process_index = 0
+    num_processes = 1
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def truncate_rows(ds, max_length: int):
+    """Keep the first ``max_length`` tokens of every row (features: the first ``max_length - 1``).
+
+    Rows left without any loss-mask 1 are dropped (counted in the log), so no all-zero mask is trained on.
+    """
+    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
+    if max(lengths, default=0) <= max_length:
+        return ds
+
+    def cut(row):
+        out = {"input_ids": row["input_ids"][:max_length], "loss_mask": row["loss_mask"][:max_length]}
+        if "features" in row:
+            out["features"] = row["features"][: max_length - 1]
+        return out
+
+    before = len(ds)
+    ds = ds.map(cut, desc="truncate", keep_in_memory=True)
+    ds = ds.filter(lambda row: any(row["loss_mask"]), keep_in_memory=True)
+    if len(ds) < before:
+        log.warning("%d rows have no answer token within data.max_length=%d and were dropped", before - len(ds), max_length)
+    return ds
