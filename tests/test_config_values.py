@@ -15,6 +15,7 @@ import typing
 import pytest
 
 from drafttrain import config as C
+from drafttrain.drafters import DRAFTERS
 
 SCHEMAS = {"train": C.TrainConfig, "generate": C.GenerateConfig, "cache_features": C.CacheFeaturesConfig,
            "evaluate": C.EvalConfig}  # fmt: skip
@@ -36,6 +37,10 @@ def numeric_keys(cls, prefix=""):
 
 
 ALL = [(schema, *k) for schema, cls in SCHEMAS.items() for k in numeric_keys(cls)]
+# a drafter's keys live on its class (``defaults``); its schema (``config.drafter_schema``, a DrafterConfig
+# subclass) takes DrafterConfig's ranges: (drafter name, dotted key, field name, is_list, is_int)
+DRAFTER_KEYS = [(name, key, f, is_list, is_int) for name in sorted(DRAFTERS)
+                for key, _, f, is_list, is_int in numeric_keys(C.drafter_schema(name), "drafter.")]  # fmt: skip
 
 
 def bad_value(rule: C.Range, is_int: bool):
@@ -62,8 +67,16 @@ def validate(schema: str, key: str, value):
 def test_every_numeric_key_has_a_range():
     missing = [f"{schema}: {key} ({cls}.{name})" for schema, key, cls, name, *_ in ALL
                if name not in C.NUMERIC_RANGES.get(cls, {})]  # fmt: skip
+    missing += [f"drafter {name}: {key}" for name, key, f, *_ in DRAFTER_KEYS if f not in C.NUMERIC_RANGES["DrafterConfig"]]
     assert not missing, f"numeric config keys without a range in drafttrain.config.NUMERIC_RANGES: {missing}"
-    assert len(ALL) > 80
+    assert len(ALL) + len({k for _, k, *_ in DRAFTER_KEYS}) > 80
+
+
+@pytest.mark.parametrize("name,key,field,is_list,is_int", DRAFTER_KEYS, ids=[f"{a[0]}:{a[1]}" for a in DRAFTER_KEYS])
+def test_out_of_range_drafter_value_fails_naming_the_key(name, key, field, is_list, is_int):
+    bad = bad_value(C.NUMERIC_RANGES["DrafterConfig"][field], is_int)
+    with pytest.raises(C.ConfigError, match=rf"\b{key} must be"):
+        C.validate({"drafter": {"name": name, field: [bad] if is_list else bad}})
 
 
 @pytest.mark.parametrize("schema,key,cls,name,is_list,is_int", ALL, ids=[f"{a[0]}:{a[1]}" for a in ALL])

@@ -95,7 +95,6 @@ def _hidden_states(target, tokens: list[int]) -> torch.Tensor:
     return torch.cat([hs[i] for i in LAYERS], dim=-1)[0]
 
 
-@pytest.mark.slow
 def test_toy_drafter_trains_through_the_loop_and_decodes_greedy_equal(tmp_path, varied_target):
     from drafttrain.config import ConfigError, validate
     from drafttrain.train import compose_config, run
