@@ -27,7 +27,6 @@ D = 64  # the tiny target's hidden size (conf/target/tiny.yaml)
 LAYERS = (1, 2)  # the hidden state entering decoder layer 1, and the final post-norm state (L = 2)
 
 
-@register_drafter
 class TwoLayerToyDrafter(Drafter):
     """Parallel toy drafter on two target layers: K linear heads on [f^(1)_i ; f^(2)_i ; e(x_{i+1})], each
     through the target's frozen final norm + LM head (head k guesses x_{i+k+2}). It records what it is handed.
@@ -77,6 +76,16 @@ class TwoLayerToyDrafter(Drafter):
     def propose(self, next_ids: torch.Tensor, features: torch.Tensor, cache) -> torch.Tensor:
         type(self).seen_items.append((cache, next_ids[0].clone(), features[0].clone()))
         return self.head_logits(next_ids[:, -1], features[:, -1])  # [1, K, v]
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    """The toy is registered for this module's tests only (other test modules enumerate the library's drafters)."""
+    from drafttrain.drafters import DRAFTERS
+
+    register_drafter(TwoLayerToyDrafter)
+    yield
+    DRAFTERS.pop(TwoLayerToyDrafter.name, None)
 
 
 def test_toy_drafter_declaration():

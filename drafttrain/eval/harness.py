@@ -408,7 +408,9 @@ def evaluate(cfg) -> dict[str, Any]:
                     "untrained": ddir is None and drafter is not None,
                     "name": drafter.name if drafter is not None else None,
                     "draft_depth": drafter.draft_depth if drafter is not None else None,
-                    "num_mask_tokens": getattr(drafter, "num_mask_tokens", None),
+                    "num_mask_tokens": drafter.config.get("num_mask_tokens") if drafter is not None else None,
+                    "drafting": drafter.spec.drafting if drafter is not None else None,
+                    "feature_layers": list(drafter.feature_layers) if drafter is not None else None,
                     "replay_accept_prob": c.replay_accept_prob if "replay" in methods else None},  # fmt: skip
         "lossy_methods": list(dict.fromkeys(r["method"] for r in runs if not r["lossless"])),
         "sssd_planner": {str(b): p for b, p in sorted(plans.items())},
