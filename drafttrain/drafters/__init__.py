@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.eagle import EagleDrafter
+from drafttrain.drafters.eagle3 import Eagle3Drafter
 from drafttrain.drafters.medusa import MedusaDrafter
 from drafttrain.drafters.parallelspec import ParallelSpecDrafter
 from drafttrain.drafters.parallelspec_eagle import ParallelSpecEagleDrafter
+from drafttrain.drafters.parallelspec_eagle3 import ParallelSpecEagle3Drafter
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
@@ -46,7 +48,8 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
     return cls
 
 
-for _cls in (MedusaDrafter, EagleDrafter, ParallelSpecDrafter, ParallelSpecEagleDrafter):
+for _cls in (MedusaDrafter, EagleDrafter, Eagle3Drafter, ParallelSpecDrafter, ParallelSpecEagleDrafter,
+             ParallelSpecEagle3Drafter):
     register_drafter(_cls)
 
 
@@ -89,10 +92,12 @@ __all__ = [
     "LAST_LAYER",
     "Drafter",
     "DrafterSpec",
+    "Eagle3Drafter",
     "EagleDrafter",
     "LossOutput",
     "MedusaDrafter",
     "ParallelSpecDrafter",
+    "ParallelSpecEagle3Drafter",
     "ParallelSpecEagleDrafter",
     "SharedTargetModules",
     "build_drafter",

@@ -1,0 +1,387 @@
+"""EAGLE-3 drafter (Li et al. 2025, "EAGLE-3: Scaling up inference acceleration of large language models
+via training-time test", sections 3.1-3.2), trained with the training-time test (TTT).
+
+**Inputs.** The drafter reads three of the target's hidden states, low / middle / high, at every
+position: layer ids ``aux_layer_ids`` (default ``(2, L // 2, L - 3)``, vLLM's and speculators'
+convention: **id i is the hidden state entering decoder layer i**, Hugging Face's
+``output_hidden_states[i]``, 0 = the embeddings; SpecForge writes the same tensors as ``[1, L//2 - 1,
+L - 4]``, "output of layer i", see ../shared/SERVING.md). Targets with fewer than 6 layers clamp the
+defaults into [0, L - 1]. It also reads the final post-norm state (id L, the LM head's input) but only
+for training: the target's next-token distribution, LM head(f_{i+1}), is the TTT loss's target. The
+features handed to it are these four concatenated, ``[..., 4d]`` = [low | mid | high | last].
+
+**Network** (one decoder layer; state-dict names are those of the speculators format one-to-one):
+
+    g_i = fc([low_i; mid_i; high_i])                     fc.weight [d, 3d], no bias
+    a   = attn(cat(input_layernorm(e(x_{i+1})), hidden_norm(g_i)))   q/k/v_proj read 2d
+    h   = g_i + a;   h = h + mlp(post_attention_layernorm(h))        layers.0.*
+    logits = lm_head(norm(h))                             norm.weight, lm_head.weight [N, d]
+
+``lm_head`` is the drafter's own head over the draft vocabulary (buffers ``d2t`` / ``t2d`` in the
+engines' offset convention, :mod:`drafttrain.drafters.base`), initialised from the target's rows; the
+embedding is the target's, shared and frozen (engines share it too). The layer is built from the
+target's own decoder-layer class and its public submodules (attention, MLP, RMSNorm): its q/k/v
+projections are replaced by 2d-input linears and a ``hidden_norm`` is added; its forward is written
+here (the attention module is called with explicit position embeddings, a 4D additive mask and a
+cache, the way :mod:`drafttrain.drafters.feature_layer` drives the target's layer). No modeling file
+is copied.
+
+**Autoregressive drafting.** The layer's output h (before ``norm``) is the next step's g: drafting
+step j + 1 feeds (draft token of step j, h of step j). :meth:`items` tells the two kinds of g apart by
+width (target features: >= 3d, through fc; the drafter's own h: d).
+
+**Training-time test** (section 3.2): ``ttt_steps`` = K unrolled steps over every position at once.
+Step 0 is the teacher-forced pass over the items; step k >= 1 at row j feeds the ground-truth token
+x_{j+k+1} with the drafter's own output h of step k - 1 at row j, at RoPE position j + k, attending to
+the step-0 keys at 0..j and to its own keys of steps 1..k (:func:`drafttrain.layout.ttt_mask`). Row j
+of step k is therefore the greedy chain drafted from item j at depth k whenever the chain is right
+(tested against an autoregressive rollout), and guesses y_{j+k} = x_{j+k+2}. Loss:
+
+    L = sum_k loss_decay^k * mean_{j} KL( p_{j+k} || q_{k, j} ),
+
+p = the target's distribution LM head(f_{j+k+1}) renormalised over the draft vocabulary, q = the
+drafter's; rows whose label is loss-masked or whose target argmax (over the full vocabulary) is not
+in the draft vocabulary are left out. No feature-regression term (EAGLE-3 drops it).
+
+Metrics: acc_k / cond_acc_k / tau_sim over the first min(``draft_depth``, K) steps of the same unrolled
+pass (row j = the group of anchor j; an out-of-vocabulary label counts as a miss), plus the per-step
+KL ``kl_k``.
+
+Shape letters: b batch, t items, K TTT steps, d hidden, N draft vocab, v target vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from drafttrain import layout as L
+from drafttrain.drafters.base import Drafter, LossOutput, SharedTargetModules
+from drafttrain.drafters.feature_layer import FeatureLayerDrafter
+from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
+from drafttrain.metrics import empty_group_sums, group_acceptance_sums
+
+NUM_AUX = 3  # low, middle, high
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 layer ids ``(2, L // 2, L - 3)``, clamped into [0, L - 1] for small targets.
+
+    Example: L = 30 -> (2, 15, 27); L = 2 -> (1, 1, 0).
+    """
+    n = int(num_hidden_layers)
+    return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # type: ignore[return-value]
+
+
+def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> tuple[int, int, int]:
+    """The three layer ids an EAGLE-3 drafter reads: ``ids`` (empty/None = the defaults), each in [0, L - 1].
+
+    Raises:
+        ValueError: not three ids, or an id outside [0, L - 1] (id L, the post-norm state, is not a
+            low/middle/high input; negative ids are refused to keep one convention in configs).
+    """
+    n = int(num_hidden_layers)
+    if not ids:
+        return default_aux_layer_ids(n)
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != NUM_AUX or any(i < 0 or i >= n for i in ids):
+        raise ValueError(f"drafter.aux_layer_ids must be {NUM_AUX} layer ids in [0, {n - 1}] (id i = the hidden "
+                         f"state entering decoder layer i), got {list(ids)}")  # fmt: skip
+    return ids  # type: ignore[return-value]
+
+
+class Eagle3Drafter(FeatureLayerDrafter):
+    """EAGLE-3: fc over three target layers + one decoder layer on cat(e, g) + own head; TTT training.
+
+    Config keys: ``draft_depth`` (D, the greedy chain :meth:`propose` drafts, default 5), ``ttt_steps``
+    (K unrolled training steps, 7), ``loss_decay`` (step weights decay**k, 0.8), ``aux_layer_ids`` (the
+    three target layer ids; [] = ``(2, L // 2, L - 3)``), ``init_from_target_layer`` (start the layer's
+    MLP / o_proj / the g-half of q/k/v from the target's last layer, ``norm`` from its final norm),
+    ``draft_vocab_size`` (N; 0 = the full vocabulary).
+
+    Trainable parameters: fc (3d x d), one decoder layer with 2d-wide q/k/v, ``hidden_norm``, ``norm``,
+    ``lm_head`` (N x d).
+
+    Inference: :meth:`propose` (greedy chain of D). Lower level, for the batched tree proposer
+    (:class:`~drafttrain.verify.proposers.EagleProposer`): :meth:`items`, :meth:`decode`,
+    :meth:`forward_inputs`, :meth:`draft_step` (the "predicted feature" they return is h, the next g).
+
+    The fc-and-layer scaffolding of :class:`FeatureLayerDrafter` is reused for everything but the
+    network itself: ``__init__`` builds its own fc (3d -> d, no bias) and layer instead.
+    """
+
+    name = "eagle3"
+    defaults = {
+        "draft_depth": 5,
+        "ttt_steps": 7,
+        "loss_decay": 0.8,
+        "aux_layer_ids": [],
+        "init_from_target_layer": True,
+        "draft_vocab_size": 0,
+    }
+
+    def __init__(self, config: dict[str, Any], shared: SharedTargetModules, init_weights: bool = True):
+        Drafter.__init__(self, config, shared)  # not FeatureLayerDrafter's: another fc and layer
+        for key in ("draft_depth", "ttt_steps"):  # (the parallel variant reads neither)
+            if key in self.config and int(self.config[key]) < 1:
+                raise ValueError(f"drafter.{key} must be >= 1, got {self.config[key]}")
+        mcfg = copy.deepcopy(shared.model_config)
+        if getattr(mcfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+            mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (PLATFORM.md)
+        self.aux_layer_ids = resolve_aux_layer_ids(self.config["aux_layer_ids"], mcfg.num_hidden_layers)
+        d = mcfg.hidden_size
+        self.fc = nn.Linear(NUM_AUX * d, d, bias=False)
+        layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj"):  # the attention reads cat(e, g): 2d wide
+            old = getattr(attn, proj)
+            setattr(attn, proj, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
+        norm_cls = type(layer.input_layernorm)
+        layer.hidden_norm = norm_cls(d, eps=mcfg.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.rotary = type(shared.rotary_emb)(config=mcfg)
+        self.norm = norm_cls(d, eps=mcfg.rms_norm_eps)
+        self._init_draft_vocab(self.config["draft_vocab_size"])
+        self.lm_head = nn.Linear(d, self.d2t.numel(), bias=False)
+        if init_weights:
+            self.reset_parameters(from_target=bool(self.config["init_from_target_layer"]))
+        self._finish()
+
+    @property
+    def layer(self) -> nn.Module:
+        """The one decoder layer (``layers.0``; the ragged drafter cache is shaped from its attention)."""
+        return self.layers[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fc.out_features
+
+    @property
+    def draft_depth(self) -> int:
+        """D: the chain :meth:`propose` drafts (D drafter forwards)."""
+        return int(self.config["draft_depth"])
+
+    @property
+    def ttt_steps(self) -> int:
+        return int(self.config["ttt_steps"])
+
+    # -- initialisation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, from_target: bool) -> None:
+        """fc = N(0, 0.02) + [0 | 0 | I] (g starts as the high layer); linears N(0, 0.02), norms 1; with
+        ``from_target`` the target's last layer gives the MLP, o_proj, post-attention norm, the g half of
+        q/k/v and ``hidden_norm`` (its input norm), and the target's final norm gives ``norm``. ``lm_head``
+        = the target head's draft-vocabulary rows."""
+        std = getattr(self.shared.model_config, "initializer_range", 0.02)
+        d = self.hidden_size
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+        for m in (self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm):
+            m.weight.fill_(1.0)
+        self.fc.weight[:, (NUM_AUX - 1) * d :] += torch.eye(d, dtype=self.fc.weight.dtype)
+        if from_target:
+            src = self.shared.decoder_layer
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(self.layer.self_attn, name).weight[:, d:] = getattr(src.self_attn, name).weight
+            self.layer.self_attn.o_proj.load_state_dict(src.self_attn.o_proj.state_dict())
+            self.layer.mlp.load_state_dict(src.mlp.state_dict())
+            self.layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+            self.layer.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
+            self.norm.load_state_dict(self.shared.final_norm.state_dict())
+        self._copy_target_rows()
+
+    @torch.no_grad()
+    def _copy_target_rows(self) -> None:
+        w = self.shared.lm_head.weight
+        self.lm_head.weight.copy_(w[self.draft_token_ids.to(w.device)].to(self.lm_head.weight))
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Set the draft vocabulary (:meth:`Drafter.set_draft_vocab`) and re-copy ``lm_head`` from the
+        target's rows of the new ids: call it before training, never on a trained drafter."""
+        super().set_draft_vocab(token_ids)
+        self._copy_target_rows()
+
+    # -- building blocks ------------------------------------------------------------------------
+    def items(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The layer inputs cat(e(x_{i+1}), g_i): [b, q] ids + features -> [b, q, 2d].
+
+        ``features`` are either the target's (width >= 3d: [low | mid | high | ...], g = fc of the first
+        3d) or the drafter's own output hidden states h (width d, g = h).
+
+        Raises:
+            ValueError: any other width.
+        """
+        d = self.hidden_size
+        w = features.shape[-1]
+        dtype = self.fc.weight.dtype
+        if w == d:
+            g = features.to(dtype)
+        elif w >= NUM_AUX * d:
+            g = self.fc(features[..., : NUM_AUX * d].to(dtype))
+        else:
+            raise ValueError(f"EAGLE-3 features must be the target's [..., >= {NUM_AUX * d}] or the drafter's own "
+                             f"[..., {d}], got width {w}")  # fmt: skip
+        e = self.shared.embed_tokens(next_ids).to(dtype)
+        return torch.cat([e, g], dim=-1)
+
+    def decode(self, x, attention_mask, position_ids, past_key_values=None, use_cache=False) -> torch.Tensor:
+        """The EAGLE-3 decoder layer over inputs x = cat(e, g) [b, q, 2d], additive mask [b, 1, q, kv],
+        positions [b, q]; with a cache its q new keys/values are appended (kv = cached + q).
+
+        Returns h [b, q, d] (before ``norm``): the next step's g.
+        """
+        d = self.hidden_size
+        e, g = x[..., :d], x[..., d:]
+        layer = self.layer
+        pos_emb = self.rotary(g, position_ids)
+        a = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)  # [b, q, 2d]
+        attn, _ = layer.self_attn(hidden_states=a, position_embeddings=pos_emb, attention_mask=attention_mask,
+                                  past_key_values=past_key_values)  # fmt: skip
+        h = g + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def predict_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feature the next drafting step reads: h itself (EAGLE-3 feeds back the pre-norm output)."""
+        return hidden
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's own head: lm_head(norm(h)), [..., d] -> [..., N] float32 (draft vocabulary)."""
+        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype))).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.vocab_logits(hidden)
+
+    def draft_inputs(self) -> torch.Tensor:
+        """No extra inputs after the items in a drafting forward ([0, 2d]): EAGLE-3 drafts autoregressively."""
+        return self.fc.weight.new_zeros((0, 2 * self.hidden_size))
+
+    # -- training -------------------------------------------------------------------------------
+    def ttt_hidden(self, input_ids: torch.Tensor, features: torch.Tensor, num_steps: int | None = None) -> list[torch.Tensor]:
+        """The unrolled training-time-test pass (module docstring; mask :func:`drafttrain.layout.ttt_mask`).
+
+        Args:
+            input_ids: [b, L] int64 right-padded tokens x_0..x_{L-1}.
+            features: [b, L-1, >= 3d] the target features of the items (f_0..f_{L-2}).
+            num_steps: K (default ``ttt_steps``).
+
+        Returns:
+            K tensors [b, t, d] (t = L - 1): h of step k at row j (row j = the chain from item j, depth k;
+            its head guesses y_{j+k} = x_{j+k+2}). Rows past a sequence's end are padding.
+        """
+        from transformers import DynamicCache
+
+        k_steps = self.ttt_steps if num_steps is None else int(num_steps)
+        b, t = input_ids.shape[0], input_ids.shape[1] - 1
+        device = input_ids.device
+        cache = DynamicCache()
+        x = self.items(input_ids[:, 1:], features[:, :t])  # step 0: (x_{j+1}, fc(target features of j))
+        out: list[torch.Tensor] = []
+        for k in range(k_steps):
+            if k:  # step k, row j: ground-truth x_{j+k+1} with h of step k - 1 at row j
+                tok = torch.cat([input_ids[:, 1 + k :], input_ids.new_zeros((b, k))], dim=1)[:, :t]
+                x = self.items(tok, out[-1])
+            pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype)
+            h = self.decode(x, mask.to(device).expand(b, -1, -1, -1), pos.to(device).expand(b, -1),
+                            past_key_values=cache, use_cache=True)  # fmt: skip
+            out.append(h)
+        return out
+
+    @torch.no_grad()
+    def _target_side(self, final: torch.Tensor, labels: torch.Tensor):
+        """Per item position p with a label: the target's draft-vocabulary logits of y_p = LM head(f_{p+1})
+        and whether its full-vocabulary argmax is a draft id.
+
+        Args:
+            final: [b, t, d] the target's post-norm features f_0..f_{t-1}.
+            labels: [b, t] item labels (-100 = none; a label at p implies p + 1 < t).
+
+        Returns:
+            (keep [b, t] bool: labelled and argmax in the draft vocabulary, index [b, t] int64 row of
+            ``tlogits`` for kept positions, tlogits [m, N] float32).
+        """
+        b, t, d = final.shape
+        f_next = torch.cat([final[:, 1:], final.new_zeros((b, 1, d))], dim=1)  # [b, t, d] f_{p+1}
+        valid = labels != L.IGNORE_INDEX
+        fv = f_next[valid]  # [m0, d]
+        in_vocab = torch.ones(fv.shape[0], dtype=torch.bool, device=fv.device)
+        if self.restricted_vocab and fv.shape[0]:
+            w = self.shared.lm_head.weight
+            bias = getattr(self.shared.lm_head, "bias", None)
+            top = torch.cat([torch.nn.functional.linear(c.to(w.dtype), w, bias).argmax(-1) for c in fv.split(256)])
+            in_vocab = self.t2d.to(top.device)[top]
+        keep = valid.clone()
+        keep[valid] = in_vocab
+        index = torch.full((b, t), -1, dtype=torch.long, device=labels.device)
+        index[keep] = torch.arange(int(keep.sum()), device=labels.device)
+        return keep, index, self.target_logits(fv[in_vocab])
+
+    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
+        """The TTT loss (module docstring) and the acceptance metrics of the same unrolled pass.
+
+        Batch keys: ``input_ids`` [b, L] int64 (right-padded), ``loss_mask`` [b, L], ``lengths`` [b],
+        ``features`` [b, L-1, 4d] ([low | mid | high | final post-norm] of f_0..f_{L-2}).
+        """
+        ids, feats = batch["input_ids"], batch["features"]
+        d, k_steps = self.hidden_size, self.ttt_steps
+        t = ids.shape[1] - 1
+        if feats.shape[-1] != (NUM_AUX + 1) * d:
+            raise ValueError(f"eagle3 needs features [b, L-1, {(NUM_AUX + 1) * d}] (3 layers + the final state), "
+                             f"got {tuple(feats.shape)}")  # fmt: skip
+        labels = L.batch_item_labels(ids, batch["loss_mask"], batch["lengths"])  # [b, t]
+        keep, index, tlogits = self._target_side(feats[:, :t, NUM_AUX * d :], labels)
+        group = L.shifted_labels(labels, k_steps)  # [b, t, K]: step k row j -> y_{j+k}
+        correct = torch.zeros_like(group, dtype=torch.bool)
+        kl_terms, steps = [], []
+        for k, h in enumerate(self.ttt_hidden(ids, feats)):
+            rows = torch.zeros_like(keep)
+            rows[:, : t - k] = keep[:, k:]  # row j scored where position j + k is kept
+            logits = self.vocab_logits(h[rows])  # [m_k, N]
+            kl_terms.append(forward_kl(logits, tlogits[index[:, k:][keep[:, k:]]]))
+            steps.append(torch.full((logits.shape[0],), k, dtype=torch.long, device=logits.device))
+            with torch.no_grad():
+                draft = self.target_to_draft(group[..., k])
+                correct[..., k][rows] = logits.argmax(-1) == draft[rows]
+        weights = group_position_weights(k_steps - 1, float(self.config["loss_decay"]))
+        loss, kl_sum, kl_count = weighted_position_mean(torch.cat(kl_terms), torch.cat(steps), weights)
+        sums = {"kl_sum": kl_sum, "kl_count": kl_count}
+        depth = min(self.draft_depth, k_steps)
+        valid = group != L.IGNORE_INDEX
+        anchors = valid[..., 0]
+        sums.update(group_acceptance_sums(correct[anchors][:, :depth], valid[anchors][:, :depth])
+                    if anchors.any() else empty_group_sums(depth))  # fmt: skip
+        return LossOutput(loss=loss, sums=sums, num_tokens=int((batch["lengths"] - 1).clamp_min(0).sum()) * k_steps)
+
+    # -- inference ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, next_ids: torch.Tensor, features: torch.Tensor, cache) -> torch.Tensor:
+        """Greedy chain drafting: append the n new items, then D drafter forwards, step j + 1 reading
+        (argmax of step j, h of step j); the D - 1 speculative items are cropped from the cache again.
+
+        Args:
+            next_ids: [1, n] int64 x_{i+1} of the new items (accepted tokens + bonus token).
+            features: [1, n, >= 3d] their target features ([low | mid | high | ...]).
+            cache: a transformers ``DynamicCache`` of the drafter's real items (updated in place).
+
+        Returns:
+            [1, D, v] float32 logits over the target vocabulary (-inf outside the draft vocabulary).
+        """
+        past = cache.get_seq_length()
+        dtype, device = self.fc.weight.dtype, next_ids.device
+        pos, mask = L.inference_layout(next_ids.shape[1], 0, dtype=dtype, past=past)
+        logits, h = self.draft_step(next_ids, features, pos.to(device), mask.to(device), cache)
+        rows = [self.full_vocab_logits(logits[:, -1])]  # [1, v]
+        h = h[:, -1:]
+        for _ in range(1, self.draft_depth):
+            token = rows[-1].argmax(-1, keepdim=True)  # [1, 1] target id
+            pos, mask = L.inference_layout(1, 0, dtype=dtype, past=cache.get_seq_length())
+            logits, h = self.draft_step(token, h, pos.to(device), mask.to(device), cache)
+            rows.append(self.full_vocab_logits(logits[:, -1]))
+        cache.crop(-(self.draft_depth - 1))  # drop the speculative items (crop(0) is a no-op)
+        return torch.stack(rows, dim=1)
