@@ -25,7 +25,8 @@ def test_there_are_recipes():
     """Recipe name = drafter name: one recipe per registered drafter, plus the MCSD decision model."""
     from drafttrain.drafters import DRAFTERS
 
-    assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "parallelspec", "parallelspec_eagle"}
+    assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "eagle3", "parallelspec", "parallelspec_eagle",
+                                             "parallelspec_eagle3"}
     assert {p.stem for p in (CONF / "recipe").glob("*.yaml")} == set(RECIPES) | {"decision_model"}
 
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from drafttrain import layout as L
 from drafttrain.drafters import build_drafter
-from drafttrain.drafters.eagle3 import default_aux_layer_ids, resolve_aux_layer_ids
+from drafttrain.drafters.eagle3 import default_aux_layer_ids, feature_layer_ids, resolve_aux_layer_ids
 from drafttrain.metrics import group_acceptance_sums
 from helpers import make_batch
 
@@ -23,11 +23,12 @@ D = 3  # draft depth
 
 
 def target_features(target, ids, lengths, layers) -> torch.Tensor:
-    """[low | mid | high | final] of f_0..f_{L-2}, straight from HF's output_hidden_states (id i = hidden_states[i])."""
+    """The given layers of f_0..f_{L-2} concatenated, straight from HF's output_hidden_states (id i =
+    hidden_states[i]; id L = the final post-norm state)."""
     attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     with torch.no_grad():
         hs = target.model.model(ids, attention_mask=attn, output_hidden_states=True).hidden_states
-    return torch.cat([hs[i] for i in layers] + [hs[-1]], dim=-1)[:, :-1]
+    return torch.cat([hs[i] for i in layers], dim=-1)[:, :-1]
 
 
 def make(target, seed=0, **overrides):
@@ -38,16 +39,14 @@ def make(target, seed=0, **overrides):
 
 def batch_for(target, dr, **kw):
     b = make_batch(target, **kw)
-    b["features"] = target_features(target, b["input_ids"], b["lengths"], dr.aux_layer_ids)
+    b["features"] = target_features(target, b["input_ids"], b["lengths"], dr.feature_layer_ids)
     return b
 
 
 def vocab_with_target_argmax(dr, batch, target, n=300, seed=0):
     """A draft vocabulary holding about half of the target's argmax tokens at the labelled positions (the
     other half is out of vocabulary: their rows leave the loss), padded with random ids."""
-    d = target.config.hidden_size
-    final = batch["features"][..., 3 * d :]
-    tops = target.lm_head(final).argmax(-1).flatten().unique()
+    tops = target.lm_head(dr.final_features(batch["features"])).argmax(-1).flatten().unique()
     g = torch.Generator().manual_seed(seed)
     keep = tops[torch.randperm(tops.numel(), generator=g)[: max(1, tops.numel() // 2)]]
     rest = [i for i in torch.randperm(dr.vocab_size, generator=g).tolist() if i not in set(tops.tolist())]
@@ -73,8 +72,15 @@ def batch(tiny_target, drafter):
 # ---------------------------------------------------------------- network
 
 
-def test_layer_ids_convention():
+def test_layer_ids_convention(tiny_target, drafter):
+    """vLLM's ids; the drafter is handed the distinct ids of (low, mid, high, L) and reads them back in place."""
     assert default_aux_layer_ids(30) == (2, 15, 27)  # vLLM / speculators for SmolLM2's 30 layers
+    assert feature_layer_ids([], 30) == (2, 15, 27, 30)
+    assert feature_layer_ids([], 2) == (1, 0, 2) == drafter.feature_layer_ids
+    d = tiny_target.config.hidden_size
+    f = torch.randn(2, 3 * d)  # layers (1, 0, 2) of the tiny target
+    assert torch.equal(drafter.aux_features(f), torch.cat([f[:, :d], f[:, :d], f[:, d : 2 * d]], -1))  # (1, 1, 0)
+    assert torch.equal(drafter.final_features(f), f[:, 2 * d :])
     assert default_aux_layer_ids(32) == (2, 16, 29)
     assert default_aux_layer_ids(2) == (1, 1, 0)  # clamped into [0, L - 1]
     assert resolve_aux_layer_ids([], 30) == (2, 15, 27)
@@ -133,13 +139,13 @@ def test_init_from_target(tiny_target):
 def test_items_width_dispatch(tiny_target, drafter):
     d = tiny_target.config.hidden_size
     ids = torch.tensor([[5, 6]])
-    target_f, own_h = torch.randn(1, 2, 4 * d), torch.randn(1, 2, d)
+    target_f, own_h = torch.randn(1, 2, 3 * d), torch.randn(1, 2, d)  # tiny target: layers (1, 0, 2)
     x = drafter.items(ids, target_f)
-    torch.testing.assert_close(x[..., d:], drafter.fc(target_f[..., : 3 * d]))
+    torch.testing.assert_close(x[..., d:], drafter.fc(drafter.aux_features(target_f)))
     torch.testing.assert_close(x[..., :d], tiny_target.embed_tokens(ids))
     assert torch.equal(drafter.items(ids, own_h)[..., d:], own_h)
     with pytest.raises(ValueError, match="width"):
-        drafter.items(ids, torch.randn(1, 2, 2 * d))
+        drafter.items(ids, torch.randn(1, 2, 4 * d))
 
 
 # ---------------------------------------------------------------- TTT == autoregressive rollout
@@ -198,7 +204,7 @@ def reference_loss_and_sums(dr, batch, target):
                 p = j + k
                 if y[p] == IGN:
                     continue
-                f = feats[i, p + 1, 3 * d :]  # the target's final state f_{p+1}: its head gives y_p's distribution
+                f = dr.final_features(feats[i, p + 1])  # the target's final state f_{p+1}: its head gives y_p's distribution
                 if int(target.lm_head(f).argmax()) not in t2d:
                     continue
                 logp = torch.log_softmax((rows @ f).double(), 0)
@@ -331,7 +337,7 @@ def test_parallel_loss_and_metrics_match_plain_loops(tiny_target, pdrafter, batc
     def term(k, logits, p, y):  # one slot: label y_p, target state f_{p+1}
         if y == IGN:
             return False
-        f = feats[i, p + 1, 3 * d :]
+        f = pdrafter.final_features(feats[i, p + 1])
         if int(tiny_target.lm_head(f).argmax()) not in t2d:
             return False
         logp = torch.log_softmax((rows @ f).double(), 0)

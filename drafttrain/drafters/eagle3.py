@@ -8,7 +8,9 @@ convention: **id i is the hidden state entering decoder layer i**, Hugging Face'
 L - 4]``, "output of layer i", see ../shared/SERVING.md). Targets with fewer than 6 layers clamp the
 defaults into [0, L - 1]. It also reads the final post-norm state (id L, the LM head's input) but only
 for training: the target's next-token distribution, LM head(f_{i+1}), is the TTT loss's target. The
-features handed to it are these four concatenated, ``[..., 4d]`` = [low | mid | high | last].
+features handed to it are these layers concatenated in the order of :attr:`Eagle3Drafter.feature_layer_ids`
+= the distinct ids of (low, mid, high, L): ``[..., 4d]`` = [low | mid | high | final] on a real target
+(a layer named twice, as on the 2-layer test target, is handed once and read twice).
 
 **Network** (one decoder layer; state-dict names are those of the speculators format one-to-one):
 
@@ -28,7 +30,7 @@ is copied.
 
 **Autoregressive drafting.** The layer's output h (before ``norm``) is the next step's g: drafting
 step j + 1 feeds (draft token of step j, h of step j). :meth:`items` tells the two kinds of g apart by
-width (target features: >= 3d, through fc; the drafter's own h: d).
+width (target features: ``len(feature_layer_ids) * d``, through fc; the drafter's own h: d).
 
 **Training-time test** (section 3.2): ``ttt_steps`` = K unrolled steps over every position at once.
 Step 0 is the teacher-forced pass over the items; step k >= 1 at row j feeds the ground-truth token
@@ -74,6 +76,13 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     """
     n = int(num_hidden_layers)
     return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # type: ignore[return-value]
+
+
+def feature_layer_ids(aux_ids, num_hidden_layers: int) -> tuple[int, ...]:
+    """The distinct target layer ids an EAGLE-3 drafter is handed, in order: the three low / middle / high
+    ids then L (the final post-norm state). Example: L = 30 -> (2, 15, 27, 30); L = 2 -> (1, 0, 2)."""
+    ids = resolve_aux_layer_ids(aux_ids, num_hidden_layers) + (int(num_hidden_layers),)
+    return tuple(dict.fromkeys(ids))
 
 
 def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> tuple[int, int, int]:
@@ -132,6 +141,10 @@ class Eagle3Drafter(FeatureLayerDrafter):
         if getattr(mcfg, "_attn_implementation", None) not in ("sdpa", "eager"):
             mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (PLATFORM.md)
         self.aux_layer_ids = resolve_aux_layer_ids(self.config["aux_layer_ids"], mcfg.num_hidden_layers)
+        self.feature_layer_ids = feature_layer_ids(self.aux_layer_ids, mcfg.num_hidden_layers)
+        slot = {layer: j for j, layer in enumerate(self.feature_layer_ids)}
+        self._aux_slots = [slot[i] for i in self.aux_layer_ids]  # where low / mid / high sit in the features
+        self._final_slot = slot[mcfg.num_hidden_layers]
         d = mcfg.hidden_size
         self.fc = nn.Linear(NUM_AUX * d, d, bias=False)
         layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
@@ -212,8 +225,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
     def items(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The layer inputs cat(e(x_{i+1}), g_i): [b, q] ids + features -> [b, q, 2d].
 
-        ``features`` are either the target's (width >= 3d: [low | mid | high | ...], g = fc of the first
-        3d) or the drafter's own output hidden states h (width d, g = h).
+        ``features`` are either the target's (width ``len(feature_layer_ids) * d``: g = fc of the low /
+        middle / high states, :meth:`aux_features`) or the drafter's own output hidden states h (width d,
+        g = h).
 
         Raises:
             ValueError: any other width.
@@ -223,13 +237,25 @@ class Eagle3Drafter(FeatureLayerDrafter):
         dtype = self.fc.weight.dtype
         if w == d:
             g = features.to(dtype)
-        elif w >= NUM_AUX * d:
-            g = self.fc(features[..., : NUM_AUX * d].to(dtype))
+        elif w == len(self.feature_layer_ids) * d:
+            g = self.fc(self.aux_features(features).to(dtype))
         else:
-            raise ValueError(f"EAGLE-3 features must be the target's [..., >= {NUM_AUX * d}] or the drafter's own "
-                             f"[..., {d}], got width {w}")  # fmt: skip
+            raise ValueError(f"EAGLE-3 features must be the target's layers {self.feature_layer_ids} "
+                             f"[..., {len(self.feature_layer_ids) * d}] or the drafter's own [..., {d}], got width {w}")
         e = self.shared.embed_tokens(next_ids).to(dtype)
         return torch.cat([e, g], dim=-1)
+
+    def aux_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[low | mid | high] of the target features: [..., len(feature_layer_ids) * d] -> [..., 3d] (fc's input)."""
+        d = self.hidden_size
+        if self._aux_slots == list(range(NUM_AUX)):
+            return features[..., : NUM_AUX * d]
+        return torch.cat([features[..., j * d : (j + 1) * d] for j in self._aux_slots], dim=-1)
+
+    def final_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final post-norm state f of the target features: [..., F] -> [..., d]."""
+        d = self.hidden_size
+        return features[..., self._final_slot * d : (self._final_slot + 1) * d]
 
     def decode(self, x, attention_mask, position_ids, past_key_values=None, use_cache=False) -> torch.Tensor:
         """The EAGLE-3 decoder layer over inputs x = cat(e, g) [b, q, 2d], additive mask [b, 1, q, kv],
@@ -268,7 +294,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
 
         Args:
             input_ids: [b, L] int64 right-padded tokens x_0..x_{L-1}.
-            features: [b, L-1, >= 3d] the target features of the items (f_0..f_{L-2}).
+            features: [b, L-1, F] the target features of the items (f_0..f_{L-2}, layers :attr:`feature_layer_ids`).
             num_steps: K (default ``ttt_steps``).
 
         Returns:
@@ -326,16 +352,13 @@ class Eagle3Drafter(FeatureLayerDrafter):
         """The TTT loss (module docstring) and the acceptance metrics of the same unrolled pass.
 
         Batch keys: ``input_ids`` [b, L] int64 (right-padded), ``loss_mask`` [b, L], ``lengths`` [b],
-        ``features`` [b, L-1, 4d] ([low | mid | high | final post-norm] of f_0..f_{L-2}).
+        ``features`` [b, L-1, F] (the layers :attr:`feature_layer_ids` of f_0..f_{L-2}, F = 4d on a real target).
         """
         ids, feats = batch["input_ids"], batch["features"]
-        d, k_steps = self.hidden_size, self.ttt_steps
+        k_steps = self.ttt_steps
         t = ids.shape[1] - 1
-        if feats.shape[-1] != (NUM_AUX + 1) * d:
-            raise ValueError(f"eagle3 needs features [b, L-1, {(NUM_AUX + 1) * d}] (3 layers + the final state), "
-                             f"got {tuple(feats.shape)}")  # fmt: skip
         labels = L.batch_item_labels(ids, batch["loss_mask"], batch["lengths"])  # [b, t]
-        keep, index, tlogits = self._target_side(feats[:, :t, NUM_AUX * d :], labels)
+        keep, index, tlogits = self._target_side(self.final_features(feats[:, :t]), labels)
         group = L.shifted_labels(labels, k_steps)  # [b, t, K]: step k row j -> y_{j+k}
         correct = torch.zeros_like(group, dtype=torch.bool)
         kl_terms, steps = [], []
@@ -366,7 +389,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
 
         Args:
             next_ids: [1, n] int64 x_{i+1} of the new items (accepted tokens + bonus token).
-            features: [1, n, >= 3d] their target features ([low | mid | high | ...]).
+            features: [1, n, F] their target features (layers :attr:`feature_layer_ids`).
             cache: a transformers ``DynamicCache`` of the drafter's real items (updated in place).
 
         Returns:

@@ -106,8 +106,9 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
     def draft_inputs(self) -> torch.Tensor:
         """The K mask-slot inputs, all the same cat(e(mask_token_id), fc(mask_hidden)): [K, 2d]."""
         tok = torch.tensor([self.mask_token_id], device=self.mask_hidden.device)
-        m = self.items(tok, self.mask_hidden[None].to(self.fc.weight.dtype))  # [1, 2d]
-        return m.expand(self.num_mask_tokens, -1)
+        e = self.shared.embed_tokens(tok).to(self.fc.weight.dtype)  # [1, d]
+        g = self.fc(self.mask_hidden[None].to(self.fc.weight.dtype))  # [1, d]: mask_hidden is fc's input itself
+        return torch.cat([e, g], dim=-1).expand(self.num_mask_tokens, -1)
 
     # -- training -------------------------------------------------------------------------------
     def forward_layout(self, items: torch.Tensor, lay: L.BatchLayout) -> torch.Tensor:
@@ -122,21 +123,17 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
     def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
         """The group loss (module docstring) over ParallelSpec's layout; metrics per parallel group.
 
-        Batch keys: ``input_ids`` [b, L], ``loss_mask`` [b, L], ``lengths`` [b], ``features`` [b, L-1, 4d]
-        ([low | mid | high | final post-norm]). In eval mode every anchor is scored.
+        Batch keys: ``input_ids`` [b, L], ``loss_mask`` [b, L], ``lengths`` [b], ``features`` [b, L-1, F]
+        (the layers :attr:`feature_layer_ids`). In eval mode every anchor is scored.
         """
         ids, feats = batch["input_ids"], batch["features"]
-        d = self.hidden_size
         t = ids.shape[1] - 1
-        if feats.shape[-1] != (NUM_AUX + 1) * d:
-            raise ValueError(f"{self.name} needs features [b, L-1, {(NUM_AUX + 1) * d}] (3 layers + the final "
-                             f"state), got {tuple(feats.shape)}")  # fmt: skip
         items = self.items(ids[:, 1:], feats[:, :t])  # [b, t, 2d]
         lay = self.layouts(batch, generator, ratio=None if self.training else 1.0)
         h = self.forward_layout(items, lay)  # [b, s, d]
         valid = lay.labels != L.IGNORE_INDEX  # [b, s]
         with torch.no_grad():
-            final = self.slot_target_features(lay, feats[..., NUM_AUX * d :], valid)  # [m0, d] f_{a+k+1}
+            final = self.slot_target_features(lay, self.final_features(feats), valid)  # [m0, d] f_{a+k+1}
             in_vocab = self._argmax_in_vocab(final)
         sel = valid.clone()
         sel[valid] = in_vocab  # slots that enter the loss
@@ -165,7 +162,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         """One drafting forward: the n new items (appended to the cache) + K mask slots (cropped again).
 
         Args:
-            next_ids: [1, n] int64 x_{i+1} of the new items; features: [1, n, >= 3d] their target features;
+            next_ids: [1, n] int64 x_{i+1} of the new items; features: [1, n, F] their target features;
             cache: a transformers ``DynamicCache`` of the drafter's real items (updated in place).
 
         Returns:
