@@ -379,3 +379,45 @@ def test_parallel_gradients(tiny_target, drafter, batch):
     assert all(p.grad is None for p in tiny_target.model.parameters())
     for name, p in dr.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+# ---------------------------------------------------------------- through the batched engine
+
+NEW = 16
+
+
+def _engine_prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 11, 25, 7)]
+
+
+@pytest.mark.parametrize("which", ["tiny", "varied"])
+def test_engine_greedy_equals_plain(tiny_target, varied_target, which):
+    """EAGLE-3 chains, static trees and EAGLE-2 dynamic trees (EagleProposer, batched over a ragged
+    drafter cache) and parallel drafting on EAGLE-3 (ParallelSpecProposer, one forward per step) output
+    exactly plain greedy decoding at batch 3 with 4 prompts of different lengths (a slot is refilled). The
+    tiny target as loaded accepts drafts (accepted keys move), the varied one mostly rejects them."""
+    from drafttrain.verify import EAGLE_DEFAULT_CHOICES, PlainProposer, SpecEngine, proposer_for
+
+    target = tiny_target if which == "tiny" else varied_target
+    prompts = _engine_prompts()
+    e3 = make(target, draft_vocab_size=0, init_from_target_layer=True).eval()
+    p3 = make_parallel(target, draft_vocab_size=0, init_from_target_layer=True).eval()
+    variants = {
+        "eagle3-chain": lambda: proposer_for(e3),
+        "eagle3-tree": lambda: proposer_for(e3, choices=EAGLE_DEFAULT_CHOICES),
+        "eagle3-dynamic": lambda: proposer_for(e3, widths=[3, 2, 1], budget=7),
+        "parallelspec_eagle3-chain": lambda: proposer_for(p3),
+        "parallelspec_eagle3-tree": lambda: proposer_for(p3, widths=[2, 2, 1, 1], budget=6),
+    }
+    ref = SpecEngine(target, PlainProposer(), batch_size=3, max_new_tokens=NEW, stop_token_ids=[-1]).run(prompts)
+    ref_tokens = [r.tokens for r in ref.results]
+    taus = {}
+    for name, make_prop in variants.items():
+        prop = make_prop()
+        assert prop.feature_layers == e3.feature_layer_ids  # the engine hands the declared layers
+        run = SpecEngine(target, prop, batch_size=3, max_new_tokens=NEW, stop_token_ids=[-1]).run(prompts)
+        assert [r.tokens for r in run.results] == ref_tokens, name
+        taus[name] = run.stats.tau
+    if which == "tiny":
+        assert taus["eagle3-chain"] > 1.2 and taus["parallelspec_eagle3-chain"] > 1.2, taus
