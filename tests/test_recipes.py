@@ -30,6 +30,8 @@ CONFIGS = {
     "eagle": {"draft_depth": D, "init_from_target_layer": False},
     "parallelspec": {"num_mask_tokens": K, "anchor_ratio": 1.0, "init_from_target_layer": False},
     "parallelspec_eagle": {"num_mask_tokens": K, "anchor_ratio": 1.0, "init_from_target_layer": False},
+    "eagle3": {"draft_depth": D, "ttt_steps": 3, "init_from_target_layer": False},
+    "parallelspec_eagle3": {"num_mask_tokens": K, "anchor_ratio": 1.0, "init_from_target_layer": False},
 }
 # first training loss of make_batch(seed=1) with a seed-0 drafter and generator seed 0 (computed once, 2026-11-22)
 GOLDEN_FIRST_LOSS = {
@@ -57,6 +59,18 @@ def restrict_vocab(dr: Drafter, batch, n: int = 300, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def batch(tiny_target):
     return make_batch(tiny_target)
+
+
+def batch_for(target, dr: Drafter, batch: dict) -> dict:
+    """``batch`` with the features ``dr`` declares (the target layers it reads, concatenated in order)."""
+    layers = tuple(dr.feature_layers)
+    if layers == (target.config.num_hidden_layers,):
+        return batch
+    ids, lengths = batch["input_ids"], batch["lengths"]
+    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        hs = target.model.model(ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    return {**batch, "features": torch.cat([hs[i] for i in layers], dim=-1)[:, :-1]}
 
 
 def _lse_ce(z: torch.Tensor, idx: int) -> torch.Tensor:
@@ -409,12 +423,14 @@ def test_save_load_round_trip(tiny_target, batch, tmp_path, name):
     the training config: same class, config, tensors and drafts."""
     dr = make(tiny_target, name, seed=3, draft_vocab_size=300)
     restrict_vocab(dr, batch, seed=1)
+    batch = batch_for(tiny_target, dr, batch)
     dr.save_pretrained(tmp_path / "ck")
     back = Drafter.from_pretrained(tmp_path / "ck", tiny_target)
     assert type(back) is type(dr) and back.config == dr.config
     sd, sd2 = dr.state_dict(), back.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
-    assert not [k for k in sd if "embed_tokens" in k or "lm_head" in k]
+    v = tiny_target.config.vocab_size  # the target's own embedding / head are never saved (EAGLE-3's head is N rows)
+    assert not [k for k in sd if "embed_tokens" in k or ("lm_head" in k and sd[k].shape[0] == v)]
     dr.eval(), back.eval()
     args = (batch["input_ids"][:1, 1:9], batch["features"][:1, :8])
     assert torch.equal(dr.propose(*args, DynamicCache()), back.propose(*args, DynamicCache()))
@@ -425,7 +441,7 @@ def test_frozen_target_and_gradients(tiny_target, batch, name):
     """Only the drafter's own parameters get gradients (every one of them); the target gets none."""
     dr = make(tiny_target, name, init_from_target_layer=True) if name != "medusa" else make(tiny_target, name)
     dr.train()
-    dr(batch, torch.Generator().manual_seed(0)).loss.backward()
+    dr(batch_for(tiny_target, dr, batch), torch.Generator().manual_seed(0)).loss.backward()
     assert all(p.grad is None for p in tiny_target.model.parameters())
     for pname, p in dr.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
