@@ -335,11 +335,13 @@ def _groups(lay: L.BatchLayout, i: int) -> dict[int, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["parallelspec", "parallelspec_eagle"])
+@pytest.mark.parametrize("name", ["parallelspec", "parallelspec_eagle", "parallelspec_eagle3"])
 def test_parallel_training_layout_equals_inference(tiny_target, batch, name):
-    """For both integrations: the group-wise layout's logits and predicted features at anchor a's
-    [item, masks] slots equal one inference pass over items <= a + K masks (propose / forward_inputs)."""
+    """For every parallel drafter (both integrations, and parallel drafting on EAGLE-3 with its one mask
+    input): the group-wise layout's logits and predicted features at anchor a's [item, masks] slots equal
+    one inference pass over items <= a + K mask inputs (propose / forward_inputs over ``draft_inputs``)."""
     dr = make(tiny_target, name, init_from_target_layer=True).eval()
+    batch = batch_for(tiny_target, dr, batch)
     ids, feats = batch["input_ids"], batch["features"]
     t = ids.shape[1] - 1
     checked = 0
@@ -349,8 +351,8 @@ def test_parallel_training_layout_equals_inference(tiny_target, batch, name):
         for i in range(ids.shape[0]):
             for a, slots in _groups(lay, i).items():
                 got = dr.propose(ids[i : i + 1, 1 : a + 2], feats[i : i + 1, : a + 1], DynamicCache())[0]
-                torch.testing.assert_close(got, dr.logits(hidden[i, slots]), atol=1e-5, rtol=0)
-                x = torch.cat([dr.items(ids[i : i + 1, 1 : a + 2], feats[i : i + 1, : a + 1]), dr.mask_embed[None]], 1)
+                torch.testing.assert_close(got, dr.full_vocab_logits(dr.logits(hidden[i, slots])), atol=1e-5, rtol=0)
+                x = torch.cat([dr.items(ids[i : i + 1, 1 : a + 2], feats[i : i + 1, : a + 1]), dr.draft_inputs()[None]], 1)
                 pos, mask = L.inference_layout(a + 1, K, torch.float32)
                 _, f = dr.forward_inputs(x, pos, mask)
                 torch.testing.assert_close(f[0, a:], dr.predict_features(hidden[i, slots]), atol=1e-5, rtol=0)

@@ -44,12 +44,16 @@ GOLDEN_RECIPE_LOSSES = {
     "medusa": [20.190168380737305, 20.144073486328125, 20.084369659423828],
     "eagle": [0.898781955242157, 0.8964788913726807, 0.8942158818244934],
     "parallelspec_eagle": [7.122628688812256, 7.091139793395996, 7.018370628356934],
+    "eagle3": [0.0, 0.0, 0.0],
+    "parallelspec_eagle3": [0.0, 0.0, 0.0],
 }
 # parameters every recipe's drafter must train (besides the decoder layer / head internals)
 KEY_PARAMS = {
     "parallelspec": {"fc.weight", "mask_embed"},
     "parallelspec_eagle": {"fc.weight", "mask_embed"},
     "eagle": {"fc.weight", "layer.self_attn.q_proj.weight"},
+    "eagle3": {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.hidden_norm.weight", "lm_head.weight"},
+    "parallelspec_eagle3": {"fc.weight", "layers.0.self_attn.q_proj.weight", "lm_head.weight", "mask_hidden"},
     "medusa": {"heads.0.res.weight", "heads.0.out.weight", "heads.3.out.weight"},
 }
 

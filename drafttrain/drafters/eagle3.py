@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from drafttrain import layout as L
-from drafttrain.drafters.base import Drafter, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
@@ -107,7 +107,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
 
     Config keys: ``draft_depth`` (D, the greedy chain :meth:`propose` drafts, default 5), ``ttt_steps``
     (K unrolled training steps, 7), ``loss_decay`` (step weights decay**k, 0.8), ``aux_layer_ids`` (the
-    three target layer ids; [] = ``(2, L // 2, L - 3)``), ``init_from_target_layer`` (start the layer's
+    three target layer ids; None or [] = ``(2, L // 2, L - 3)``), ``init_from_target_layer`` (start the layer's
     MLP / o_proj / the g-half of q/k/v from the target's last layer, ``norm`` from its final norm),
     ``draft_vocab_size`` (N; 0 = the full vocabulary).
 
@@ -123,11 +123,13 @@ class Eagle3Drafter(FeatureLayerDrafter):
     """
 
     name = "eagle3"
+    # feature_layers here is a placeholder: the real ids depend on the config and the target (layers_for)
+    spec = DrafterSpec(drafting="autoregressive", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "draft_depth": 5,
         "ttt_steps": 7,
         "loss_decay": 0.8,
-        "aux_layer_ids": [],
+        "aux_layer_ids": None,
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
     }
@@ -162,6 +164,15 @@ class Eagle3Drafter(FeatureLayerDrafter):
         if init_weights:
             self.reset_parameters(from_target=bool(self.config["init_from_target_layer"]))
         self._finish()
+
+    @classmethod
+    def layers_for(cls, config: dict[str, Any], num_hidden_layers: int) -> tuple[int, ...]:
+        """The declared target layers: the distinct ids of (low, mid, high, L) (:func:`feature_layer_ids`).
+
+        Raises:
+            ValueError: bad ``aux_layer_ids`` (:func:`resolve_aux_layer_ids`).
+        """
+        return feature_layer_ids(config.get("aux_layer_ids", cls.defaults["aux_layer_ids"]), num_hidden_layers)
 
     @property
     def layer(self) -> nn.Module:

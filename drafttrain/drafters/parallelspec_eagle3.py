@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from drafttrain import layout as L
-from drafttrain.drafters.base import LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.eagle3 import NUM_AUX, Eagle3Drafter
 from drafttrain.drafters.parallelspec import ParallelSpecDrafter
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
@@ -61,12 +61,13 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
     """
 
     name = "parallelspec_eagle3"
+    spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "num_mask_tokens": 4,
         "mask_token_id": -1,
         "loss_decay": 1.0,
         "anchor_ratio": 1.0,
-        "aux_layer_ids": [],
+        "aux_layer_ids": None,
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
     }
