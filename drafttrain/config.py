@@ -215,10 +215,13 @@ class TrainConfig:
 
 @dataclass
 class SamplingConfig:
-    """Greedy (``do_sample=false``) or temperature / top-p sampling, seeded per conversation and turn."""
+    """Greedy (``temperature: 0``) or temperature / top-p sampling, seeded per conversation and turn.
 
-    do_sample: bool = False
-    temperature: float = 1.0
+    The same vocabulary as :class:`~drafttrain.sampling.SamplingParams` and the evaluation's
+    ``temperature`` / ``top_p`` (the former ``do_sample`` switch is gone: a temperature > 0 samples).
+    """
+
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
 
@@ -432,8 +435,8 @@ def _check_generate(c: GenerateConfig) -> None:
         problems.append("generation.max_turns must be >= 1 or null")
     if g.on_length not in ("close", "stop"):
         problems.append("generation.on_length must be close|stop")
-    if not g.sampling.temperature > 0 or not 0 < g.sampling.top_p <= 1:
-        problems.append("generation.sampling.temperature must be > 0 and top_p in (0, 1]")
+    if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
+        problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if not c.output_dir:

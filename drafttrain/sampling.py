@@ -1,10 +1,13 @@
-"""Next-token selection for generation: greedy, or temperature + top-p (nucleus) sampling.
+"""The one sampling vocabulary: :class:`SamplingParams` (temperature 0 = greedy) and the one
+temperature + top-p transform :func:`process_logits`, used by generation (self-distillation,
+``scripts.generate_data``) and by the verifier's acceptance rules and proposers alike.
 
-Pure functions of the logits and per-row random generators, so a sampled token depends only on its
-row's logits and its row's generator: results do not depend on which other rows share the batch
-(up to the float reassociation of the logits themselves), and a run restarted from a shard boundary
-replays the same samples. Top-p is Holtzman et al. 2020 ("The Curious Case of Neural Text
-Degeneration", section 3.1): keep the smallest set of most probable tokens whose mass reaches p.
+Pure functions of the logits and random generators. Generation draws with one CPU generator per row
+(:func:`sample_next`, :func:`row_generator`), so a sampled token depends only on its row's logits and
+its row's generator: results do not depend on which other rows share the batch (up to the float
+reassociation of the logits themselves), and a run restarted from a shard boundary replays the same
+samples. Top-p is Holtzman et al. 2020 ("The Curious Case of Neural Text Degeneration", §3.1): keep the
+smallest set of most probable tokens whose mass reaches p.
 
 Shape letters: a rows, v vocab.
 """
@@ -20,38 +23,56 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` > 0 divides the logits; ``top_p`` in (0, 1] keeps the nucleus of that mass."""
+    """Decoding distribution. ``temperature == 0`` means greedy (argmax); ``temperature > 0`` divides the
+    logits; ``top_p`` in (0, 1] keeps the nucleus of that mass (1 = off).
 
-    temperature: float = 1.0
+    Raises:
+        ValueError: ``temperature < 0`` or ``top_p`` outside (0, 1].
+    """
+
+    temperature: float = 0.0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
-def nucleus_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sampled from: softmax(logits / T) restricted to the top-p nucleus, renormalised.
+
+GREEDY = SamplingParams()
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits -> the distribution decoding samples from, for generation, target and draft alike.
+
+    softmax(logits / T), then nucleus (top-p) filtering: a token is kept when the mass of the tokens
+    strictly more probable than it (ties broken by sort order) is < ``top_p``, so the most probable
+    token is always kept and the token that crosses ``top_p`` is kept too; the kept mass is
+    renormalised. Greedy (T = 0) returns the one-hot argmax distribution.
 
     Args:
-        logits: [a, v] float.
+        logits: [..., v] float.
         params: temperature and top-p.
 
     Returns:
-        [a, v] float32 probabilities; each row sums to 1. A token is kept when the mass of the tokens
-        strictly more probable than it (ties broken by sort order) is < top_p, so the most probable
-        token is always kept.
+        [..., v] float32 probabilities (rows sum to 1).
     """
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [a, v]
-    if params.top_p >= 1:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [a, v]
-    mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ahead of each one
-    sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
-    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return out / out.sum(-1, keepdim=True)
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)  # [..., v]
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)  # [..., v]
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more probable tokens
+        keep = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, idx, mass_before < params.top_p)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample_next(
@@ -61,7 +82,8 @@ def sample_next(
 
     Args:
         logits: [a, v] float, the last position's logits of each row.
-        params: None for greedy (argmax); else temperature / top-p sampling.
+        params: None or greedy params for argmax; else temperature / top-p sampling from
+            :func:`process_logits`.
         generators: CPU ``torch.Generator`` per row (a sequence of length a), or one for all rows.
             Each row draws one uniform number from its generator (inverse-CDF sampling), so the
             draw is device-independent. Required when sampling.
@@ -72,7 +94,7 @@ def sample_next(
     Raises:
         ValueError: sampling without generators, or a generator list of the wrong length.
     """
-    if params is None:
+    if params is None or params.greedy:
         return logits.argmax(-1)
     if generators is None:
         raise ValueError("sampling needs a torch.Generator per row (or one for all rows)")
@@ -83,7 +105,7 @@ def sample_next(
         if len(generators) != a:
             raise ValueError(f"{len(generators)} generators for {a} rows")
         u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-    probs = nucleus_probs(logits, params).double()  # [a, v]
+    probs = process_logits(logits, params).double()  # [a, v]
     cdf = probs.cumsum(-1)  # [a, v]
     total = cdf[:, -1:]  # [a, 1]
     u = torch.minimum(u.to(logits.device)[:, None] * total, total * (1 - 1e-15))  # [a, 1], u < total
@@ -99,3 +121,6 @@ def row_generator(seed: int, *keys: object) -> torch.Generator:
     """
     digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+__all__ = ["SamplingParams", "GREEDY", "process_logits", "sample_next", "row_generator"]

@@ -233,7 +233,8 @@ class Target:
                 is included in the output when produced.
             return_features: also return f for every token but the last generated one.
             static_cache: preallocated cache (no per-step copy, but no row compaction).
-            sampling: None for greedy (argmax); else temperature / top-p (:mod:`drafttrain.sampling`).
+            sampling: None or temperature 0 for greedy (argmax); else temperature / top-p
+                (:class:`drafttrain.sampling.SamplingParams`).
             generators: one CPU ``torch.Generator`` per prompt (required when sampling); row i draws
                 one uniform number per generated token from ``generators[i]``.
             feature_layers: layer ids of the returned features (module docstring); None = the final
@@ -254,7 +255,7 @@ class Target:
         caps = [int(max_new_tokens)] * b if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
         if len(caps) != b or min(caps, default=1) < 1 or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs >= 1 token and a max_new_tokens >= 1")
-        if sampling is not None and (generators is None or len(generators) != b):
+        if sampling is not None and not sampling.greedy and (generators is None or len(generators) != b):
             raise ValueError("sampling needs one torch.Generator per prompt")
         if stop_token_ids is None:
             stops = {self.eos_token_id} if self.eos_token_id is not None else set()
@@ -290,7 +291,7 @@ class Target:
 
         def pick(hidden_last: torch.Tensor) -> torch.Tensor:  # [a, d] -> [a]
             logits = self.lm_head(hidden_last).float()  # [a, v]
-            return sample_next(logits, sampling, [gens[i] for i in active] if sampling is not None else None)
+            return sample_next(logits, sampling, [gens[i] for i in active] if gens is not None else None)
 
         next_tok = pick(out.hidden[:, -1])  # [a] for the active rows
         cur_pos = pos[:, -1]

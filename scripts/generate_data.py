@@ -2,7 +2,7 @@
 
     python -m scripts.generate_data                                   # conf/generate.yaml: 200 ShareGPT conversations
     python -m scripts.generate_data target=tiny max_conversations=8   # seconds, tiny random target
-    python -m scripts.generate_data source=convs.jsonl generation.max_turns=1 generation.sampling.do_sample=true
+    python -m scripts.generate_data source=convs.jsonl generation.max_turns=1 generation.sampling.temperature=1.0
 
 Writes ``output_dir/``: ``dataset/`` (a ``datasets`` folder: input_ids, loss_mask and metadata, in
 input order), ``report.json`` (``generated + skipped + failed == input`` with every reason),

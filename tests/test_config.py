@@ -157,7 +157,7 @@ def test_generate_config_composes_validates_and_rejects_typos(monkeypatch):
     c = validate(compose_script("generate", []), GenerateConfig)
     assert c.source == "sharegpt" and c.generation.max_new_tokens == 256 and c.target.name == "smollm2-135m-instruct"
     assert c.output_dir == "data/generated/smollm2-135m-instruct-sharegpt-200"
-    c = validate(compose_script("generate", ["target=tiny", "generation.sampling.do_sample=true",
+    c = validate(compose_script("generate", ["target=tiny", "generation.sampling.temperature=1.0",
                                              "generation.sampling.top_p=0.9", "generation.max_turns=1"]), GenerateConfig)
     assert c.target.random_init and c.generation.sampling.top_p == 0.9 and c.generation.max_turns == 1
 

@@ -17,7 +17,7 @@ from drafttrain.config import GenerationConfig, SamplingConfig
 from drafttrain.data.selfdistill import generate_dataset, load_generated, self_distill
 from drafttrain.data.sources import LoadStats, load_conversations
 from drafttrain.data.template import end_of_turn_ids, iter_assistant_turns, prompt_ids, render_text
-from drafttrain.sampling import SamplingParams, nucleus_probs, sample_next
+from drafttrain.sampling import SamplingParams, process_logits, sample_next
 
 CONVS = [
     {"id": "math", "messages": [
@@ -203,7 +203,7 @@ def test_multi_turn_features_cover_every_turn(eot_target, tmp_path):
 def test_sampling_is_deterministic_under_a_seed(tiny_target, tmp_path):
     def run(name, **sampling):
         gen = GenerationConfig(max_new_tokens=10, max_length=256, batch_size=2,
-                               sampling=SamplingConfig(do_sample=True, **sampling))
+                               sampling=SamplingConfig(**{"temperature": 1.0, **sampling}))
         ds, _ = generate_dataset(tiny_target, CONVS, tmp_path / name, gen, progress=False)
         return ids_of(ds)
 
@@ -212,7 +212,7 @@ def test_sampling_is_deterministic_under_a_seed(tiny_target, tmp_path):
     assert run("c", temperature=1.0, top_p=0.9, seed=1) != a
     # batch composition does not change which random numbers a conversation gets
     gen = GenerationConfig(max_new_tokens=10, max_length=256, batch_size=5,
-                           sampling=SamplingConfig(do_sample=True, top_p=0.9, seed=0))
+                           sampling=SamplingConfig(temperature=1.0, top_p=0.9, seed=0))
     assert ids_of(generate_dataset(tiny_target, CONVS, tmp_path / "d", gen, progress=False)[0]) == a
     # a nucleus of one token is greedy decoding
     greedy, _ = generate_dataset(tiny_target, CONVS, tmp_path / "g", GenerationConfig(max_new_tokens=10, max_length=256),
@@ -220,27 +220,28 @@ def test_sampling_is_deterministic_under_a_seed(tiny_target, tmp_path):
     assert run("e", top_p=1e-6) == ids_of(greedy)
 
 
-def test_nucleus_probs_literal():
+def test_process_logits_literal():
     logits = torch.log(torch.tensor([[0.5, 0.1, 0.25, 0.15]]))
-    p = nucleus_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # 0.5 + 0.25 reach 0.7
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))  # 0.5 + 0.25 reach 0.7
     torch.testing.assert_close(p, torch.tensor([[2 / 3, 0.0, 1 / 3, 0.0]]))
-    p = nucleus_probs(logits, SamplingParams(temperature=1.0, top_p=0.75))  # 0.5 + 0.25 = 0.75: nothing more
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.75))  # 0.5 + 0.25 = 0.75: nothing more
     torch.testing.assert_close(p, torch.tensor([[2 / 3, 0.0, 1 / 3, 0.0]]))
-    p = nucleus_probs(logits, SamplingParams(temperature=1.0, top_p=0.76))
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.76))
     torch.testing.assert_close(p, torch.tensor([[0.5, 0.0, 0.25, 0.15]]) / 0.9)
-    p = nucleus_probs(logits, SamplingParams(temperature=0.5, top_p=1.0))
+    p = process_logits(logits, SamplingParams(temperature=0.5, top_p=1.0))
     torch.testing.assert_close(p, torch.tensor([[0.25, 0.01, 0.0625, 0.0225]]) / 0.345)
     with pytest.raises(ValueError):
-        SamplingParams(temperature=0.0)
+        SamplingParams(temperature=-0.1)
+    assert SamplingParams(temperature=0.0).greedy  # one convention everywhere: temperature 0 = greedy
 
 
 def test_sample_next_matches_its_distribution_chi_square():
-    """Empirical frequencies of sample_next equal nucleus_probs (chi-square, toy vocabulary of 6)."""
+    """Empirical frequencies of sample_next equal process_logits (chi-square, toy vocabulary of 6)."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, 0.7])
     params = SamplingParams(temperature=0.8, top_p=0.9)
     n = 40_000
     draws = sample_next(logits.expand(n, -1), params, torch.Generator().manual_seed(0))
-    p = nucleus_probs(logits[None], params)[0].double()
+    p = process_logits(logits[None], params)[0].double()
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[p == 0].sum() == 0  # nothing outside the nucleus
     keep = p > 0
@@ -249,6 +250,7 @@ def test_sample_next_matches_its_distribution_chi_square():
     assert df == 3  # top-p 0.9 at T = 0.8 keeps 4 of the 6 tokens
     assert chi2 < 16.27  # the chi-square 0.999 quantile for 3 degrees of freedom
     assert torch.equal(sample_next(logits[None].repeat(3, 1), None), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(sample_next(logits[None].repeat(3, 1), SamplingParams()), torch.zeros(3, dtype=torch.long))
 
 
 # ---------------------------------------------------------------- bad input, counts, resume

@@ -136,7 +136,7 @@ def job_fingerprint(conversations: Sequence[dict], target_name: str, tokenizer, 
         h.update(json.dumps(conv, sort_keys=True, ensure_ascii=False, default=str).encode())
         h.update(b"\0")
     settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size",)}
-    if not gen.sampling.do_sample:
+    if gen.sampling.temperature == 0:  # greedy: the sampling settings play no part
         settings.pop("sampling")
     meta = {
         "format_version": FORMAT_VERSION,
@@ -217,9 +217,9 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
                     feature_layers: Sequence[int] | None = None) -> int:  # fmt: skip
     """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
     post-norm state, when ``gen.store_features``). Returns the number of generated tokens."""
-    sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p) if gen.sampling.do_sample else None
+    sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p)
     gens = None
-    if sampling is not None:
+    if not sampling.greedy:
         gens = [row_generator(gen.sampling.seed, st.plan.index, st.plan.id, len(st.spans)) for st in states]
     caps = [min(gen.max_new_tokens, gen.max_length - len(st.ids)) for st in states]
     results = target.generate(

@@ -245,7 +245,7 @@ def evaluate(cfg) -> dict[str, Any]:
     from drafttrain.data.template import end_of_turn_ids
     from drafttrain.eval.report import write_report
     from drafttrain.target import load_target
-    from drafttrain.verify.acceptance import SamplingParams
+    from drafttrain.sampling import SamplingParams
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.proposers import PlainProposer, ReplayProposer
 

@@ -7,13 +7,11 @@ The extra decoding modes (issue 6) live beside it as self-contained building blo
 drafting, joint-likelihood acceptance, perplexity).
 """
 
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits  # the one sampling vocabulary, re-exported
 from drafttrain.verify.acceptance import (
-    GREEDY,
     Acceptance,
-    SamplingParams,
     accept,
     accept_greedy,
-    process_logits,
     speculative_sampling_chain,
     speculative_sampling_tree,
 )

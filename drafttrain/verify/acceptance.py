@@ -22,7 +22,8 @@ Rules and what makes them lossless (tests: ``tests/test_acceptance.py``):
   (recursive rejection sampling, Jeong et al. 2024). If a child is accepted, descend and repeat with
   the target's distribution at that child; otherwise the bonus is drawn from the current residual p.
 
-Temperature and top-p are applied identically to target and draft with :func:`process_logits`
+Temperature and top-p are applied identically to target and draft with
+:func:`~drafttrain.sampling.process_logits` (the one transform, shared with generation)
 before any rule sees probabilities (the draft side is processed by the proposer, which also draws
 the candidates from those processed distributions).
 """
@@ -33,28 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafttrain.sampling import SamplingParams, process_logits
 from drafttrain.verify.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Decoding distribution. ``temperature == 0`` means greedy (argmax); ``top_p`` in (0, 1] (1 = off)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-GREEDY = SamplingParams()
 
 
 @dataclass
@@ -67,34 +48,6 @@ class Acceptance:
 
     path: list[int] = field(default_factory=list)
     bonus: int | None = -1
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits -> the distribution decoding samples from, for target and draft alike.
-
-    softmax(logits / T), then nucleus (top-p) filtering: keep the smallest set of most probable
-    tokens whose mass reaches ``top_p`` (the token that crosses it included) and renormalise.
-    Greedy (T = 0) returns the one-hot argmax distribution.
-
-    Args:
-        logits: [..., v] float.
-        params: temperature and top-p.
-
-    Returns:
-        [..., v] float32 probabilities (rows sum to 1).
-    """
-    logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more probable tokens
-        keep_sorted = mass_before < params.top_p  # the first token is always kept
-        keep = torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
 
 
 def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:

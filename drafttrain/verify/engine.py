@@ -44,7 +44,8 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain.verify.acceptance import GREEDY, Acceptance, SamplingParams, accept, process_logits
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.acceptance import Acceptance, accept
 from drafttrain.verify.cache import (
     RAGGED_ATTENTION,
     RaggedKVCache,

@@ -40,7 +40,8 @@ from collections.abc import Sequence
 
 import torch
 
-from drafttrain.verify.acceptance import GREEDY, Acceptance, SamplingParams, accept, process_logits
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.acceptance import Acceptance, accept
 from drafttrain.verify.mcsd import (
     MCSDConfig,
     decision_features_topk,

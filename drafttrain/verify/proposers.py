@@ -52,7 +52,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from drafttrain.verify.acceptance import GREEDY, SamplingParams, process_logits
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
 from drafttrain.verify.tree import DraftTree, TreeTemplate, parallelspec_tree, template_from_choices
 
 
