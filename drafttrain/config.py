@@ -7,7 +7,8 @@ the key before any model loads (DESIGN.md section 6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import functools
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -185,7 +186,7 @@ class LoggingConfig:
 
 @dataclass
 class DecisionConfig:
-    """The MCSD early-stop decision model (``+recipe=decision_model``; :mod:`drafttrain.decision`)."""
+    """The MCSD early-stop decision model (``+recipe=decision_model``; :mod:`drafttrain.verify.methods.mcsd_decision`)."""
 
     data: list[str] = field(default_factory=list)  # jsonl decision logs (scripts.evaluate mcsd.decisions_out=...)
     hidden: int = 64
@@ -330,7 +331,7 @@ GE0, GE1, GT0 = Range(0), Range(1), Range(0, low_inclusive=False)
 UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Range(0, 1, True, False)
 
 #: The range of every numeric key of every schema (ints, floats, optional ones, lists of them), by class
-#: and field name. ``None`` (an optional key left unset) is always allowed. ``tests/test_config_values.py``
+#: and field name (a decoding method's section declares its own: :func:`numeric_ranges`). ``None`` (an optional key left unset) is always allowed. ``tests/test_config_values.py``
 #: fails for a numeric field missing here, and checks each range is enforced. Semantics of 0 where it
 #: is allowed: ``*_every`` = only at the end / never periodic, ``draft_vocab_size`` = the full vocabulary,
 #: ``num_mask_tokens`` = no mask tokens, ``heldout`` / ``spec_eval_num_prompts`` = none, ``top_k`` = none.
@@ -362,11 +363,15 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
                                 feature_layers=Range(-1025, 1024)),
     "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, num_prompts=GE1, prompt_offset=GE0, max_new_tokens=GE1,
                        batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
-    "TreeConfig": dict(widths=GE1, budget=GE1),
-    "SSSDEvalConfig": dict(node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1, num_threads=GE1),
-    "MCSDEvalConfig": dict(ks=GE1, target_roots=GE1, beta=UNIT, betas=UNIT, decision_topk=GE1),
-    "MTADEvalConfig": dict(num_beams=GE1, num_steps=GE1, threshold=GE0),
 }  # fmt: skip
+
+
+def numeric_ranges(cls: type) -> dict[str, Range]:
+    """The ranges of ``cls``'s numeric fields: its own ``numeric_ranges`` class attribute (a decoding
+    method's config section declares them beside its fields, drafttrain/verify/methods/), else
+    :data:`NUMERIC_RANGES` by class name."""
+    own = getattr(cls, "numeric_ranges", None)
+    return own if own is not None else NUMERIC_RANGES.get(cls.__name__, {})
 
 
 def numeric_problems(obj, prefix: str = "") -> list[str]:
@@ -375,7 +380,7 @@ def numeric_problems(obj, prefix: str = "") -> list[str]:
     problems = []
     ranges = {}  # a drafter's schema (a DrafterConfig subclass) takes DrafterConfig's ranges
     for cls in reversed(type(obj).__mro__):
-        ranges.update(NUMERIC_RANGES.get(cls.__name__, {}))
+        ranges.update(numeric_ranges(cls))
     for f in fields(obj):
         v, key = getattr(obj, f.name), prefix + f.name
         if hasattr(v, "__dataclass_fields__"):
@@ -490,71 +495,20 @@ def to_dict(c) -> dict[str, Any]:
 
 
 @dataclass
-class TreeConfig:
-    """Draft tree of the ParallelSpec proposer (DESIGN.md §4, ParallelSpec Appendix A.3).
+class EvalConfig:
+    """``python -m scripts.evaluate`` (conf/evaluate.yaml), less the decoding methods' own sections.
 
-    ``widths``: candidates per depth (null = a chain over all K + 1 depths); ``budget``: maximum nodes
-    (null = one per depth); ``choices``: a static shape instead of the best-first one: ``eagle_default``,
-    ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``. ``batched_drafting``: the
-    drafter drafts the whole batch in shared forwards (ParallelSpec: one forward; EAGLE: one per
-    depth); false = one sequence at a time, each with its own drafter cache (a reference to compare).
+    Every registered decoding method's section (``tree``, ``sssd``, ``mcsd``, ``mtad``, ...: the
+    ``config`` dataclass of its :class:`~drafttrain.verify.methods.registry.Method`) is an attribute of
+    the validated config too: :func:`validate_eval` merges into :func:`eval_schema`, a subclass of this
+    one with a field per section, so the sections are validated (unknown keys, types) like the rest.
     """
 
-    widths: list[int] | None = None
-    budget: int | None = None
-    choices: Any = None
-    batched_drafting: bool = True
-
-
-@dataclass
-class SSSDEvalConfig:
-    """SSSD in the harness (SSSD §3.1-3.2). The drafting fields not listed here keep
-    :class:`~drafttrain.verify.sssd.SSSDConfig`'s defaults (the grid-searched weights)."""
-
-    datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
-    node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
-    tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
-    planner_context: int = 256  # cached tokens per sequence while forward times are measured
-    max_prefix_len: int = 6
-    max_depth: int = 8
-    num_threads: int = 1
-
-
-@dataclass
-class MCSDEvalConfig:
-    """Improved MCSD (MCSD-improved §3.1, §4.1): one run per W_t in ``target_roots`` with levels ``ks``."""
-
-    ks: list[int] = field(default_factory=lambda: [3, 2, 1, 1])
-    target_roots: list[int] = field(default_factory=lambda: [1, 2])
-    decision_model: str | None = None  # early-stop model folder (+recipe=decision_model); adds an "mcsd_w1_dm" run
-    beta: float = 0.4  # early-stop threshold (§3.3)
-    betas: list[float] | None = None  # a threshold sweep instead: one "mcsd_w1_dm_b<beta>" run per value
-    decisions_out: str | None = None  # append W_t = 1 runs' (level features, accepted) rows here: the model's data
-    decision_topk: int = 8  # k of the logged features
-
-
-@dataclass
-class MTADEvalConfig:
-    """MTAD (MTAD §3.2): B beams, K' draft tokens (null = the drafter's K + 1), acceptance threshold τ."""
-
-    num_beams: int = 4
-    num_steps: int | None = None
-    threshold: float = 0.1
-
-
-METHODS = ("parallelspec", "drafter", "replay", "sssd", "mcsd", "mtad")  # parallelspec = drafter: the checkpoint's drafter, any recipe
-
-
-@dataclass
-class EvalConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     checkpoint: str | None = None  # a training run folder (drafter/ + config.json) or a drafter/ folder
     untrained_drafter: bool = False  # no checkpoint: time a fresh ParallelSpec drafter (τ is meaningless)
-    proposer: str = "parallelspec"  # parallelspec | replay (verifier benchmark: drafts = plain output, right w.p. replay_accept_prob)
-    methods: list[str] | None = None  # null = [proposer]; any of parallelspec, replay, sssd, mcsd, mtad (one report)
-    sssd: SSSDEvalConfig = field(default_factory=SSSDEvalConfig)
-    mcsd: MCSDEvalConfig = field(default_factory=MCSDEvalConfig)
-    mtad: MTADEvalConfig = field(default_factory=MTADEvalConfig)
+    proposer: str = "parallelspec"  # a registered method; parallelspec = drafter | replay (verifier benchmark)
+    methods: list[str] | None = None  # null = [proposer]; registered method names (drafttrain.verify.methods), one report
     perplexity: bool | None = None  # output perplexity under the target per run; null = when a lossy method runs
     replay_accept_prob: float = 0.7
     replay_depth: int = 5
@@ -569,7 +523,6 @@ class EvalConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    tree: TreeConfig = field(default_factory=TreeConfig)
     stop_token_ids: list[int] | None = None  # default: the tokenizer's end-of-turn ids
     num_threads: int | None = None
     warmup: bool = True  # one short untimed run first (allocations, first-call overheads)
@@ -578,16 +531,38 @@ class EvalConfig:
     progress: bool = True
     plots: bool = True
 
+    def method_names(self) -> list[str]:
+        """The decoding methods to run: ``methods``, or ``[proposer]`` when it is null."""
+        return list(self.methods) if self.methods is not None else [self.proposer]
+
+
+def eval_schema() -> type:
+    """:class:`EvalConfig` plus one field per registered decoding method's config section (read from
+    :data:`drafttrain.verify.methods.METHODS`; built once per set of sections)."""
+    from drafttrain.verify.methods import config_sections
+
+    return _eval_schema(tuple(config_sections().items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _eval_schema(sections: tuple[tuple[str, type], ...]) -> type:
+    fields_ = [(key, cls, field(default_factory=cls)) for key, cls in sections]
+    return make_dataclass("EvalConfig", fields_, bases=(EvalConfig,), namespace={"__module__": __name__})
+
 
 def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
-    """Merge a composed ``conf/evaluate.yaml`` into :class:`EvalConfig` (as :func:`validate` does for training).
+    """Merge a composed ``conf/evaluate.yaml`` into :func:`eval_schema` (as :func:`validate` does for training).
+
+    Method names, whether a checkpoint is needed and each method's value checks come from the method
+    registry (:mod:`drafttrain.verify.methods`).
 
     Raises:
         ConfigError: unknown key, wrong type, or a bad value (before any model loads).
     """
     from drafttrain.verify.engine import MODES
+    from drafttrain.verify.methods import METHODS
 
-    c: EvalConfig = validate_into(EvalConfig, cfg)
+    c: EvalConfig = validate_into(eval_schema(), cfg)
     problems = numeric_problems(c)
     if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
         problems.append("batch_sizes must be a non-empty list of ints >= 1")
@@ -600,28 +575,18 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
         problems.append("max_new_tokens must be >= 1")
     if c.temperature < 0 or not 0 < c.top_p <= 1:
         problems.append("temperature must be >= 0 and top_p in (0, 1]")
-    if c.proposer not in ("parallelspec", "drafter", "replay"):
-        problems.append("proposer must be parallelspec (= drafter) or replay")
-    methods = list(c.methods) if c.methods is not None else [c.proposer]
+    if c.proposer not in METHODS:
+        problems.append(f"proposer must be a registered decoding method {sorted(METHODS)}, got {c.proposer!r}")
+    methods = c.method_names()
     if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
-        problems.append(f"methods must be distinct names from {list(METHODS)}, got {methods}")
-    if "replay" in methods and (c.temperature != 0 or not 0 <= c.replay_accept_prob <= 1 or c.replay_depth < 1):
-        problems.append("proposer=replay needs temperature=0, replay_accept_prob in [0, 1] and replay_depth >= 1")
-    if c.checkpoint is None and not c.untrained_drafter and {"parallelspec", "drafter", "mcsd", "mtad"} & set(methods):
-        problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
-    if c.sssd.node_budgets is not None and (not c.sssd.node_budgets or min(c.sssd.node_budgets) < 0):
-        problems.append("sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)")
-    if not c.mcsd.ks or min(c.mcsd.ks) < 1 or not c.mcsd.target_roots or min(c.mcsd.target_roots) < 1:
-        problems.append("mcsd.ks and mcsd.target_roots must be non-empty lists of ints >= 1")
-    if c.mtad.num_beams < 1 or (c.mtad.num_steps is not None and c.mtad.num_steps < 1) or not c.mtad.threshold >= 0:
-        problems.append("mtad needs num_beams >= 1, num_steps >= 1 (or null) and threshold >= 0")
-    if c.tree.widths is not None and (not c.tree.widths or min(c.tree.widths) < 1):
-        problems.append("tree.widths must be positive ints")
-    if c.tree.budget is not None and c.tree.budget < 1:
-        problems.append("tree.budget must be >= 1")
-    ch = c.tree.choices
-    if ch is not None and not (ch in ("eagle_default", "medusa_default") or isinstance(ch, list)):
-        problems.append("tree.choices must be eagle_default, medusa_default or a list of rank lists")
+        problems.append(f"methods must be distinct names from {sorted(METHODS)}, got {methods}")
+    else:
+        if len({METHODS[m].name for m in methods}) != len(methods):
+            problems.append(f"methods {methods} name one method twice (an alias and its name)")
+        if c.checkpoint is None and not c.untrained_drafter and any(METHODS[m].needs_drafter for m in methods):
+            problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
+        for m in dict.fromkeys(METHODS[m] for m in methods):
+            problems += m.check(c) if m.check is not None else []
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if problems:

@@ -366,8 +366,8 @@ def run(cfg) -> dict[str, Any]:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
-    if c.task == "decision_model":  # +recipe=decision_model: no target, no drafter (drafttrain/decision.py)
-        from drafttrain.decision import train_decision_model
+    if c.task == "decision_model":  # +recipe=decision_model: no target, no drafter (drafttrain/verify/methods/mcsd_decision.py)
+        from drafttrain.verify.methods.mcsd_decision import train_decision_model
 
         return train_decision_model(c)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)

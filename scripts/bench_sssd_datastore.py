@@ -38,8 +38,8 @@ class BenchConfig:
 
 def run(c: BenchConfig, argv: list[str] | None = None) -> dict:
     """Measure as configured; ``argv``: the overrides recorded in the reproduce command."""
-    from drafttrain.verify.datastore import Datastore
-    from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
+    from drafttrain.verify.methods.sssd_datastore import Datastore
+    from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
     from scripts.common import load_sequences, median_ms, reproduce
 
     t = time.perf_counter()

@@ -12,7 +12,7 @@ folder of already tokenized rows with ``input_ids`` + ``loss_mask``: a ``dataset
 the datastore and written to ``<output>/heldout.jsonl`` for ``scripts.sssd_grid`` and
 ``scripts.bench_sssd_datastore``; held-out rows whose first answer also occurs verbatim as a training
 row's first answer (ShareGPT has duplicates) are dropped, and counted. The folder is memory-mapped by
-:meth:`drafttrain.verify.datastore.Datastore.load`.
+:meth:`drafttrain.verify.methods.sssd_datastore.Datastore.load`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def run(cfg) -> dict:
     from drafttrain.cliconfig import validate_into
     from drafttrain.config import ConfigError
     from drafttrain.data.dataset import split_heldout
-    from drafttrain.verify.datastore import Datastore, documents_from_rows, first_answer_split
+    from drafttrain.verify.methods.sssd_datastore import Datastore, documents_from_rows, first_answer_split
 
     c = validate_into(BuildDatastoreConfig, cfg)
     if c.heldout < 0 or c.max_length < 1 or (c.sort_depth is not None and c.sort_depth < 1):

@@ -69,13 +69,13 @@ def load_sequences(
     path: str | Path, num: int | None, max_continuation: int, offset: int = 0
 ) -> list[tuple[list[int], list[int]]]:
     """(context, continuation) pairs from a jsonl of rows with ``input_ids`` and ``loss_mask``
-    (:func:`drafttrain.verify.datastore.first_answer_split`), continuation cut to ``max_continuation``;
+    (:func:`drafttrain.verify.methods.sssd_datastore.first_answer_split`), continuation cut to ``max_continuation``;
     the first ``offset`` usable rows are skipped, then at most ``num`` are returned.
 
     Raises:
         FileNotFoundError: no such file.
     """
-    from drafttrain.verify.datastore import first_answer_split
+    from drafttrain.verify.methods.sssd_datastore import first_answer_split
 
     out = []
     with open(Path(path).expanduser()) as f:

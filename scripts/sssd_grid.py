@@ -8,13 +8,13 @@
 usage to initially generate ground truth data with the LLM. The data is then used to simulate the LLM
 inference process and find good parameters." Here the ground truth is the data's own continuations: for
 every held-out row the context is everything before its first answer and the continuation is that answer;
-:func:`drafttrain.verify.sssd.simulate_greedy` drafts from the growing context (input trie + datastore),
+:func:`drafttrain.verify.methods.sssd.simulate_greedy` drafts from the growing context (input trie + datastore),
 accepts the longest tree path equal to the continuation, appends it plus one "bonus" token, and so on.
 On self-distilled rows (the target's own greedy answers) this is exactly the τ of greedy SSSD decoding
 with that target; on ShareGPT rows it measures how well SSSD predicts ShareGPT's answers.
 
 The best weights are then simulated at every size in ``budgets``, giving the τ(n) table the
-speculation-length planner (:func:`drafttrain.verify.sssd.plan_speculation_length`) needs.
+speculation-length planner (:func:`drafttrain.verify.methods.sssd.plan_speculation_length`) needs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from drafttrain.verify.sssd import SSSDConfig
+from drafttrain.verify.methods.sssd import SSSDConfig
 from scripts.common import load_sequences, reproduce
 
 log = logging.getLogger("drafttrain.sssd_grid")
@@ -74,8 +74,8 @@ def run(cfg) -> dict:
     """
     from drafttrain.cliconfig import validate_into
     from drafttrain.config import ConfigError
-    from drafttrain.verify.datastore import Datastore
-    from drafttrain.verify.sssd import SSSDDrafter, simulate_greedy
+    from drafttrain.verify.methods.sssd_datastore import Datastore
+    from drafttrain.verify.methods.sssd import SSSDDrafter, simulate_greedy
 
     c = validate_into(SSSDGridConfig, cfg)
     try:

@@ -1,4 +1,4 @@
-"""Tests of drafttrain.verify.datastore: suffix array and counts against brute force, strided
+"""Tests of drafttrain.verify.methods.sssd_datastore: suffix array and counts against brute force, strided
 sampling against the full continuation distribution (chi-square), storage (< 5 s)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from drafttrain.verify.datastore import (
+from drafttrain.verify.methods.sssd_datastore import (
     FORMAT_VERSION,
     META_FILE,
     SEPARATOR,

@@ -146,7 +146,7 @@ def test_harness_replay_proposer(tmp_path):
 @pytest.fixture(scope="module")
 def sssd_inputs(tmp_path_factory, tiny_target):
     """A tiny SSSD datastore and a planner τ(n) table; returns the harness overrides that use them."""
-    from drafttrain.verify.datastore import Datastore
+    from drafttrain.verify.methods.sssd_datastore import Datastore
 
     d = tmp_path_factory.mktemp("sssd")
     docs = [tiny_target.tokenizer("the cat sat on the mat and the dog sat on the log " * 4)["input_ids"]]

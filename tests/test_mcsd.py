@@ -1,4 +1,4 @@
-"""Tests of drafttrain.verify.mcsd: topology counts, literal and sliced masks vs from-scratch masks,
+"""Tests of drafttrain.verify.methods.mcsd: topology counts, literal and sliced masks vs from-scratch masks,
 tree growth order, target-initialized acceptance, decision model (< 5 s)."""
 
 from __future__ import annotations
@@ -6,20 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.verify.mcsd import (
-    DecisionModel,
+from drafttrain.verify.methods.mcsd import (
     MCSDConfig,
     SlicedTreeMask,
-    decision_features_topk,
-    decision_loss,
     grow_mcsd_tree,
     mcsd_topology,
     sample_target_roots,
-    should_stop,
-    soft_accept_label,
     target_initialized_accept,
     to_additive_mask,
     tree_ancestor_mask,
+)
+from drafttrain.verify.methods.mcsd_decision import (
+    DecisionModel,
+    decision_features_topk,
+    decision_loss,
+    should_stop,
+    soft_accept_label,
 )
 
 CONFIGS = [((2, 1), 2), ((2, 2), 1), ((4, 3, 1, 1), 2), ((4, 2, 2, 1), 1), ((1, 1, 1), 3), ((3,), 1), ((2, 3), 4)]

@@ -1,4 +1,4 @@
-"""SSSD, improved MCSD and MTAD run through the batched engine (drafttrain.verify.methods) on tiny targets.
+"""SSSD, improved MCSD and MTAD run through the batched engine (drafttrain.verify.methods.{sssd,mcsd,mtad}) on tiny targets.
 
 Lossless methods (SSSD, MCSD W_t = 1) must reproduce plain greedy decoding token for token in every
 engine mode with continuous batching; the lossy ones are pinned by what their rule allows: MCSD
@@ -14,11 +14,11 @@ import torch
 from drafttrain.drafters.base import DrafterSpec
 from drafttrain.verify import MODES, SpecEngine
 from drafttrain.verify.acceptance import Acceptance
-from drafttrain.verify.datastore import Datastore
-from drafttrain.verify.mcsd import MCSDConfig
-from drafttrain.verify.methods import MCSDProposer, MTADProposer, SSSDProposer
+from drafttrain.verify.methods.mcsd import MCSDConfig, MCSDProposer
+from drafttrain.verify.methods.mtad import MTADProposer
+from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter, SSSDProposer
+from drafttrain.verify.methods.sssd_datastore import Datastore
 from drafttrain.verify.proposers import PlainProposer
-from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter
 
 PROMPT_LENGTHS = (3, 11, 30, 7, 19)
 NEW = 20

@@ -15,8 +15,8 @@ import pytest
 
 from drafttrain.cliconfig import ConfigError, parse_cli, validate_into
 from helpers import compose_dict
-from drafttrain.verify.datastore import Datastore, documents_from_rows, first_answer_split
-from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
+from drafttrain.verify.methods.sssd_datastore import Datastore, documents_from_rows, first_answer_split
+from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
 from scripts import bench_sssd_datastore, build_datastore, sssd_grid
 from scripts.common import load_sequences
 

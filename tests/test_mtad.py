@@ -1,4 +1,4 @@
-"""Tests of drafttrain.verify.mtad: beam drafting vs brute force, joint-likelihood acceptance (longest
+"""Tests of drafttrain.verify.methods.mtad: beam drafting vs brute force, joint-likelihood acceptance (longest
 passing prefix, tau = 0 / tau >= 1, equality), bonus token, perplexity vs a step-by-step reference (< 5 s)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from drafttrain.verify.mtad import (
+from drafttrain.verify.methods.mtad import (
     IS_LOSSLESS,
     beam_draft,
     gather_log_probs,

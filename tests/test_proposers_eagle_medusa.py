@@ -237,7 +237,7 @@ def test_mtad_eagle_beams_use_the_drafters_joint_likelihood(varied_target, promp
     is back to the committed items, and through the engine τ >= 1 accepts nothing (plain greedy output)."""
     from transformers import DynamicCache
 
-    from drafttrain.verify.methods import MTADEagleProposer
+    from drafttrain.verify.methods.mtad import MTADEagleProposer
 
     target = varied_target
     drafter = _drafter("eagle", target, seed=2)

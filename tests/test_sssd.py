@@ -1,4 +1,4 @@
-"""Tests of drafttrain.verify.sssd: input trie vs brute force, fused trees (literal, ancestor-closed,
+"""Tests of drafttrain.verify.methods.sssd: input trie vs brute force, fused trees (literal, ancestor-closed,
 within budget), membership rule lossless (chi-square) and greedy-exact, simulation, planner (< 15 s)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafttrain.verify.datastore import Datastore
-from drafttrain.verify.sssd import (
+from drafttrain.verify.methods.sssd_datastore import Datastore
+from drafttrain.verify.methods.sssd import (
     InputTrie,
     SSSDConfig,
     SSSDDrafter,

@@ -6,6 +6,9 @@ one process, one after the other, and records τ, tokens/s, speedup, padding, th
 histogram and per-depth acceptance. Under greedy decoding every speculative output is compared
 token for token with the plain output of the same batch size (``greedy_equal``).
 
+The decoding methods compared (``methods=[...]``) come from the registry in
+:mod:`drafttrain.verify.methods`: the harness knows no method by name.
+
 Entry point: ``python -m scripts.evaluate`` (conf/evaluate.yaml); library entry: :func:`evaluate`.
 """
 
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.config import ConfigError, EvalConfig, validate_eval
+from drafttrain.config import ConfigError, EvalConfig, eval_schema, validate_eval
 
 log = logging.getLogger(__name__)
 
@@ -92,80 +95,15 @@ def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
     return [r["id"] for r in rows], [prompt_ids(tokenizer, r["messages"]) for r in rows]
 
 
-def make_proposer(c: EvalConfig, drafter):
-    """The drafter's own proposer (:func:`~drafttrain.verify.proposers.proposer_for`) with the configured tree."""
-    from drafttrain.verify.proposers import proposer_for
-    from drafttrain.verify.tree import NAMED_CHOICES
+def load_drafter(c: EvalConfig, ddir: Path | None, target):
+    """The checkpoint's drafter in eval mode, or (no checkpoint, ``untrained_drafter``) a fresh
+    ParallelSpec drafter with the default drafter config, seeded by ``c.seed``."""
+    from drafttrain.drafters import Drafter, build_drafter
 
-    choices = c.tree.choices
-    if isinstance(choices, str):
-        choices = NAMED_CHOICES[choices]
-    return proposer_for(drafter, widths=c.tree.widths, budget=c.tree.budget, choices=choices,
-                        batched=c.tree.batched_drafting)
-
-
-def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
-                            mode: str = "unpadded") -> dict[tuple[int, int], float]:  # fmt: skip
-    """Mean time of one verification forward of ``batch_size`` sequences x s tokens (root + a chain of
-    s - 1 drafts) through the engine itself (same cache, masks and attention path as the timed runs),
-    over ``context`` cached tokens, for every s in ``lengths``: the forward-time curve of SSSD §3.2 / Fig. 2.
-
-    The drafts are random tokens (rejected), so every step is one forward at the same context length;
-    a short run at each size comes first as a warm-up.
-
-    Returns:
-        ``{(batch_size, s): seconds}`` (the table :func:`~drafttrain.verify.sssd.plan_speculation_length` reads).
-    """
-    from drafttrain.verify.engine import SpecEngine
-    from drafttrain.verify.proposers import PlainProposer
-    from drafttrain.verify.tree import DraftTree
-
-    g = torch.Generator().manual_seed(0)
-    vocab = int(target.config.vocab_size)
-    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch_size)]
-
-    class FixedChain(PlainProposer):  # a chain of n random drafts per sequence: the forward shape, no drafting cost
-        name = "timing"
-
-        def __init__(self, n):
-            self.n = n
-
-        def draft(self, slots, sampling=None, generator=None):
-            return [DraftTree(torch.randint(0, vocab, (self.n,), generator=g), torch.arange(-1, self.n - 1))
-                    for _ in slots]  # fmt: skip
-
-    out = {}
-    with torch.no_grad():
-        for s in sorted(set(int(x) for x in lengths)):
-            for n_steps, keep in ((2, False), (steps, True)):  # warm-up, then timed
-                eng = SpecEngine(target, FixedChain(s - 1), batch_size=batch_size, max_new_tokens=n_steps + 1,
-                                 mode=mode, stop_token_ids=[-1], initial_capacity=context + 2 * (steps + s))  # fmt: skip
-                eng.run(prompts)
-                if keep:
-                    out[(batch_size, s)] = eng.stats.forward_seconds / max(eng.stats.forwards, 1)
-    return out
-
-
-def plan_sssd_budget(c: EvalConfig, target, batch_size: int) -> dict[str, Any]:
-    """The speculation-length planner (SSSD §3.2) for one batch size: forward times measured now on this
-    machine, τ(n) from ``c.sssd.tau_table`` (the grid search's simulated acceptance per tree size).
-
-    Raises:
-        FileNotFoundError: no τ table (the message names the command that writes it).
-    """
-    from drafttrain.verify.sssd import plan_speculation_length
-
-    table = Path(c.sssd.tau_table)
-    if not table.is_file():
-        raise FileNotFoundError(f"no SSSD τ(n) table at {table}: run `python -m scripts.sssd_grid` "
-                                f"(or pass sssd.node_budgets=[...])")  # fmt: skip
-    tau = {int(n): float(t) for n, t in json.loads(table.read_text())["tau_by_size"].items()}
-    fwd = measure_forward_seconds(target, batch_size, [n + 1 for n in tau] + [1], c.sssd.planner_context,
-                                  mode=c.modes[0])  # fmt: skip
-    plan = plan_speculation_length(fwd, tau, batch_size)
-    return {"batch_size": batch_size, "best_size": plan.best_size, "expected_speedup": plan.speedup,
-            "tau_by_size": tau, "forward_seconds": {str(k[1]): v for k, v in fwd.items()},
-            "expected_tokens_per_s": {str(n): v for n, v in plan.tokens_per_s.items()}}  # fmt: skip
+    if ddir is not None:
+        return Drafter.from_pretrained(ddir, target).eval()
+    torch.manual_seed(c.seed)
+    return build_drafter("parallelspec", {}, target).eval()  # its class defaults
 
 
 def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:
@@ -228,128 +166,71 @@ def _run_record(run, method: str, mode: str, batch_size: int) -> dict[str, Any]:
 
 
 def evaluate(cfg) -> dict[str, Any]:
-    """Run the evaluation described by ``cfg`` (a composed ``conf/evaluate.yaml``, a dict, or an
-    :class:`~drafttrain.config.EvalConfig`) and write ``results.json``, ``report.md`` and ``plots/`` to
-    ``output_dir``.
+    """Run the evaluation described by ``cfg`` (a composed ``conf/evaluate.yaml``, a dict, or a
+    validated :class:`~drafttrain.config.EvalConfig`) and write ``results.json``, ``report.md`` and
+    ``plots/`` to ``output_dir``.
+
+    Every selected decoding method is a :class:`~drafttrain.verify.methods.registry.Method` of the
+    registry: its factory turns the loaded target (and drafter) into variants, each run per batch size
+    and engine mode after the plain baseline of that batch size. A run's ``lossless`` flag is its
+    proposer's ``lossless`` attribute (default True); under greedy decoding every run is compared token
+    for token with the plain output, and a lossless run that differs is diagnosed and logged as an error.
+    Output perplexity under the target is added to every run when ``perplexity`` is true, or (null)
+    when some run was lossy.
 
     Returns:
         The results dict (as written to ``results.json``).
 
     Raises:
         ConfigError: bad config or a checkpoint trained for another target (before the target loads).
-        FileNotFoundError: no drafter in the checkpoint folder.
+        FileNotFoundError: no drafter in the checkpoint folder, or a file a method needs (its preflight).
     """
-    c = cfg if isinstance(cfg, EvalConfig) else validate_eval(cfg)
+    c = cfg if isinstance(cfg, eval_schema()) else validate_eval(cfg)
     ddir = check_checkpoint(c)
-    from drafttrain.drafters import Drafter, build_drafter
     from drafttrain.data.template import end_of_turn_ids
     from drafttrain.eval.report import write_report
-    from drafttrain.target import load_target
     from drafttrain.sampling import SamplingParams
+    from drafttrain.target import load_target
     from drafttrain.verify.engine import SpecEngine
-    from drafttrain.verify.proposers import PlainProposer, ReplayProposer
+    from drafttrain.verify.methods import METHODS, MethodContext
+    from drafttrain.verify.methods.mtad import output_perplexity
+    from drafttrain.verify.proposers import PlainProposer
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
     out_dir = Path(c.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    methods = list(c.methods) if c.methods is not None else [c.proposer]
-    needs_drafter = bool({"parallelspec", "drafter", "mcsd", "mtad"} & set(methods))
-    datastore = None
-    if "sssd" in methods:  # before the target loads: a missing datastore fails fast
-        from drafttrain.verify.datastore import Datastore
-
-        if not Path(c.sssd.datastore).is_dir():
-            raise FileNotFoundError(f"no SSSD datastore at {c.sssd.datastore}: run `python -m scripts.build_datastore`")
-        datastore = Datastore.load(c.sssd.datastore)
+    methods = c.method_names()
+    specs = [METHODS[m] for m in methods]
+    for spec in specs:  # before the target loads: a missing file fails fast
+        if spec.preflight is not None:
+            spec.preflight(c)
     target = load_target(c.target)
-    if not needs_drafter:
-        drafter = None
-    elif ddir is not None:
-        drafter = Drafter.from_pretrained(ddir, target).eval()
-    else:
-        torch.manual_seed(c.seed)
-        drafter = build_drafter("parallelspec", {}, target).eval()  # its class defaults
-    if drafter is not None and drafter.spec.drafting != "parallel" and "mcsd" in methods:
-        raise ValueError(f"mcsd grows its trees from the per-depth distributions of one drafter pass: use a "
-                         f"parallel drafter's checkpoint for it (parallelspec, parallelspec_eagle, medusa), not "
-                         f"'{drafter.name}', which drafts {drafter.spec.drafting}")
+    drafter = load_drafter(c, ddir, target) if any(s.needs_drafter for s in specs) else None
     ids, prompts = load_prompts(c, target.tokenizer)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
     sampling = SamplingParams(c.temperature, c.top_p)
-    log.info("evaluating %d prompts of %s, batch sizes %s, modes %s", len(prompts), c.prompts, c.batch_sizes, c.modes)
+    log.info("evaluating %d prompts of %s, batch sizes %s, modes %s, methods %s", len(prompts), c.prompts,
+             c.batch_sizes, c.modes, methods)  # fmt: skip
 
     def engine(proposer, bs, mode, max_new_tokens=c.max_new_tokens):
         return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
                           sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
 
-    from drafttrain.verify.mcsd import MCSDConfig
-    from drafttrain.verify.methods import MCSDProposer, MTADEagleProposer, MTADProposer, SSSDProposer
-    from drafttrain.verify.mtad import output_perplexity
-    from drafttrain.verify.sssd import SSSDConfig, SSSDDrafter
-
-    sssd_drafter = None
-    if datastore is not None:
-        sssd_drafter = SSSDDrafter(SSSDConfig(max_prefix_len=c.sssd.max_prefix_len, max_depth=c.sssd.max_depth),
-                                   datastore, num_threads=c.sssd.num_threads)  # fmt: skip
-    plans: dict[int, dict[str, Any]] = {}
-    decision_model = None
-    if "mcsd" in methods and c.mcsd.decision_model:
-        from drafttrain.decision import load_decision_model
-
-        decision_model = load_decision_model(c.mcsd.decision_model)
-    decisions_file = Path(c.mcsd.decisions_out) if "mcsd" in methods and c.mcsd.decisions_out else None
-
-    def sssd_budget(bs: int) -> int:
-        if bs not in plans:
-            plans[bs] = plan_sssd_budget(c, target, bs)
-            log.info("SSSD planner, batch %d: tree size %d (expected speedup %.2f)", bs, plans[bs]["best_size"],
-                     plans[bs]["expected_speedup"])  # fmt: skip
-        return plans[bs]["best_size"]
-
-    # (label, factory(batch_size, plain outputs) -> proposer) for every speculative run of a batch size
-    variants: list[tuple[str, Any]] = []
-    for m in methods:
-        if m == "replay":
-            variants.append(("replay", lambda bs, refs: ReplayProposer(
-                {tuple(p): r for p, r in zip(prompts, refs)}, depth=c.replay_depth,
-                accept_prob=c.replay_accept_prob, seed=c.seed)))  # fmt: skip
-        elif m in ("parallelspec", "drafter"):  # the checkpoint's drafter, drafting its own way (any recipe)
-            variants.append((drafter.name, lambda bs, refs: make_proposer(c, drafter)))
-        elif m == "sssd" and c.sssd.node_budgets is None:
-            variants.append(("sssd", lambda bs, refs: SSSDProposer(sssd_drafter, sssd_budget(bs))))
-        elif m == "sssd":
-            for n in c.sssd.node_budgets:
-                variants.append((f"sssd_n{n}", lambda bs, refs, n=n: SSSDProposer(sssd_drafter, n)))
-        elif m == "mcsd":
-            log_dec = c.mcsd.decisions_out is not None
-            for w in c.mcsd.target_roots:
-                variants.append((f"mcsd_w{w}", lambda bs, refs, w=w: MCSDProposer(
-                    drafter, MCSDConfig(tuple(c.mcsd.ks), w), log_decisions=log_dec and w == 1,
-                    decision_topk=c.mcsd.decision_topk)))  # fmt: skip
-            if decision_model is not None:
-                betas = [("mcsd_w1_dm", c.mcsd.beta)] if not c.mcsd.betas else [(f"mcsd_w1_dm_b{b:g}", b) for b in c.mcsd.betas]
-                for label, beta in betas:
-                    variants.append((label, lambda bs, refs, beta=beta: MCSDProposer(
-                        drafter, MCSDConfig(tuple(c.mcsd.ks), 1), decision_model=decision_model, beta=beta)))  # fmt: skip
-        elif m == "mtad":
-            # an autoregressive drafter gives MTAD the joint q; a parallel one its per-depth marginals
-            mtad_cls = MTADEagleProposer if drafter.spec.drafting == "autoregressive" else MTADProposer
-            variants.append(("mtad", lambda bs, refs: mtad_cls(drafter, c.mtad.num_beams, c.mtad.num_steps,
-                                                               c.mtad.threshold)))  # fmt: skip
-    any_lossy = "mtad" in methods or ("mcsd" in methods and max(c.mcsd.target_roots) > 1)
-    with_ppl = c.perplexity if c.perplexity is not None else any_lossy
+    ctx = MethodContext(config=c, target=target, drafter=drafter, prompts=prompts)
+    variants = [v for spec in specs for v in spec.build(ctx)]  # every speculative run of a batch size
 
     if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
         few = prompts[:2] if len(prompts) > 1 else prompts * 2
         for mode in sorted(set(c.modes) | {c.plain_mode}):
             warm = engine(PlainProposer(), 2, mode, max_new_tokens=8).run(few)
-            for label, make in variants:  # (the planner is not run for a warm-up)
-                prop = SSSDProposer(sssd_drafter, 8) if label == "sssd" else make(2, [r.tokens for r in warm.results])
+            for v in variants:
+                prop = v.warm() if v.warm is not None else v.make(2, [r.tokens for r in warm.results])
                 engine(prop, 2, mode, max_new_tokens=8).run(few)
 
     runs: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
+    run_outputs: list[list[list[int]]] = []  # per run (in `runs` order): its outputs, for perplexity
     t_all = time.perf_counter()
     for bs in c.batch_sizes:
         plain = engine(PlainProposer(), bs, c.plain_mode).run(prompts, progress=c.progress and f"plain b={bs}")
@@ -357,30 +238,21 @@ def evaluate(cfg) -> dict[str, Any]:
         plain_rec["speedup"] = 1.0
         plain_rec["lossless"] = True
         plain_tokens = [r.tokens for r in plain.results]
-        if with_ppl:
-            plain_rec["perplexity"] = output_perplexity(target, prompts, plain_tokens)
         runs.append(plain_rec)
+        run_outputs.append(plain_tokens)
         outputs[f"plain/b{bs}"] = plain_tokens
-        for label, make in variants:
+        for v in variants:
             for mode in c.modes:
-                proposer = make(bs, plain_tokens)  # a fresh one per run (proposers keep per-sequence state)
+                proposer = v.make(bs, plain_tokens)  # a fresh one per run (proposers keep per-sequence state)
                 lossless = bool(getattr(proposer, "lossless", True))
-                spec = engine(proposer, bs, mode).run(prompts, progress=c.progress and f"{label} {mode} b={bs}")
-                rec = _run_record(spec, label, mode, bs)
+                spec = engine(proposer, bs, mode).run(prompts, progress=c.progress and f"{v.label} {mode} b={bs}")
+                rec = _run_record(spec, v.label, mode, bs)
                 rec["lossless"] = lossless
-                if decisions_file is not None and getattr(proposer, "decisions", None):
-                    decisions_file.parent.mkdir(parents=True, exist_ok=True)
-                    with decisions_file.open("a") as f:
-                        for row in proposer.decisions:
-                            f.write(json.dumps({**row, "prompts": c.prompts, "batch_size": bs}) + "\n")
-                    rec["decisions_logged"] = len(proposer.decisions)
-                if label.startswith("sssd"):
-                    rec["node_budget"] = getattr(proposer, "node_budget", None)
+                if v.finish is not None:
+                    v.finish(proposer, rec, bs)
                 rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
                 toks = [r.tokens for r in spec.results]
-                outputs[f"{label}/{mode}/b{bs}"] = toks
-                if with_ppl:
-                    rec["perplexity"] = output_perplexity(target, prompts, toks)
+                outputs[f"{v.label}/{mode}/b{bs}"] = toks
                 if sampling.greedy:
                     bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
                     rec["greedy_equal"] = not bad
@@ -391,11 +263,17 @@ def evaluate(cfg) -> dict[str, Any]:
                                                      for i in bad}  # fmt: skip
                         if bad:
                             log.error("b=%d %s %s: speculative output differs from plain greedy on prompts %s: %s", bs,
-                                      label, mode, rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
+                                      v.label, mode, rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
                 runs.append(rec)
-                log.info("b=%d %s %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f%s", bs, label,
+                run_outputs.append(toks)
+                log.info("b=%d %s %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f%s", bs, v.label,
                          mode, rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"],
                          rec["padding_ratio"], "" if lossless else " (lossy)")  # fmt: skip
+    total_seconds = time.perf_counter() - t_all
+    lossy = list(dict.fromkeys(r["method"] for r in runs if not r["lossless"]))
+    if c.perplexity if c.perplexity is not None else bool(lossy):  # untimed, after every run
+        for rec, toks in zip(runs, run_outputs):
+            rec["perplexity"] = output_perplexity(target, prompts, toks)
     results = {
         "command_config": to_dict_eval(c),
         "git_sha": _git_sha(),
@@ -411,14 +289,14 @@ def evaluate(cfg) -> dict[str, Any]:
                     "num_mask_tokens": drafter.config.get("num_mask_tokens") if drafter is not None else None,
                     "drafting": drafter.spec.drafting if drafter is not None else None,
                     "feature_layers": list(drafter.feature_layers) if drafter is not None else None,
-                    "replay_accept_prob": c.replay_accept_prob if "replay" in methods else None},  # fmt: skip
-        "lossy_methods": list(dict.fromkeys(r["method"] for r in runs if not r["lossless"])),
-        "sssd_planner": {str(b): p for b, p in sorted(plans.items())},
+                    **ctx.drafter_info},  # fmt: skip
+        "lossy_methods": lossy,
+        **ctx.results,
         "prompts": {"set": c.prompts, "ids": ids, "num": len(ids), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts)},
         "greedy": sampling.greedy,
         "greedy_equal": all(r.get("greedy_equal", True) for r in runs if r["lossless"]) if sampling.greedy else None,
         "runs": runs,
-        "total_seconds": time.perf_counter() - t_all,
+        "total_seconds": total_seconds,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     with (out_dir / "outputs.jsonl").open("w") as f:
@@ -435,4 +313,4 @@ def to_dict_eval(c: EvalConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
 
 
-__all__ = ["evaluate", "check_checkpoint", "load_prompts", "make_proposer"]
+__all__ = ["evaluate", "check_checkpoint", "load_prompts", "load_drafter"]

@@ -11,7 +11,7 @@ suffixes", with two changes that this module implements:
    continuations"): :meth:`Datastore.strided_positions`;
 2. if the continuations of the longest matched prefix are fewer than a threshold, shorter prefixes
    are searched too "until this number is met", and all continuations are merged
-   (:meth:`Datastore.lookup_batch`; the merge into a weighted tree is in :mod:`drafttrain.verify.sssd`).
+   (:meth:`Datastore.lookup_batch`; the merge into a weighted tree is in :mod:`drafttrain.verify.methods.sssd`).
 
 Layout. Documents (token-id lists) are concatenated, each followed by :data:`SEPARATOR` (-1), into
 ``tokens`` int32 [N]. ``suffix_array`` [N] (int32 when N < 2**31) lists the suffix start positions in

@@ -11,7 +11,7 @@ Drafting (§3.1). Two sources of n-gram continuations of the recent context:
   distinct candidate tree for each prefix of size 1 to P. The weights of the branches in the trees
   are the number of occurrences of the corresponding sequence in the input."
 - **datastore** (§3.1.2): a suffix array over the training data
-  (:class:`~drafttrain.verify.datastore.Datastore`), at most N strided continuations per match,
+  (:class:`~drafttrain.verify.methods.sssd_datastore.Datastore`), at most N strided continuations per match,
   shorter prefixes added until a threshold is met, continuations "merged by summing the occurrences
   along the tree edges".
 
@@ -47,6 +47,10 @@ expected tokens/s for a batch size from a measured forward-time table.
 Tree contract (shared with :mod:`drafttrain.verify`): ``tokens`` [n] candidate ids (root excluded; the
 root is the last committed token), ``parents`` [n] (-1 = child of the root, else an index < i).
 
+In the engine and the harness: :class:`SSSDProposer` (drafting + membership rule, lossless) and the
+``sssd`` method (``python -m scripts.evaluate methods=[sssd]``, section ``sssd.*`` =
+:class:`SSSDEvalConfig`; the tree size per batch size from :func:`plan_sssd_budget`, or fixed sizes).
+
 Shape letters: b batch, n tree nodes, v vocabulary, P max prefix length, D max depth, N samples.
 """
 
@@ -54,7 +58,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -62,7 +65,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from drafttrain.verify.datastore import Datastore, DatastoreMatch
+from drafttrain.config import GE0, GE1
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.acceptance import Acceptance
+from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
+from drafttrain.verify.methods.sssd_datastore import Datastore, DatastoreMatch
+from drafttrain.verify.tree import DraftTree
 
 Path_ = tuple[int, ...]
 
@@ -400,7 +408,7 @@ class SSSDDrafter:
 
     Args:
         config: :class:`SSSDConfig` (validated here).
-        datastore: a :class:`~drafttrain.verify.datastore.Datastore`, or None for input-only drafting.
+        datastore: a :class:`~drafttrain.verify.methods.sssd_datastore.Datastore`, or None for input-only drafting.
         num_threads: > 1 runs the per-sequence part of :meth:`draft_batch` (input trie walks, fusion)
             in a thread pool. The datastore search is vectorised over the batch either way.
 
@@ -737,3 +745,181 @@ def plan_speculation_length(
         tps[n] = batch_size * tau(n) / t
     best = max(tps, key=lambda n: (tps[n], -n))
     return SpeculationPlan(batch_size, best, tps, fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine proposer
+# ---------------------------------------------------------------------------------------------
+def _target_probs(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
+    (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
+    return target_logits.float() if sampling.greedy else process_logits(target_logits, sampling)
+
+
+
+class SSSDProposer:
+    """SSSD drafting (input trie + datastore, SSSD §3.1) with the membership rule (§4.2), lossless.
+
+    Args:
+        drafter: an :class:`~drafttrain.verify.methods.sssd.SSSDDrafter` (its datastore is memory-mapped).
+        node_budget: candidate nodes per tree (root excluded); default the drafter config's
+            ``node_budget``. The speculation-length planner (:func:`~drafttrain.verify.methods.sssd.plan_speculation_length`)
+            picks it per batch size.
+    """
+
+    name = "sssd"
+    lossless = True
+
+    def __init__(self, drafter: SSSDDrafter, node_budget: int | None = None):
+        self.drafter = drafter
+        self.node_budget = drafter.config.node_budget if node_budget is None else int(node_budget)
+        self._states: dict[int, object] = {}
+
+    def start(self, slot, prompt_ids, hidden, first_token) -> None:
+        self._states[slot] = self.drafter.new_state(list(prompt_ids) + [int(first_token)])
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        trees = self.drafter.draft_batch([self._states[s] for s in slots], self.node_budget)
+        return [DraftTree(t.tokens, t.parents) for t in trees]
+
+    def commit(self, slot, tokens, hidden) -> None:
+        self._states[slot].append(int(t) for t in tokens)
+
+    def release(self, slot) -> None:
+        self._states.pop(slot, None)
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        """Membership rule: the target's token (argmax or a draw) at each node, kept while it is a child."""
+        res = membership_accept(tree.tokens, tree.parents, _target_probs(target_logits, sampling), generator,
+                                greedy=sampling.greedy)  # fmt: skip
+        return Acceptance(res.accepted_nodes, res.tokens[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# the method in the harness: config section, planner, registry entry
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SSSDEvalConfig:
+    """``sssd.*`` of ``conf/evaluate.yaml`` (SSSD §3.1-3.2). The drafting fields not listed here keep
+    :class:`SSSDConfig`'s defaults (the grid-searched weights)."""
+
+    datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
+    node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
+    tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
+    planner_context: int = 256  # cached tokens per sequence while forward times are measured
+    max_prefix_len: int = 6
+    max_depth: int = 8
+    num_threads: int = 1
+
+    numeric_ranges = dict(node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1, num_threads=GE1)
+
+
+def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
+                            mode: str = "unpadded") -> dict[tuple[int, int], float]:  # fmt: skip
+    """Mean time of one verification forward of ``batch_size`` sequences x s tokens (root + a chain of
+    s - 1 drafts) through the engine itself (same cache, masks and attention path as the timed runs),
+    over ``context`` cached tokens, for every s in ``lengths``: the forward-time curve of SSSD §3.2 / Fig. 2.
+
+    The drafts are random tokens (rejected), so every step is one forward at the same context length;
+    a short run at each size comes first as a warm-up.
+
+    Returns:
+        ``{(batch_size, s): seconds}`` (the table :func:`plan_speculation_length` reads).
+    """
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.proposers import PlainProposer
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(target.config.vocab_size)
+    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch_size)]
+
+    class FixedChain(PlainProposer):  # a chain of n random drafts per sequence: the forward shape, no drafting cost
+        name = "timing"
+
+        def __init__(self, n):
+            self.n = n
+
+        def draft(self, slots, sampling=None, generator=None):
+            return [DraftTree(torch.randint(0, vocab, (self.n,), generator=g), torch.arange(-1, self.n - 1))
+                    for _ in slots]  # fmt: skip
+
+    out = {}
+    with torch.no_grad():
+        for s in sorted(set(int(x) for x in lengths)):
+            for n_steps, keep in ((2, False), (steps, True)):  # warm-up, then timed
+                eng = SpecEngine(target, FixedChain(s - 1), batch_size=batch_size, max_new_tokens=n_steps + 1,
+                                 mode=mode, stop_token_ids=[-1], initial_capacity=context + 2 * (steps + s))  # fmt: skip
+                eng.run(prompts)
+                if keep:
+                    out[(batch_size, s)] = eng.stats.forward_seconds / max(eng.stats.forwards, 1)
+    return out
+
+
+def plan_sssd_budget(c, target, batch_size: int) -> dict:
+    """The speculation-length planner (SSSD §3.2) for one batch size: forward times measured now on this
+    machine, τ(n) from ``c.sssd.tau_table`` (the grid search's simulated acceptance per tree size).
+
+    Args:
+        c: a validated eval config (reads ``c.sssd`` and ``c.modes[0]``).
+
+    Raises:
+        FileNotFoundError: no τ table (the message names the command that writes it).
+    """
+    import json
+    from pathlib import Path
+
+    table = Path(c.sssd.tau_table)
+    if not table.is_file():
+        raise FileNotFoundError(f"no SSSD τ(n) table at {table}: run `python -m scripts.sssd_grid` "
+                                f"(or pass sssd.node_budgets=[...])")  # fmt: skip
+    tau = {int(n): float(t) for n, t in json.loads(table.read_text())["tau_by_size"].items()}
+    fwd = measure_forward_seconds(target, batch_size, [n + 1 for n in tau] + [1], c.sssd.planner_context,
+                                  mode=c.modes[0])  # fmt: skip
+    plan = plan_speculation_length(fwd, tau, batch_size)
+    return {"batch_size": batch_size, "best_size": plan.best_size, "expected_speedup": plan.speedup,
+            "tau_by_size": tau, "forward_seconds": {str(k[1]): v for k, v in fwd.items()},
+            "expected_tokens_per_s": {str(n): v for n, v in plan.tokens_per_s.items()}}  # fmt: skip
+
+
+def _check(c) -> list[str]:
+    b = c.sssd.node_budgets
+    if b is not None and (not b or min(b) < 0):
+        return ["sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)"]
+    return []
+
+
+def _preflight(c) -> None:
+    from pathlib import Path
+
+    if not Path(c.sssd.datastore).is_dir():  # before the target loads: a missing datastore fails fast
+        raise FileNotFoundError(f"no SSSD datastore at {c.sssd.datastore}: run `python -m scripts.build_datastore`")
+
+
+def _build(ctx: MethodContext) -> list[Variant]:
+    import logging
+
+    c = ctx.config
+    drafter = SSSDDrafter(SSSDConfig(max_prefix_len=c.sssd.max_prefix_len, max_depth=c.sssd.max_depth),
+                          Datastore.load(c.sssd.datastore), num_threads=c.sssd.num_threads)  # fmt: skip
+
+    def record_budget(prop, rec, bs):
+        rec["node_budget"] = prop.node_budget
+
+    if c.sssd.node_budgets is not None:
+        return [Variant(f"sssd_n{n}", lambda bs, refs, n=n: SSSDProposer(drafter, n), finish=record_budget)
+                for n in c.sssd.node_budgets]  # fmt: skip
+    plans = ctx.results.setdefault("sssd_planner", {})  # batch size (str) -> the planner's choice
+
+    def planned(bs, refs):
+        if str(bs) not in plans:
+            plans[str(bs)] = plan = plan_sssd_budget(c, ctx.target, bs)
+            logging.getLogger(__name__).info("SSSD planner, batch %d: tree size %d (expected speedup %.2f)", bs,
+                                             plan["best_size"], plan["expected_speedup"])  # fmt: skip
+        return SSSDProposer(drafter, plans[str(bs)]["best_size"])
+
+    return [Variant("sssd", planned, warm=lambda: SSSDProposer(drafter, 8), finish=record_budget)]
+
+
+SSSD = register(Method("sssd", _build, needs_drafter=False, lossless=True, config=SSSDEvalConfig, check=_check,
+                       preflight=_preflight,
+                       summary="SSSD: input trie + suffix-array datastore, membership rule (training-free, lossless)"))  # fmt: skip

@@ -26,10 +26,26 @@ initialization" for the maximum depth, and take its upper-left ``n_l x n_l`` blo
 after level l — equal to a mask built from scratch for the truncated configuration, which
 :class:`SlicedTreeMask` provides (no mask is rebuilt while drafting).
 
-Decision model (§3.3): a small MLP on drafter hidden states (type 1, three layers) or on the top-k
-probabilities and entropy of the drafter's distribution (type 2, two layers) predicting whether the
-target accepts the token; drafting stops early when the predicted probabilities of all candidate
-sequences are below a threshold beta (0.4 in the paper).
+Decision model (§3.3, :mod:`~drafttrain.verify.methods.mcsd_decision`): a small MLP on drafter hidden
+states (type 1, three layers) or on the top-k probabilities and entropy of the drafter's distribution
+(type 2, two layers) predicting whether the target accepts the token; drafting stops early when the
+predicted probabilities of all candidate sequences are below a threshold beta (0.4 in the paper).
+
+In the engine: :class:`MCSDProposer` (module-level notes below); in the harness the ``mcsd`` method
+(section ``mcsd.*`` = :class:`MCSDEvalConfig`): one run per W_t, plus early-stop runs per beta.
+
+:class:`MCSDProposer` notes. W_t = 1: the verifier's bonus token is the root, drafts are verified by
+the engine's lossless multi-candidate rule (greedy tree walk / recursive rejection sampling):
+**lossless**. W_t > 1: the target's distribution after the last accepted token is kept instead of
+sampling one bonus token from it; the next tree starts from W_t tokens drawn from it (the "target
+model initialized" roots) and the root whose subtree is accepted furthest wins
+(:func:`target_initialized_accept`): **lossy**. Such steps emit no bonus token (``Acceptance.bonus =
+None``): their "bonus" is the chosen root of the next tree. The first step of a sequence, and any step
+after one that accepted nothing, has no kept distribution and runs as W_t = 1. Our trained drafter is
+ParallelSpec's parallel one: one forward gives q_1..q_{K+1} for depths 1..K+1 after the root, the same
+for every node at a depth (as Medusa heads), so "the drafter's distribution after node x at depth d"
+is q_{d+1} whatever x is (it reuses :class:`~drafttrain.verify.proposers.ParallelSpecProposer`'s
+drafter KV cache and batched forward).
 
 Shape letters: n tree nodes, v vocabulary, W target roots, f frontier nodes, d hidden size, k top-k.
 """
@@ -37,14 +53,19 @@ Shape letters: n tree nodes, v vocabulary, W target roots, f frontier nodes, d h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from drafttrain.verify.sssd import MembershipResult, membership_walk
+from drafttrain.config import GE1, UNIT
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.acceptance import Acceptance, accept
+from drafttrain.verify.methods.mcsd_decision import level_features
+from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
+from drafttrain.verify.methods.sssd import MembershipResult, membership_walk
+from drafttrain.verify.proposers import ParallelSpecProposer
+from drafttrain.verify.tree import DraftTree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +383,7 @@ def target_initialized_accept(
 
     LOSSY for W_t > 1 (the choice among roots depends on how well each subtree is accepted). Within
     each root's subtree the drafts are verified with the membership rule (sample the target at the
-    node, accept if among the children; :func:`drafttrain.verify.sssd.membership_walk`); the
+    node, accept if among the children; :func:`drafttrain.verify.methods.sssd.membership_walk`); the
     verifier's lossless multi-candidate rule can replace it per subtree. Ties go to the lower root
     index (the first draw; under greedy the target's argmax). W_t = 1 is the plain membership rule.
 
@@ -371,7 +392,7 @@ def target_initialized_accept(
         target_probs: float [n + 1, v]; row 0 after the committed root, row i + 1 after node i.
 
     Returns:
-        :class:`~drafttrain.verify.sssd.MembershipResult`: the accepted nodes (the chosen root first)
+        :class:`~drafttrain.verify.methods.sssd.MembershipResult`: the accepted nodes (the chosen root first)
         and the tokens to commit (their tokens + one bonus token from the target).
     """
     if target_probs.shape[0] != tokens.shape[0] + 1:
@@ -400,81 +421,182 @@ def target_initialized_accept(
 
 
 # ---------------------------------------------------------------------------------------------
-# decision model (§3.3)
+# the engine proposer (MCSD-improved §3.1, §4.1; the decision model of §3.3 in mcsd_decision.py)
 # ---------------------------------------------------------------------------------------------
-def decision_features_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """Type-2 decision-model input: ``ConCat(Topk(y), Ent(y))`` of a drafter distribution (§3.3).
+def _target_probs(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
+    (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
+    return target_logits.float() if sampling.greedy else process_logits(target_logits, sampling)
+
+
+
+class MCSDProposer(ParallelSpecProposer):
+    """Improved MCSD trees ``(W_t, k_1..k_γ)`` grown by a parallel drafter (module docstring).
 
     Args:
-        probs: float [..., v], a probability distribution over the last axis.
-        k: number of top probabilities.
+        drafter: a ParallelSpec drafter (``propose`` / the batched interface of :class:`ParallelSpecProposer`).
+        config: :class:`MCSDConfig`; levels beyond the drafter's depths are
+            dropped (W_t = 1: K + 1 levels at most; W_t > 1: K, the roots take depth 1).
+        batched: one drafter forward for the whole batch (see :class:`ParallelSpecProposer`).
+        decision_model: optional early-stop model (§3.3; :func:`drafttrain.verify.methods.mcsd_decision.load_decision_model`)
+            on :func:`level_features`: level l + 1 is grown only while the product of the predicted
+            acceptance of levels 1..l + 1 is >= ``beta`` (0.4 in the paper). W_t = 1 trees only. The
+            decision reads the drafter's distributions, never the drawn tokens, so W_t = 1 stays lossless.
+        decision_topk: k of the features when logging without a model (a model brings its own).
+        log_decisions: collect ``{"features", "label"}`` per level that was reached (its parent level
+            accepted) in :attr:`decisions`: the decision model's training data (``+recipe=decision_model``).
 
-    Returns:
-        float [..., k + 1]: the k largest probabilities (descending) and the entropy in nats.
-    """
-    top = torch.topk(probs, k, dim=-1).values
-    ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1, keepdim=True)
-    return torch.cat([top, ent], dim=-1)
-
-
-def soft_accept_label(p_target: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
-    """Type-1 training label ``min(1, p(x|I) / q(x|I))``: the probability that speculative sampling
-    accepts x. (The paper prints ``max``; a label in [0, 1] for BCE needs ``min``.)"""
-    return torch.clamp(p_target / q_draft.clamp_min(1e-30), max=1.0)
-
-
-class DecisionModel(nn.Module):
-    """MLP predicting whether the target accepts a drafted token (MCSD-improved §3.3).
-
-    Type 1: drafter hidden state (``in_features = d``), three layers; type 2: top-k probabilities +
-    entropy (``in_features = k + 1``, :func:`decision_features_topk`), two layers.
-
-    Args:
-        in_features: input size; hidden: hidden width; num_layers: linear layers (>= 1), ReLU between.
-
-    Shapes: forward ``features [..., in_features] -> logits [...]`` (float).
+    Attributes:
+        lossless: ``config.is_lossless`` (W_t == 1).
     """
 
-    def __init__(self, in_features: int, hidden: int = 64, num_layers: int = 2):
-        super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        dims = [in_features] + [hidden] * (num_layers - 1) + [1]
-        layers: list[nn.Module] = []
-        for i in range(num_layers):
-            layers.append(nn.Linear(dims[i], dims[i + 1]))
-            if i < num_layers - 1:
-                layers.append(nn.ReLU())
-        self.net = nn.Sequential(*layers)
+    def __init__(self, drafter, config: MCSDConfig, batched: bool = True, decision_model=None, beta: float = 0.4,
+                 decision_topk: int = 8, log_decisions: bool = False):  # fmt: skip
+        super().__init__(drafter, batched=batched)
+        self.config = config
+        self.decision_model = decision_model.eval() if decision_model is not None else None
+        self.beta = float(beta)
+        self.decision_topk = int(getattr(decision_model, "topk", decision_topk))
+        self.decisions: list[dict] | None = [] if log_decisions else None  # (features, depth, label) per reached level
+        self._level_feats: dict[int, torch.Tensor] = {}
+        self.name = f"mcsd_w{config.num_target_roots}"
+        self.lossless = config.is_lossless
+        k1 = self.depth
+        self._cfg1 = MCSDConfig(config.ks[:k1], 1)  # W_t = 1 shape (also the W_t > 1 mode's first step)
+        self._cfg_w = MCSDConfig(config.ks[: max(k1 - 1, 1)], config.num_target_roots)
+        self._next: dict[int, torch.Tensor] = {}  # slot -> target distribution after the next root [v]
+        self._rooted: dict[int, bool] = {}  # slot -> this step's tree has W_t target roots
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net(features).squeeze(-1)
+    def release(self, slot) -> None:
+        super().release(slot)
+        self._next.pop(slot, None)
+        self._rooted.pop(slot, None)
 
-    @torch.no_grad()
-    def accept_prob(self, features: torch.Tensor) -> torch.Tensor:
-        """Predicted acceptance probability [...] = sigmoid(logits)."""
-        return torch.sigmoid(self(features))
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
+        trees = []
+        for slot, lg in zip(slots, logits):  # [K + 1, v]: the drafter's distributions of depths 1..K + 1
+            probs = torch.softmax(lg.float(), dim=-1) if sampling.greedy else process_logits(lg, sampling)
+            nxt = self._next.pop(slot, None)
+            w = self.config.num_target_roots
+            # W_t distinct draws need W_t tokens of nonzero mass (top-p can leave fewer): else a W_t = 1 step
+            rooted = nxt is not None and w > 1 and int((nxt > 0).sum()) >= w
+            self._rooted[slot] = rooted
+            if rooted:  # depth 1 = W_t target draws; level l (depth l + 1) grows from q_{l+1}
+                roots = sample_target_roots(nxt, w, generator, greedy=sampling.greedy)
+                cfg = self._cfg_w
+            else:
+                roots, cfg = None, self._cfg1
+            depth_of: list[int] = []
+
+            def step(tokens, parents, frontier, probs=probs, depth_of=depth_of):
+                while len(depth_of) < tokens.numel():  # depths of the nodes added since the last call
+                    p = int(parents[len(depth_of)])
+                    depth_of.append(1 if p < 0 else depth_of[p] + 1)
+                # children of a node at depth d are drawn from q_{d+1} (row d; the committed root is depth 0)
+                return probs[[0 if f < 0 else depth_of[f] for f in frontier.tolist()]]
+
+            stop = None
+            if not rooted and (self.decision_model is not None or self.decisions is not None):
+                feats = level_features(probs[: len(cfg.ks)], self.decision_topk)  # [levels, k + 2]
+                self._level_feats[slot] = feats
+                if self.decision_model is not None:
+                    p_level = self.decision_model.accept_prob(feats)  # [levels]
+
+                    def stop(level, _probs, p_level=p_level):  # grow level + 1 only if some path may reach it
+                        return bool(torch.prod(p_level[: level + 1]) < self.beta)
+
+            t = grow_mcsd_tree(step, cfg, roots, generator, greedy=sampling.greedy, replacement=False, stop=stop)
+            if rooted:  # the roots come from the target, not a draft distribution: the rule needs none
+                trees.append(DraftTree(t.tokens, t.parents))
+            else:
+                trees.append(DraftTree(t.tokens, t.parents, t.draft_probs, t.dist_index))
+        return trees
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        """W_t = 1 trees: the engine's lossless rule; W_t > 1 trees: the best target root (lossy).
+
+        With W_t > 1 configured, a step that accepted something keeps the target's distribution after
+        its last accepted node for the next tree's roots and emits no bonus token.
+        """
+        w = self.config.num_target_roots
+        if self._rooted.get(slot):
+            res = target_initialized_accept(tree.tokens, tree.parents, w, _target_probs(target_logits, sampling),
+                                            generator, greedy=sampling.greedy)  # fmt: skip
+            acc = Acceptance(res.accepted_nodes, None)
+        else:
+            acc = accept(tree, target_logits, sampling, generator, replacement=False)
+            feats = self._level_feats.pop(slot, None)
+            if self.decisions is not None and feats is not None:  # a level is a decision once its parent level was accepted
+                levels = int(tree.depth().max()) if tree.n else 0
+                for lv in range(1, min(levels, len(acc.path) + 1) + 1):
+                    self.decisions.append({"features": feats[lv - 1].tolist(), "label": int(len(acc.path) >= lv)})
+            if w == 1 or not acc.path:
+                return acc
+            acc = Acceptance(acc.path, None)
+        row = target_logits[acc.path[-1] + 1].float()
+        self._next[slot] = torch.softmax(row, -1) if sampling.greedy else process_logits(row, sampling)
+        return acc
 
 
-def decision_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Binary cross-entropy on accepted (1) / rejected (0) labels, or soft labels in [0, 1]
-    (:func:`soft_accept_label`); mean over ``mask`` (bool, same shape) when given.
+# ---------------------------------------------------------------------------------------------
+# the method in the harness: config section, registry entry
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MCSDEvalConfig:
+    """``mcsd.*`` of ``conf/evaluate.yaml`` (MCSD-improved §3.1, §4.1): one run per W_t in ``target_roots``
+    with levels ``ks``, plus early-stop runs with a decision model (§3.3)."""
 
-    Raises:
-        ValueError: shapes differ or the mask selects nothing.
-    """
-    if logits.shape != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
-    loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
-    if mask is None:
-        return loss.mean()
-    if not bool(mask.any()):
-        raise ValueError("mask selects no element")
-    return loss[mask].mean()
+    ks: list[int] = field(default_factory=lambda: [3, 2, 1, 1])
+    target_roots: list[int] = field(default_factory=lambda: [1, 2])
+    decision_model: str | None = None  # early-stop model folder (+recipe=decision_model); adds an "mcsd_w1_dm" run
+    beta: float = 0.4  # early-stop threshold (§3.3)
+    betas: list[float] | None = None  # a threshold sweep instead: one "mcsd_w1_dm_b<beta>" run per value
+    decisions_out: str | None = None  # append W_t = 1 runs' (level features, accepted) rows here: the model's data
+    decision_topk: int = 8  # k of the logged features
+
+    numeric_ranges = dict(ks=GE1, target_roots=GE1, beta=UNIT, betas=UNIT, decision_topk=GE1)
 
 
-def should_stop(accept_probs: torch.Tensor, beta: float = 0.4) -> bool:
-    """Early stop (§3.3): True when the predicted acceptance of *every* candidate sequence is below
-    beta ("if the probabilities for all sequences are lower than the threshold, draft generation will
-    stop early"). An empty input stops."""
-    return bool((accept_probs < beta).all())
+def _check(c) -> list[str]:
+    m = c.mcsd
+    if not m.ks or min(m.ks) < 1 or not m.target_roots or min(m.target_roots) < 1:
+        return ["mcsd.ks and mcsd.target_roots must be non-empty lists of ints >= 1"]
+    return []
+
+
+def _build(ctx: MethodContext) -> list[Variant]:
+    import json
+    from pathlib import Path
+
+    c, m, drafter = ctx.config, ctx.config.mcsd, ctx.drafter
+    if drafter.spec.drafting != "parallel":  # the drafter's declaration (drafters/base.py DrafterSpec)
+        raise ValueError(f"mcsd grows its trees from the per-depth distributions of one drafter pass: use a "
+                         f"parallel drafter's checkpoint for it (parallelspec, parallelspec_eagle, medusa), not "
+                         f"'{drafter.name}', which drafts {drafter.spec.drafting}")  # fmt: skip
+    decisions_file = Path(m.decisions_out) if m.decisions_out else None
+
+    def write_decisions(prop, rec, bs):
+        if decisions_file is None or not prop.decisions:
+            return
+        decisions_file.parent.mkdir(parents=True, exist_ok=True)
+        with decisions_file.open("a") as f:
+            for row in prop.decisions:
+                f.write(json.dumps({**row, "prompts": c.prompts, "batch_size": bs}) + "\n")
+        rec["decisions_logged"] = len(prop.decisions)
+
+    variants = [Variant(f"mcsd_w{w}", lambda bs, refs, w=w: MCSDProposer(
+        drafter, MCSDConfig(tuple(m.ks), w), log_decisions=decisions_file is not None and w == 1,
+        decision_topk=m.decision_topk), finish=write_decisions) for w in m.target_roots]  # fmt: skip
+    if m.decision_model:
+        from drafttrain.verify.methods.mcsd_decision import load_decision_model
+
+        model = load_decision_model(m.decision_model)
+        betas = [("mcsd_w1_dm", m.beta)] if not m.betas else [(f"mcsd_w1_dm_b{b:g}", b) for b in m.betas]
+        variants += [Variant(label, lambda bs, refs, beta=beta: MCSDProposer(
+            drafter, MCSDConfig(tuple(m.ks), 1), decision_model=model, beta=beta)) for label, beta in betas]  # fmt: skip
+    return variants
+
+
+MCSD = register(Method("mcsd", _build, needs_drafter=True, lossless=None, config=MCSDEvalConfig, check=_check,
+                       summary="improved MCSD trees grown by the drafter; W_t = 1 lossless, W_t > 1 lossy"))  # fmt: skip

@@ -29,6 +29,11 @@ Boundary conventions (stated because the paper's threshold sweep, §5.2.2, needs
   which makes MTAD equivalent to multinomial sampling" (§5.2.2).
 - 0/0 (both likelihoods 0) counts as ratio 0; P > 0 with Q = 0 as ratio +inf (passes for tau < 1).
 
+In the engine: :class:`MTADProposer` (a one-pass drafter's per-depth marginals as the joint q) and
+:class:`MTADEagleProposer` (an autoregressive drafter's true conditionals); in the harness the
+``mtad`` method (section ``mtad.*`` = :class:`MTADEvalConfig`) picks between them by the drafter's
+own proposer.
+
 Shape letters: b batch, B beams, K draft steps, v vocabulary, s sequence length.
 """
 
@@ -39,6 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from drafttrain.config import GE0, GE1
+from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.acceptance import Acceptance
+from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
+from drafttrain.verify.proposers import EagleProposer, ParallelSpecProposer
+from drafttrain.verify.tree import DraftTree
 
 #: MTAD changes the output distribution (joint-likelihood acceptance is not rejection sampling).
 IS_LOSSLESS = False
@@ -263,3 +275,188 @@ def output_log_probs(target, prompt_ids: Sequence[int], output_ids: Sequence[int
 def output_perplexity(target, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> float:
     """Token-weighted perplexity of several outputs under the target (the harness's quality metric)."""
     return perplexity([output_log_probs(target, p, o) for p, o in zip(prompts, outputs) if len(o)])
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine proposers
+# ---------------------------------------------------------------------------------------------
+class MTADProposer(ParallelSpecProposer):
+    """MTAD: B-beam drafting of K tokens by joint draft likelihood, joint-likelihood acceptance (lossy).
+
+    Args:
+        drafter: a ParallelSpec drafter; its K + 1 per-depth distributions are the auxiliary model
+            (joint q = product of the marginals, module docstring).
+        num_beams: B; num_steps: K' <= K + 1 draft tokens (default K + 1).
+        threshold: τ of ``min(1, P_i / Q_i) >= τ`` (MTAD §3.2; §5.2.2 finds it insensitive in a middle range).
+        batched: see :class:`ParallelSpecProposer`.
+
+    Under greedy decoding the beams are the deterministic top B and the bonus token is the target's
+    argmax; under sampling beams are drawn (Gumbel-top-B, Eq. 2) from the processed distributions.
+    """
+
+    name = "mtad"
+    lossless = False
+
+    def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1,
+                 batched: bool = True):  # fmt: skip
+        super().__init__(drafter, batched=batched)
+        if num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+        self.num_beams = int(num_beams)
+        self.num_steps = self.depth if num_steps is None else min(int(num_steps), self.depth)
+        if self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+        self.threshold = float(threshold)
+        self._draft_lp: dict[int, torch.Tensor] = {}
+
+    def release(self, slot) -> None:
+        super().release(slot)
+        self._draft_lp.pop(slot, None)
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
+        trees = []
+        for slot, lg in zip(slots, logits):
+            if sampling.greedy:
+                logq = torch.log_softmax(lg.float(), dim=-1)  # [K + 1, v]
+            else:
+                logq = torch.log(process_logits(lg, sampling))  # -inf outside top-p
+
+            def step(beams, logq=logq):  # independent per-depth marginals: q(x_t | beam) = q_t(x_t)
+                return logq[beams.shape[1]].expand(beams.shape[0], -1)
+
+            d = beam_draft(step, self.num_beams, self.num_steps, sample=not sampling.greedy, generator=generator)
+            self._draft_lp[slot] = d.draft_log_probs
+            trees.append(DraftTree(d.tokens, d.parents))
+        return trees
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        """Longest prefix whose joint target/draft likelihood ratio passes τ, then one target token."""
+        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
+
+
+def _mtad_acceptance(tree: DraftTree, draft_lp: torch.Tensor, target_logits, threshold: float,
+                     sampling: SamplingParams, generator) -> Acceptance:  # fmt: skip
+    lg = target_logits.float() if sampling.greedy else torch.log(process_logits(target_logits, sampling))
+    accepted, bonus = mtad_accept(lg[None], tree.tokens[None].to(lg.device), draft_lp[None].to(lg.device), threshold,
+                                  generator, greedy=sampling.greedy)  # fmt: skip
+    m = int(accepted[0])
+    assert m <= tree.n
+    return Acceptance(list(range(m)), int(bonus[0]))
+
+
+class MTADEagleProposer(EagleProposer):
+    """MTAD with an autoregressive drafter (EAGLE): beams scored by the drafter's true joint likelihood.
+
+    MTAD §3.2 assumes an auxiliary model with a joint distribution q(x_{1:K} | context) = prod_t
+    q(x_t | context, x_{<t}); an EAGLE drafter is one (each step conditions on the beam's own tokens
+    and predicted features), unlike the per-depth marginals of a parallel drafter (:class:`MTADProposer`).
+    Each beam step is one drafter forward over the new beam prefixes with tree attention (each prefix's
+    item sees the committed items and its own earlier items, at position = root position + length),
+    as :class:`~drafttrain.verify.proposers.EagleProposer` expands a tree; the speculative items are
+    cropped afterwards; sequences are drafted one after another (each with its own ``DynamicCache``).
+    Acceptance as :class:`MTADProposer`: **lossy**.
+
+    Args:
+        drafter: an EAGLE drafter.
+        num_beams: B; num_steps: K draft tokens (default the drafter's ``draft_depth``).
+        threshold: τ of ``min(1, P_i / Q_i) >= τ``.
+    """
+
+    name = "mtad"
+    lossless = False
+
+    def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1):
+        super().__init__(drafter, batched=False)  # beams are drafted one sequence at a time
+        if num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+        self.num_beams = int(num_beams)
+        self.num_steps = int(drafter.draft_depth) if num_steps is None else int(num_steps)
+        if self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+        self.threshold = float(threshold)
+        self._draft_lp: dict[int, torch.Tensor] = {}
+
+    def release(self, slot) -> None:
+        super().release(slot)
+        self._draft_lp.pop(slot, None)
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        trees = []
+        for slot in slots:
+            d = self._beam_one(slot, sampling, generator)
+            self._draft_lp[slot] = d.draft_log_probs
+            trees.append(DraftTree(d.tokens, d.parents))
+        return trees
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
+
+    @torch.no_grad()
+    def _beam_one(self, slot: int, sampling: SamplingParams, generator):
+        st = self._state[slot]
+        cache = st["cache"]
+        root_lg, root_f, committed = self._append_items(st)
+
+        def logq(lg: torch.Tensor) -> torch.Tensor:  # [..., N] draft-vocab logits -> [..., v] log q
+            return torch.log(self._probs(lg, sampling)) if not sampling.greedy else torch.log_softmax(
+                self.drafter.full_vocab_logits(lg).float(), -1)
+
+        # beam prefix -> (drafter-cache index of the item ending it, its predicted feature, log q of the next token)
+        known: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {(): (committed - 1, root_f, logq(root_lg))}
+        spec = 0
+
+        def step(beams: torch.Tensor) -> torch.Tensor:
+            nonlocal spec
+            t = beams.shape[1]
+            prefixes = [tuple(b) for b in beams.tolist()]
+            new = [p for p in dict.fromkeys(prefixes) if p not in known]
+            if new:  # one drafter forward over the new prefixes' last tokens, tree attention over their own items
+                feats = torch.stack([known[p[:-1]][1] for p in new])
+                ancestors = [[known[p[:l]][0] for l in range(1, t)] for p in new]
+                lg, fo = self._forward_level(cache, committed, spec, [p[-1] for p in new], feats, ancestors, t)
+                rows = logq(lg)
+                for j, p in enumerate(new):
+                    known[p] = (committed + spec + j, fo[j], rows[j])
+                spec += len(new)
+            return torch.stack([known[p][2] for p in prefixes])
+
+        try:
+            return beam_draft(step, self.num_beams, self.num_steps, sample=not sampling.greedy, generator=generator)
+        finally:
+            if spec:
+                cache.crop(-spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# the method in the harness: config section, registry entry
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MTADEvalConfig:
+    """``mtad.*`` of ``conf/evaluate.yaml`` (MTAD §3.2): B beams, K' draft tokens (null = the drafter's
+    K + 1, or its draft depth), acceptance threshold τ."""
+
+    num_beams: int = 4
+    num_steps: int | None = None
+    threshold: float = 0.1
+
+    numeric_ranges = dict(num_beams=GE1, num_steps=GE1, threshold=GE0)
+
+
+def _check(c) -> list[str]:
+    m = c.mtad
+    if m.num_beams < 1 or (m.num_steps is not None and m.num_steps < 1) or not m.threshold >= 0:
+        return ["mtad needs num_beams >= 1, num_steps >= 1 (or null) and threshold >= 0"]
+    return []
+
+
+def _build(ctx: MethodContext) -> list[Variant]:
+    m, drafter = ctx.config.mtad, ctx.drafter
+    # an autoregressive drafter (its declaration, drafters/base.py DrafterSpec) scores beams by its true joint
+    # likelihood; a parallel drafter by the product of its per-depth marginals
+    cls = MTADEagleProposer if drafter.spec.drafting == "autoregressive" else MTADProposer
+    return [Variant("mtad", lambda bs, refs: cls(drafter, m.num_beams, m.num_steps, m.threshold))]
+
+
+MTAD = register(Method("mtad", _build, needs_drafter=True, lossless=IS_LOSSLESS, config=MTADEvalConfig, check=_check,
+                       summary="MTAD: beam drafting, joint-likelihood acceptance (lossy; perplexity reported)"))  # fmt: skip
