@@ -45,7 +45,7 @@ def _methods_table(results: dict) -> list[str]:
         for r in [_plain(results, bs)] + [r for r in _spec_runs(results) if r["batch_size"] == bs]:
             eq = "-" if r["method"] == "plain" else (f"{r['equal_fraction']:.0%}" if "equal_fraction" in r else "n/a")
             name = r["method"] + (f" (n = {r['node_budget']})" if r.get("node_budget") is not None
-                                  and not r["method"].startswith("sssd_n") else "")  # fmt: skip
+                                  and not r["method"].endswith(f"_n{r['node_budget']}") else "")  # fmt: skip
             cells = [str(bs), name, r["mode"], "yes" if r.get("lossless", True) else "**no**", f"{r['tau']:.3f}",
                      f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['mean_tree_nodes']:.1f}", eq]  # fmt: skip
             if ppl:
@@ -55,7 +55,7 @@ def _methods_table(results: dict) -> list[str]:
 
 
 def _drafter_line(d: dict) -> str:
-    if d.get("proposer") == "replay":
+    if d.get("replay_accept_prob") is not None and d.get("name") is None:  # the replay method alone drafts
         return (f"none: replay proposer (a chain of the plain output's next tokens, each right with probability "
                 f"{d['replay_accept_prob']}; drafting costs nothing, so this measures the verifier alone)")  # fmt: skip
     name = f"`{d['checkpoint']}`" if d["checkpoint"] else "untrained ParallelSpec drafter (real drafting costs; τ is meaningless)"
