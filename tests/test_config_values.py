@@ -17,8 +17,9 @@ import pytest
 from drafttrain import config as C
 from drafttrain.drafters import DRAFTERS
 
+# evaluate: EvalConfig plus every registered decoding method's section (their ranges live in their modules)
 SCHEMAS = {"train": C.TrainConfig, "generate": C.GenerateConfig, "cache_features": C.CacheFeaturesConfig,
-           "evaluate": C.EvalConfig}  # fmt: skip
+           "evaluate": C.eval_schema()}  # fmt: skip
 
 
 def numeric_keys(cls, prefix=""):
@@ -33,7 +34,7 @@ def numeric_keys(cls, prefix=""):
         is_list = any(typing.get_origin(a) is list for a in args)
         inner = {x for a in args for x in ((typing.get_args(a) or (a,)) if typing.get_origin(a) is list else (a,))}
         if inner & {int, float} and bool not in inner:
-            yield f"{prefix}{f.name}", cls.__name__, f.name, is_list, float not in inner
+            yield f"{prefix}{f.name}", cls, f.name, is_list, float not in inner
 
 
 ALL = [(schema, *k) for schema, cls in SCHEMAS.items() for k in numeric_keys(cls)]
@@ -65,8 +66,8 @@ def validate(schema: str, key: str, value):
 
 
 def test_every_numeric_key_has_a_range():
-    missing = [f"{schema}: {key} ({cls}.{name})" for schema, key, cls, name, *_ in ALL
-               if name not in C.NUMERIC_RANGES.get(cls, {})]  # fmt: skip
+    missing = [f"{schema}: {key} ({cls.__name__}.{name})" for schema, key, cls, name, *_ in ALL
+               if name not in C.numeric_ranges(cls)]  # fmt: skip
     missing += [f"drafter {name}: {key}" for name, key, f, *_ in DRAFTER_KEYS if f not in C.NUMERIC_RANGES["DrafterConfig"]]
     assert not missing, f"numeric config keys without a range in drafttrain.config.NUMERIC_RANGES: {missing}"
     assert len(ALL) + len({k for _, k, *_ in DRAFTER_KEYS}) > 80
@@ -81,7 +82,7 @@ def test_out_of_range_drafter_value_fails_naming_the_key(name, key, field, is_li
 
 @pytest.mark.parametrize("schema,key,cls,name,is_list,is_int", ALL, ids=[f"{a[0]}:{a[1]}" for a in ALL])
 def test_out_of_range_value_fails_naming_the_key(schema, key, cls, name, is_list, is_int):
-    rule = C.NUMERIC_RANGES[cls][name]
+    rule = C.numeric_ranges(cls)[name]
     bad = bad_value(rule, is_int)
     with pytest.raises(C.ConfigError, match=rf"\b{key} must be"):
         validate(schema, key, [bad] if is_list else bad)
