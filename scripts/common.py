@@ -39,10 +39,10 @@ def run_eval(overrides: list[str]) -> dict:
         ConfigError: an unknown key or a bad value (before any model loads).
     """
     from drafttrain.cliconfig import parse_cli
-    from drafttrain.config import EvalConfig, validate_eval
+    from drafttrain.config import eval_schema, validate_eval
     from drafttrain.eval.harness import evaluate
 
-    return evaluate(validate_eval(parse_cli(EvalConfig, overrides, config_name="evaluate")))
+    return evaluate(validate_eval(parse_cli(eval_schema(), overrides, config_name="evaluate")))
 
 
 def cached(path: Path, compute: Callable[[], Any]) -> Any:

@@ -3,7 +3,7 @@
     python -m scripts.evaluate checkpoint=outputs/parallelspec-smollm2-135m-instruct prompts=mt_bench \
         batch_sizes=[1,4,8,16] temperature=0
 
-Config: conf/evaluate.yaml (validated into drafttrain.config.EvalConfig: a typo'd key fails before any
+Config: conf/evaluate.yaml (validated into drafttrain.config.eval_schema(), EvalConfig + the methods' sections: a typo'd key fails before any
 model loads). Writes results.json, outputs.jsonl, report.md and plots/ to ``output_dir``.
 """
 
@@ -14,11 +14,11 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     from drafttrain.cliconfig import parse_cli
-    from drafttrain.config import EvalConfig, validate_eval
+    from drafttrain.config import eval_schema, validate_eval
     from drafttrain.eval.harness import evaluate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    c = validate_eval(parse_cli(EvalConfig, argv, config_name="evaluate"))
+    c = validate_eval(parse_cli(eval_schema(), argv, config_name="evaluate"))
     results = evaluate(c)
     print(f"[drafttrain] wrote {c.output_dir}/report.md (greedy_equal={results['greedy_equal']})", flush=True)
 
