@@ -20,6 +20,21 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"config error: {e}") from None
 
 
+def check_moved_keys(argv: list[str]) -> None:
+    """A key that moved (``trainer.spec_eval_every`` -> ``trainer.spec_eval.every``) exits naming its new
+    home, before Hydra's generic "Could not override" message."""
+    from drafttrain.cliconfig import ConfigError, check_moved
+    from drafttrain.config import MOVED_KEYS
+
+    try:
+        check_moved([a for a in argv if not a.startswith("-")], MOVED_KEYS)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+
+
 if __name__ == "__main__":
+    import sys
+
     offline_by_default()  # HF_HUB_OFFLINE=1 unless set: before any Hugging Face library is imported
+    check_moved_keys(sys.argv[1:])
     main()

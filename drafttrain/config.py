@@ -8,6 +8,7 @@ the key before any model loads (DESIGN.md section 6).
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
@@ -138,43 +139,72 @@ def _validate_drafter(section: dict[str, Any]) -> DrafterConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-4
+    """AdamW with linear warm-up and cosine decay (conf/optim/adamw.yaml mirrors these defaults, tested)."""
+
+    lr: float = 2.0e-3  # measured better than 1e-3 for short CPU runs (docs/benchmarks/main_job.md); paper: 5e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
 
 
 @dataclass
+class SpecTreeConfig:
+    """Draft tree of the in-training evaluation (the same keys as ``scripts.evaluate``'s ``tree.*``;
+    ParallelSpec App. A.3: candidates per depth, max nodes). Both null = a chain."""
+
+    widths: list[int] | None = field(default_factory=lambda: [4, 2, 1, 1, 1])  # top-4 at depth 1, ...
+    budget: int | None = 8  # tree nodes at most (best-first shape)
+
+
+@dataclass
+class SpecEvalConfig:
+    """In-training speculative evaluation (greedy) on held-out prompts, at the end and every ``every`` steps.
+
+    The prompt keys are ``scripts.evaluate``'s (``prompts``, ``num_prompts``, ``prompt_offset``,
+    ``max_new_tokens``, ``tree.*``).
+    """
+
+    every: int = 0  # also run it every N steps (0 = only at the end)
+    prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
+    num_prompts: int = 16  # 0 = no speculative evaluation; with stride 5: 2 MT-bench questions per category
+    prompt_offset: int = 0
+    prompt_stride: int = 5  # every N-th prompt from the offset
+    max_new_tokens: int = 128
+    # sequences decoded together by the bundled batched verifier (1 = one sequence at a time, eval/spec.py,
+    # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
+    batch_size: int = 16
+    tree: SpecTreeConfig = field(default_factory=SpecTreeConfig)  # needs batch_size > 1; null widths+budget = a chain
+    chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
+
+
+@dataclass
 class TrainerConfig:
-    max_steps: int = 1000
-    max_minutes: float | None = None  # stop (and checkpoint) once this much training time has passed
-    micro_batch_size: int = 4  # sequences per process per forward
+    """The loop's settings (conf/trainer/default.yaml mirrors these defaults, tested)."""
+
+    max_steps: int = 850
+    max_minutes: float | None = 15.0  # stop (checkpoint, evaluate) once this much training time has passed; null = none
+    micro_batch_size: int = 8  # sequences per process per forward
     grad_accum_steps: int = 1
     length_group_steps: int = 8  # sort each run of this many steps' samples by length (less padding); 1 = off
-    mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where the hardware runs it fast, else no)
+    mixed_precision: str = "auto"  # no | bf16 | fp16 | auto (bf16 where the hardware runs it fast, else no)
     log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end
+    eval_every: int = 100  # held-out eval/tau_sim every N steps (0 = only at the end)
     save_every: int = 100
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
-    # in-training speculative evaluation (greedy chain) on held-out prompts
-    spec_eval_every: int = 0  # also run it every N steps (0 = only at the end)
-    spec_eval_prompts: str = "mt_bench"
-    spec_eval_num_prompts: int = 10
-    spec_eval_offset: int = 0
-    spec_eval_stride: int = 1  # every N-th prompt from the offset (MT-bench: 5 = 2 questions per category)
-    spec_eval_max_new_tokens: int = 128
-    # sequences decoded together by the bundled batched verifier (1 = one sequence at a time, eval/spec.py,
-    # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
-    spec_eval_batch_size: int = 16
-    # draft tree of the final evaluation (ParallelSpec App. A.3: candidates per depth, max nodes); null = a
-    # chain. Needs spec_eval_batch_size > 1.
-    spec_eval_tree_widths: list[int] | None = None
-    spec_eval_tree_budget: int | None = None
-    spec_eval_chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
+    spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
     progress: bool = True
+
+
+#: Keys that moved (old dotted key -> new one): an old key fails naming its new home (train.py, validate).
+MOVED_KEYS: dict[str, str] = {
+    **{f"trainer.spec_eval_{k}": f"trainer.spec_eval.{v}" for k, v in (
+        ("every", "every"), ("prompts", "prompts"), ("num_prompts", "num_prompts"), ("offset", "prompt_offset"),
+        ("stride", "prompt_stride"), ("max_new_tokens", "max_new_tokens"), ("batch_size", "batch_size"),
+        ("tree_widths", "tree.widths"), ("tree_budget", "tree.budget"), ("chain", "chain"))},
+}  # fmt: skip
 
 
 @dataclass
@@ -281,6 +311,26 @@ class CacheFeaturesConfig:
     progress: bool = True
 
 
+def upgrade_saved(d: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved ``config.json`` written before keys moved, with every :data:`MOVED_KEYS` entry moved
+    to its new place (so old runs still validate); other keys are left for :func:`validate` to judge."""
+    d = json.loads(json.dumps(d))  # a deep copy
+    for old, new in MOVED_KEYS.items():
+        *path, leaf = old.split(".")
+        parent = d
+        for p in path:
+            parent = parent.get(p) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or leaf not in parent:
+            continue
+        value = parent.pop(leaf)
+        *npath, nleaf = new.split(".")
+        node = d
+        for p in npath:
+            node = node.setdefault(p, {})
+        node[nleaf] = value
+    return d
+
+
 def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
     """Merge a composed config into ``schema`` (default :class:`TrainConfig`).
 
@@ -297,7 +347,7 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
                 raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}") from None
         cfg = dict(cfg)
         drafter = cfg.pop("drafter", None) or {}
-    out = validate_into(schema, cfg)
+    out = validate_into(schema, cfg, MOVED_KEYS if schema is TrainConfig else None)
     if drafter is not None:
         out.drafter = _validate_drafter(drafter)
     problems = numeric_problems(out)
@@ -334,7 +384,7 @@ UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Ran
 #: and field name (a decoding method's section declares its own: :func:`numeric_ranges`). ``None`` (an optional key left unset) is always allowed. ``tests/test_config_values.py``
 #: fails for a numeric field missing here, and checks each range is enforced. Semantics of 0 where it
 #: is allowed: ``*_every`` = only at the end / never periodic, ``draft_vocab_size`` = the full vocabulary,
-#: ``num_mask_tokens`` = no mask tokens, ``heldout`` / ``spec_eval_num_prompts`` = none, ``top_k`` = none.
+#: ``num_mask_tokens`` = no mask tokens, ``heldout`` / ``spec_eval.num_prompts`` = none, ``top_k`` = none.
 NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "TargetConfig": dict(hidden_size=GE1, intermediate_size=GE1, num_hidden_layers=GE1, num_attention_heads=GE1,
                          num_key_value_heads=GE1, seed=GE0),
@@ -347,9 +397,10 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
                         max_grad_norm=GT0),
     "TrainerConfig": dict(max_steps=GE1, max_minutes=GT0, micro_batch_size=GE1, grad_accum_steps=GE1,
                           length_group_steps=GE1, log_every=GE1, eval_every=GE0, save_every=GE0, keep_checkpoints=GE1,
-                          num_threads=GE1, spec_eval_every=GE0, spec_eval_num_prompts=GE0, spec_eval_offset=GE0,
-                          spec_eval_stride=GE1, spec_eval_max_new_tokens=GE1, spec_eval_batch_size=GE1,
-                          spec_eval_tree_widths=GE1, spec_eval_tree_budget=GE1),
+                          num_threads=GE1),
+    "SpecEvalConfig": dict(every=GE0, num_prompts=GE0, prompt_offset=GE0, prompt_stride=GE1, max_new_tokens=GE1,
+                           batch_size=GE1),
+    "SpecTreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
     "DecisionConfig": dict(hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
                            beta=UNIT),
@@ -408,14 +459,13 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
         problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
-    if c.trainer.spec_eval_batch_size < 1:
-        problems.append("trainer.spec_eval_batch_size must be >= 1")
-    tw, tb = c.trainer.spec_eval_tree_widths, c.trainer.spec_eval_tree_budget
-    if (tw is not None or tb is not None) and c.trainer.spec_eval_batch_size == 1:
-        problems.append("trainer.spec_eval_tree_widths/budget need trainer.spec_eval_batch_size > 1 (the batch-1 "
+    se = c.trainer.spec_eval
+    tw, tb = se.tree.widths, se.tree.budget
+    if (tw is not None or tb is not None) and se.batch_size == 1:
+        problems.append("trainer.spec_eval.tree.widths/budget need trainer.spec_eval.batch_size > 1 (the batch-1 "
                         "evaluation decodes a chain); set them to null")
-    if (tw is not None and (not tw or min(tw) < 1)) or (tb is not None and tb < 1):
-        problems.append("trainer.spec_eval_tree_widths must be positive ints and spec_eval_tree_budget >= 1")
+    if tw is not None and not tw:
+        problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if c.data.features not in ("auto", "live", "cache"):

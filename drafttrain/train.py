@@ -43,6 +43,10 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     validate it, as ``train.py`` would (for scripts and tests; raises ConfigError like a launch)."""
     from hydra import compose, initialize_config_dir
 
+    from drafttrain.cliconfig import check_moved
+    from drafttrain.config import MOVED_KEYS
+
+    check_moved(overrides, MOVED_KEYS)  # an old key names its new home
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
@@ -544,7 +548,8 @@ def run(cfg) -> dict[str, Any]:
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator, layers)
             log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
-        if c.trainer.spec_eval_every and state.step % c.trainer.spec_eval_every == 0 and state.step < c.trainer.max_steps:
+        se_every = c.trainer.spec_eval.every
+        if se_every and state.step % se_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
                 r = spec_eval(c, target, model)
@@ -575,7 +580,7 @@ def run(cfg) -> dict[str, Any]:
     model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if main:
         atomic_save_pretrained(model, out_dir / "drafter")
-        if c.trainer.spec_eval_num_prompts > 0:
+        if c.trainer.spec_eval.num_prompts > 0:
             final.update(spec_eval(c, target, model))
         final["wall_seconds"] = round(time.time() - t_start, 1)
         log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
@@ -598,18 +603,17 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
     from drafttrain.eval.spec import evaluate_prompts, evaluate_prompts_batched
 
     drafter.eval()
-    rows = load_eval_prompts(c.trainer.spec_eval_prompts, limit=c.trainer.spec_eval_num_prompts,
-                             offset=c.trainer.spec_eval_offset, stride=c.trainer.spec_eval_stride)
+    se = c.trainer.spec_eval
+    rows = load_eval_prompts(se.prompts, limit=se.num_prompts, offset=se.prompt_offset, stride=se.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
-    bs = c.trainer.spec_eval_batch_size
+    bs = se.batch_size
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
-            t = c.trainer
-            r = evaluate_prompts_batched(target, drafter, prompts, t.spec_eval_max_new_tokens, batch_size=bs,
-                                         progress=t.progress, tree_widths=t.spec_eval_tree_widths,
-                                         tree_budget=t.spec_eval_tree_budget, also_chain=t.spec_eval_chain)  # fmt: skip
+            r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
+                                         progress=c.trainer.progress, tree_widths=se.tree.widths,
+                                         tree_budget=se.tree.budget, also_chain=se.chain)  # fmt: skip
         else:
-            r = evaluate_prompts(target, drafter, prompts, c.trainer.spec_eval_max_new_tokens, progress=c.trainer.progress)
+            r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:
         log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
     with (Path(c.output_dir) / "eval_outputs.jsonl").open("w") as f:
@@ -626,8 +630,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
         "eval/batch_size": bs,
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
-        **({"eval/tree": f"widths {c.trainer.spec_eval_tree_widths} budget {c.trainer.spec_eval_tree_budget}"}
-           if bs > 1 and (c.trainer.spec_eval_tree_widths is not None or c.trainer.spec_eval_tree_budget is not None)
-           else {}),
-        "eval/prompts": f"{c.trainer.spec_eval_prompts} ids {','.join(r['id'] for r in rows)}",
+        **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
+           if bs > 1 and (se.tree.widths is not None or se.tree.budget is not None) else {}),
+        "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
     }

@@ -37,15 +37,15 @@ COMMON = [
     "data.max_conversations=1150",  # 943 self-distilled first turns (927 train + 16 held out)
     "trainer.max_steps=180",
     "drafter.draft_vocab_size=8192",  # one draft vocabulary for every recipe (the main job's ParallelSpec uses 4096)
-    "trainer.spec_eval_batch_size=1",  # batch-1 chain decoding, as the GSM8K evaluation below
-    "trainer.spec_eval_tree_widths=null",
-    "trainer.spec_eval_tree_budget=null",
+    "trainer.spec_eval.batch_size=1",  # batch-1 chain decoding, as the GSM8K evaluation below
+    "trainer.spec_eval.tree.widths=null",
+    "trainer.spec_eval.tree.budget=null",
     "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 180 steps
     "trainer.eval_every=0",  # held-out eval/tau_sim once, at the end
     "trainer.save_every=0",  # final checkpoint only
-    "trainer.spec_eval_prompts=mt_bench",
-    "trainer.spec_eval_num_prompts=10",
-    "trainer.spec_eval_max_new_tokens=128",
+    "trainer.spec_eval.prompts=mt_bench",
+    "trainer.spec_eval.num_prompts=10",
+    "trainer.spec_eval.max_new_tokens=128",
     "trainer.progress=false",
     "logging.wandb=false",
 ]
@@ -72,7 +72,7 @@ def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
     """Greedy chain speculative decoding of ``num`` prompts of ``prompts`` with the run's saved drafter."""
     import torch
 
-    from drafttrain.config import validate
+    from drafttrain.config import upgrade_saved, validate
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
     from drafttrain.drafters import Drafter
@@ -80,14 +80,14 @@ def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
     from drafttrain.target import load_target
 
     out = run_dir(out_root, recipe)
-    c = validate(json.loads((out / "config.json").read_text()))
+    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))  # runs saved before keys moved too
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     target = load_target(c.target)
     drafter = Drafter.from_pretrained(out / "drafter", target).eval()
     rows = load_eval_prompts(prompts, limit=num)
     ids = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
-    r = evaluate_prompts(target, drafter, ids, c.trainer.spec_eval_max_new_tokens, progress=False)
+    r = evaluate_prompts(target, drafter, ids, c.trainer.spec_eval.max_new_tokens, progress=False)
     result = {k: r[k] for k in ("tau", "greedy_equal", "mismatches", "accept_hist", "speedup", "spec_tokens_per_s",
                                 "plain_tokens_per_s", "num_prompts", "generated_tokens")}  # fmt: skip
     result["prompts"] = f"{prompts}[0:{len(ids)}]"

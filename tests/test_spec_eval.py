@@ -191,7 +191,7 @@ def test_evaluate_prompts(varied_target, random_drafter, prompts):
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3])
 def test_batched_evaluation_matches_single_sequence(varied_target, random_drafter, prompts, batch_size):
-    """The in-training evaluation through the batched verifier (trainer.spec_eval_batch_size) takes the
+    """The in-training evaluation through the batched verifier (trainer.spec_eval.batch_size) takes the
     same chain steps as the one-sequence-at-a-time reference: same outputs, τ and accept histogram."""
     from drafttrain.eval.spec import evaluate_prompts_batched
 
