@@ -140,7 +140,7 @@ def test_only_rank0_writes(runs, name):
     steps = [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
     assert steps == [1, 2, 3, 4]  # one line per step, not one per rank
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
-    assert len((run_dir / "eval_outputs.jsonl").read_text().splitlines()) == 2  # spec_eval_num_prompts
+    assert len((run_dir / "eval_outputs.jsonl").read_text().splitlines()) == 2  # trainer.spec_eval.num_prompts
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
         ["checkpoints", "config.json", "drafter", "eval_outputs.jsonl", "final_metrics.json", "launch.json",
          "metrics.jsonl", "target.json", "train.log", "wandb", "wandb_run_id"])  # fmt: skip
