@@ -26,6 +26,9 @@ def check_moved_keys(argv: list[str]) -> None:
     from drafttrain.cliconfig import ConfigError, check_moved
     from drafttrain.config import MOVED_KEYS
 
+    if any(a.lstrip("+") == "recipe=decision_model" for a in argv):
+        raise SystemExit("config error: the MCSD decision model has its own entry point (no target, no drafter): "
+                         "python -m scripts.train_decision_model 'data=[<decision log>.jsonl]' (--help lists the keys)")
     try:
         check_moved([a for a in argv if not a.startswith("-")], MOVED_KEYS)
     except ConfigError as e:

@@ -51,11 +51,9 @@ class DataConfig:
     max_conversations: int = 512  # conversations read from the source (kept ones)
     first_turn_only: bool = True
     max_length: int = 512  # tokens per training sequence
-    # self-distillation: the target regenerates every answer (greedy) before training
+    # self-distillation: the target regenerates every answer (greedy, features kept) before training
     self_distill: bool = True
-    max_new_tokens: int = 192
-    max_prompt_length: int | None = 256  # longer prompts are skipped (counted) by self-distillation
-    distill_batch_size: int = 16
+    generation: DistillConfig = field(default_factory=lambda: DistillConfig())
     heldout: int = 16  # sequences held out for eval/tau_sim
     cache_dir: str | None = None  # default: <cache_root>/data
     # where the target's features come from: auto (the dataset's stored `features` column if it has
@@ -204,6 +202,9 @@ MOVED_KEYS: dict[str, str] = {
         ("every", "every"), ("prompts", "prompts"), ("num_prompts", "num_prompts"), ("offset", "prompt_offset"),
         ("stride", "prompt_stride"), ("max_new_tokens", "max_new_tokens"), ("batch_size", "batch_size"),
         ("tree_widths", "tree.widths"), ("tree_budget", "tree.budget"), ("chain", "chain"))},
+    "data.max_new_tokens": "data.generation.max_new_tokens",
+    "data.max_prompt_length": "data.generation.max_prompt_length",
+    "data.distill_batch_size": "data.generation.batch_size",
 }  # fmt: skip
 
 
@@ -215,8 +216,9 @@ class LoggingConfig:
 
 
 @dataclass
-class DecisionConfig:
-    """The MCSD early-stop decision model (``+recipe=decision_model``; :mod:`drafttrain.verify.methods.mcsd_decision`)."""
+class DecisionModelConfig:
+    """``python -m scripts.train_decision_model``: the MCSD early-stop decision model (MCSD-improved §3.3),
+    a job of its own (no target, no drafter), trained on decision logs of verifier runs."""
 
     data: list[str] = field(default_factory=list)  # jsonl decision logs (scripts.evaluate mcsd.decisions_out=...)
     hidden: int = 64
@@ -226,6 +228,11 @@ class DecisionConfig:
     batch_size: int = 256
     heldout_fraction: float = 0.2
     beta: float = 0.4  # early-stop threshold reported on the held-out rows (the paper's 0.4)
+    seed: int = 0
+    run_name: str = "decision_model"
+    output_dir: str = "outputs/decision_model"  # writes decision_model/, metrics.jsonl, final_metrics.json
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    progress: bool = True
 
 
 @dataclass
@@ -240,8 +247,6 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     seed: int = 0
     resume: bool = False
-    task: str = "drafter"  # drafter | decision_model (+recipe=decision_model: trains the MCSD early-stop MLP)
-    decision: DecisionConfig = field(default_factory=DecisionConfig)
 
 
 @dataclass
@@ -275,6 +280,18 @@ class GenerationConfig:
     store_features: bool = False  # keep the target's last hidden states (fp16) from the generation itself
     check_template: bool = True  # check the template renders the regenerated text as the ids we assemble
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class DistillConfig:
+    """``data.generation``: the keys of :class:`GenerationConfig` that in-training self-distillation
+    (``data.self_distill``) reads, with the same names and defaults (read off GenerationConfig: one source).
+    The rest is fixed by the training path: first turns (``data.first_turn_only``), context
+    ``data.max_length``, features kept, greedy, one batch per shard."""
+
+    max_new_tokens: int = GenerationConfig.max_new_tokens  # tokens per regenerated answer at most
+    max_prompt_length: int | None = GenerationConfig.max_prompt_length  # longer first prompts are skipped (counted)
+    batch_size: int = GenerationConfig.batch_size  # conversations per generation batch (and per shard)
 
 
 @dataclass
@@ -388,8 +405,8 @@ UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Ran
 NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "TargetConfig": dict(hidden_size=GE1, intermediate_size=GE1, num_hidden_layers=GE1, num_attention_heads=GE1,
                          num_key_value_heads=GE1, seed=GE0),
-    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), max_new_tokens=GE1, max_prompt_length=GE1,
-                       distill_batch_size=GE1, heldout=GE0),
+    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), heldout=GE0),
+    "DistillConfig": dict(max_new_tokens=GE1, max_prompt_length=GE1, batch_size=GE1),
     "DrafterConfig": dict(num_mask_tokens=GE0, num_heads=GE1, draft_depth=GE1, loss_decay=GT0, anchor_ratio=UNIT_OPEN_LOW,
                           draft_vocab_size=GE0, kd_weight=UNIT, reg_weight=GE0, cls_weight=GE0, feature_noise=GE0,
                           ttt_steps=GE1, mask_token_id=Range(-1), aux_layer_ids=GE0),
@@ -402,7 +419,7 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
                            batch_size=GE1),
     "SpecTreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
-    "DecisionConfig": dict(hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
+    "DecisionModelConfig": dict(seed=GE0, hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
                            beta=UNIT),
     "GenerateConfig": dict(max_conversations=GE1, num_threads=GE1, max_minutes=GT0),
     "GenerationConfig": dict(max_new_tokens=GE1, max_length=Range(2), max_prompt_length=GE1, max_turns=GE1, batch_size=GE1,
@@ -447,14 +464,6 @@ def numeric_problems(obj, prefix: str = "") -> list[str]:
 
 def _check_values(c: TrainConfig) -> None:
     problems = []
-    if c.task not in ("drafter", "decision_model"):
-        problems.append(f"task must be drafter or decision_model, got {c.task!r}")
-    if c.task == "decision_model":
-        d = c.decision
-        if not d.data:
-            problems.append("decision.data must list at least one decision log (jsonl)")
-        if d.epochs < 1 or d.batch_size < 1 or d.num_layers < 1 or d.hidden < 1 or not 0 <= d.heldout_fraction < 1:
-            problems.append("decision needs epochs, batch_size, num_layers, hidden >= 1 and heldout_fraction in [0, 1)")
     if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
@@ -512,7 +521,13 @@ def _check_cache(c: CacheFeaturesConfig) -> None:
         raise ConfigError("; ".join(problems))
 
 
-_CHECKS = {TrainConfig: _check_values, GenerateConfig: _check_generate, CacheFeaturesConfig: _check_cache}
+def _check_decision(c: DecisionModelConfig) -> None:
+    if not c.data:
+        raise ConfigError("data=[<decision log>.jsonl, ...] is required (scripts.evaluate mcsd.decisions_out=... writes them)")
+
+
+_CHECKS = {TrainConfig: _check_values, GenerateConfig: _check_generate, CacheFeaturesConfig: _check_cache,
+           DecisionModelConfig: _check_decision}  # fmt: skip
 
 
 def resolve_mixed_precision(setting: str) -> str:

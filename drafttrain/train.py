@@ -370,10 +370,6 @@ def run(cfg) -> dict[str, Any]:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
-    if c.task == "decision_model":  # +recipe=decision_model: no target, no drafter (drafttrain/verify/methods/mcsd_decision.py)
-        from drafttrain.verify.methods.mcsd_decision import train_decision_model
-
-        return train_decision_model(c)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     resume_from = check_resume(c) if c.resume else None  # a changed job fails here, before anything loads
     from drafttrain.fingerprint import target_fingerprint

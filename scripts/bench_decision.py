@@ -5,7 +5,7 @@
 1. **Labels from verifier runs**: MCSD (W_t = 1, the trained ParallelSpec drafter) decodes MT-bench and
    GSM8K prompts that the evaluation below does not use (``prompt_offset``), logging every reached
    level's features and whether the target accepted it (``mcsd.decisions_out``).
-2. **Training**: ``train.py +recipe=decision_model`` on those rows (run in-process here, same code).
+2. **Training**: ``python -m scripts.train_decision_model`` on those rows (run in-process here, same code).
 3. **Use**: MCSD without the model and with it at every threshold of ``betas`` (early stop at beta)
    on the evaluation prompts, batch 1 and 8, same run, same plain baseline: τ, mean tree size,
    tokens/s, speedup.
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_cli(BenchDecisionConfig, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from drafttrain.train import compose_config, run
+    from drafttrain.cliconfig import parse_cli as parse
+    from drafttrain.config import DecisionModelConfig
+    from scripts.train_decision_model import run
 
     work = Path(args.work_dir)
     log_path = work / "decisions.jsonl"
@@ -67,9 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                          "batch_sizes=[8]", f"mcsd.decisions_out={log_path}", "warmup=false",
                          f"output_dir={work}/labels_{name}"])  # fmt: skip
     labelled.write_text("ok")
-    train_cmd = ["+recipe=decision_model", f"decision.data=[{log_path}]", f"decision.beta={args.beta}",
-                 f"output_dir={work}/dm", "logging.wandb=false", "trainer.progress=false"]  # fmt: skip
-    trained = run(compose_config(train_cmd))
+    train_cmd = [f"data=[{log_path}]", f"beta={args.beta}", f"output_dir={work}/dm", "logging.wandb=false", "progress=false"]
+    trained = run(parse(DecisionModelConfig, train_cmd))
     evals = {name: run_eval(base + [f"prompts={name}", f"num_prompts={args.num_prompts}",
                                     f"batch_sizes=[{','.join(map(str, args.batch_sizes))}]",
                                     f"mcsd.decision_model={work}/dm/decision_model", f"mcsd.betas=[{','.join(map(str, args.betas))}]",
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         f"at beta in {args.betas} (`mcsd_w1_dm_b<beta>`). "
         "Training command (what this script runs in-process):",
         "",
-        f"```bash\naccelerate launch --config_file conf/accelerate/cpu.yaml train.py {shlex.join(train_cmd)}\n```",
+        f"```bash\npython -m scripts.train_decision_model {shlex.join(train_cmd)}\n```",
         "",
         kept_analysis(out.with_suffix(".md")),
         "",

@@ -48,7 +48,9 @@ def summarize(run_dir: Path) -> dict:
         "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
         "config": {
             "target": config["target"]["name"],
-            "data": {k: config["data"][k] for k in ("source", "max_conversations", "max_new_tokens", "self_distill")},
+            "data": {"source": config["data"]["source"], "max_conversations": config["data"]["max_conversations"],
+                     "max_new_tokens": config["data"].get("generation", config["data"]).get("max_new_tokens"),
+                     "self_distill": config["data"]["self_distill"]},  # before data.generation: the flat key
             "drafter": config["drafter"],
             "optim_lr": config["optim"]["lr"],
             "micro_batch_size": config["trainer"]["micro_batch_size"],

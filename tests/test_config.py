@@ -13,7 +13,7 @@ from drafttrain import assets
 from drafttrain.config import ConfigError, TrainConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml") if p.stem != "decision_model")  # drafter recipes
+RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))  # drafter recipes (recipe name = drafter name)
 
 
 def compose_dict(overrides: list[str]) -> dict:
@@ -22,12 +22,13 @@ def compose_dict(overrides: list[str]) -> dict:
 
 
 def test_there_are_recipes():
-    """Recipe name = drafter name: one recipe per registered drafter, plus the MCSD decision model."""
+    """Recipe name = drafter name: one recipe per registered drafter and nothing else (the MCSD decision
+    model is its own job: scripts.train_decision_model)."""
     from drafttrain.drafters import DRAFTERS
 
     assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "eagle3", "parallelspec", "parallelspec_eagle",
                                              "parallelspec_eagle3"}
-    assert {p.stem for p in (CONF / "recipe").glob("*.yaml")} == set(RECIPES) | {"decision_model"}
+    assert {p.stem for p in (CONF / "recipe").glob("*.yaml")} == set(RECIPES)
 
 
 @pytest.mark.parametrize(
@@ -223,7 +224,9 @@ def test_single_option_groups_mirror_the_dataclass_defaults(group, option, schem
 
 @pytest.mark.parametrize("old, new", [("trainer.spec_eval_every", "trainer.spec_eval.every"),
                                       ("trainer.spec_eval_tree_widths", "trainer.spec_eval.tree.widths"),
-                                      ("trainer.spec_eval_offset", "trainer.spec_eval.prompt_offset")])  # fmt: skip
+                                      ("trainer.spec_eval_offset", "trainer.spec_eval.prompt_offset"),
+                                      ("data.distill_batch_size", "data.generation.batch_size"),
+                                      ("data.max_new_tokens", "data.generation.max_new_tokens")])  # fmt: skip
 def test_a_moved_key_fails_naming_its_new_home(old, new):
     from drafttrain.config import upgrade_saved
     from drafttrain.train import compose_config
@@ -240,3 +243,16 @@ def test_a_moved_key_fails_naming_its_new_home(old, new):
     for part in new.split("."):
         node = getattr(node, part)
     assert node == value
+
+
+def test_data_generation_has_generate_datas_keys_and_defaults():
+    """The same concept, the same key and default: data.generation.* (in-training self-distillation) is a
+    subset of scripts.generate_data's generation.*."""
+    from dataclasses import asdict
+
+    from drafttrain.config import DistillConfig, GenerationConfig
+
+    gen = asdict(GenerationConfig())
+    assert asdict(DistillConfig()) == {k: gen[k] for k in asdict(DistillConfig())}
+    c = validate(compose_dict(["+recipe=parallelspec", "data.generation.batch_size=8"]))
+    assert c.data.generation.batch_size == 8 and c.data.generation.max_new_tokens == 128  # conf/data/selfdistill.yaml

@@ -1,5 +1,5 @@
 """The MCSD decision model end to end on the tiny target: decision rows logged by the harness, the
-``+recipe=decision_model`` training run, bad rows and config typos, and early stopping in MCSD."""
+``scripts.train_decision_model`` training run, bad rows and config typos, and early stopping in MCSD."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def _harness(checkpoint, tmp_path, *extra):
     ]))  # fmt: skip
 
 
-def test_harness_logs_decisions_and_the_recipe_trains_on_them(checkpoint, tmp_path):
-    from drafttrain.train import compose_config, run
+def test_harness_logs_decisions_and_the_entry_point_trains_on_them(checkpoint, tmp_path):
+    from scripts.train_decision_model import main
 
     log = tmp_path / "decisions.jsonl"
     res = _harness(checkpoint, tmp_path, f"mcsd.decisions_out={log}", "mcsd.decision_topk=4")
@@ -39,8 +39,8 @@ def test_harness_logs_decisions_and_the_recipe_trains_on_them(checkpoint, tmp_pa
     steps = run_rec["sequence_steps"]
     assert sum(r["label"] == 0 for r in rows) <= steps and sum(r["features"][-1] == 1.0 for r in rows) == steps
     out = tmp_path / "dm"
-    final = run(compose_config(["+recipe=decision_model", f"decision.data=[{log}]", f"output_dir={out}",
-                                "logging.wandb=false", "decision.epochs=3", "trainer.progress=false"]))  # fmt: skip
+    main([f"data=[{log}]", f"output_dir={out}", "logging.wandb=false", "epochs=3", "progress=false"])  # the real CLI
+    final = json.loads((out / "final_metrics.json").read_text())
     assert final["kept"] == len(rows) and final["topk"] == 4
     assert 0.0 <= final["decision/heldout_accuracy"] <= 1.0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
@@ -58,13 +58,20 @@ def test_decision_rows_bad_input_is_counted(tmp_path):
         read_decisions([str(tmp_path / "missing.jsonl")])
 
 
-def test_decision_recipe_config_errors_before_loading():
+def test_decision_model_config_errors_before_loading():
+    """Its own schema (no task switch inside TrainConfig): data is required, typos and bad values fail
+    before any log is read; the old drafter-recipe route is gone."""
     from drafttrain.train import compose_config
+    from scripts.train_decision_model import main
 
-    with pytest.raises(ConfigError, match="decision.data"):
+    with pytest.raises(ConfigError, match="data="):
+        main([])
+    with pytest.raises(ConfigError, match="'epoch'.*did you mean 'epochs'"):
+        main(["data=[x]", "epoch=3"])
+    with pytest.raises(ConfigError, match="heldout_fraction"):
+        main(["data=[x]", "heldout_fraction=1.5"])
+    with pytest.raises(Exception, match="decision_model"):
         compose_config(["+recipe=decision_model"])
-    with pytest.raises(Exception, match="epoch"):
-        compose_config(["+recipe=decision_model", "decision.data=[x]", "decision.epoch=3"])
 
 
 @pytest.mark.parametrize("bias, nodes", [(-50.0, KS[0]), (50.0, 2 + 4 + 4 + 4)])

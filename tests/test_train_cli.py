@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 FAST = [
     "data.max_conversations=24",
-    "data.max_new_tokens=16",
+    "data.generation.max_new_tokens=16",
     "data.heldout=4",
     "trainer.spec_eval.num_prompts=2",
     "trainer.spec_eval.max_new_tokens=16",
@@ -35,7 +35,7 @@ FAST = [
     "trainer.micro_batch_size=4",
 ]
 # train/loss of steps 1..3 of the runs below, computed once (2026-11-22, refreshed when the defaults became
-# drafter.draft_vocab_size=8192, optim.lr=2e-3 and drafter.kd_weight=0.5; 2026-11-23: draft_vocab_size=4096) with data.max_prompt_length=256,
+# drafter.draft_vocab_size=8192, optim.lr=2e-3 and drafter.kd_weight=0.5; 2026-11-23: draft_vocab_size=4096) with data.generation.max_prompt_length=256,
 # length-sorted self-distillation shards and trainer.length_group_steps=8. Identical on CI's machine.
 # The loss, data, batch order or init must not change by accident; refresh these on a deliberate change.
 GOLDEN_LOSSES = [27.459856033325195, 27.40342903137207, 27.30829429626465]

@@ -81,16 +81,17 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
                 from drafttrain.fingerprint import target_fingerprint
 
                 name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
-                key = distill_key(convs, name, c.data.max_new_tokens, c.data.max_length, c.data.max_prompt_length,
+                gen = c.data.generation
+                key = distill_key(convs, name, gen.max_new_tokens, c.data.max_length, gen.max_prompt_length,
                                   c.data.first_turn_only, key_layers)
                 ds, report = self_distill(
                     target,
                     convs,
                     data_cache_dir(c) / "selfdistill" / key,
-                    max_new_tokens=c.data.max_new_tokens,
+                    max_new_tokens=gen.max_new_tokens,
                     max_length=c.data.max_length,
-                    batch_size=c.data.distill_batch_size,
-                    max_prompt_length=c.data.max_prompt_length,
+                    batch_size=gen.batch_size,
+                    max_prompt_length=gen.max_prompt_length,
                     first_turn_only=c.data.first_turn_only,
                     target_name=name,
                     progress=c.trainer.progress and accelerator.is_main_process,

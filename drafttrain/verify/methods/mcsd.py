@@ -444,7 +444,7 @@ class MCSDProposer(ParallelSpecProposer):
             decision reads the drafter's distributions, never the drawn tokens, so W_t = 1 stays lossless.
         decision_topk: k of the features when logging without a model (a model brings its own).
         log_decisions: collect ``{"features", "label"}`` per level that was reached (its parent level
-            accepted) in :attr:`decisions`: the decision model's training data (``+recipe=decision_model``).
+            accepted) in :attr:`decisions`: the decision model's training data (``scripts.train_decision_model``).
 
     Attributes:
         lossless: ``config.is_lossless`` (W_t == 1).
@@ -549,7 +549,7 @@ class MCSDEvalConfig:
 
     ks: list[int] = field(default_factory=lambda: [3, 2, 1, 1])
     target_roots: list[int] = field(default_factory=lambda: [1, 2])
-    decision_model: str | None = None  # early-stop model folder (+recipe=decision_model); adds an "mcsd_w1_dm" run
+    decision_model: str | None = None  # early-stop model folder (scripts.train_decision_model); adds an "mcsd_w1_dm" run
     beta: float = 0.4  # early-stop threshold (§3.3)
     betas: list[float] | None = None  # a threshold sweep instead: one "mcsd_w1_dm_b<beta>" run per value
     decisions_out: str | None = None  # append W_t = 1 runs' (level features, accepted) rows here: the model's data

@@ -1,13 +1,11 @@
-"""The MCSD early-stop decision model (MCSD-improved §3.3): the MLP, its features and loss, its files,
-and its training job (``train.py +recipe=decision_model``).
+"""The MCSD early-stop decision model and its training job (MCSD-improved §3.3).
 
     # 1. labels from verifier runs: MCSD (W_t = 1) with the trained drafter logs, for every drafted level
     #    that was reached, the level's features and whether the target accepted it
     python -m scripts.evaluate checkpoint=RUN methods=[mcsd] mcsd.target_roots=[1] \
         mcsd.decisions_out=outputs/decisions/mt_bench.jsonl prompts=mt_bench prompt_offset=16 num_prompts=40
-    # 2. train the MLP
-    accelerate launch --config_file conf/accelerate/cpu.yaml train.py +recipe=decision_model \
-        decision.data=[outputs/decisions/mt_bench.jsonl]
+    # 2. train the MLP (its own entry point: no target, no drafter; config drafttrain.config.DecisionModelConfig)
+    python -m scripts.train_decision_model 'data=[outputs/decisions/mt_bench.jsonl]'
     # 3. use it: MCSD stops growing the tree when the predicted acceptance of every path is below beta
     python -m scripts.evaluate checkpoint=RUN methods=[mcsd] mcsd.decision_model=outputs/decision_model/decision_model
 
@@ -139,7 +137,7 @@ def level_features(level_probs: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# data, files, training (the +recipe=decision_model job)
+# data, files, training (the scripts.train_decision_model job)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -209,7 +207,7 @@ def load_decision_model(path: str | Path):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no decision model in {path} (train one: train.py +recipe=decision_model)")
+        raise FileNotFoundError(f"no decision model in {path} (train one: python -m scripts.train_decision_model)")
     cfg = json.loads((path / "config.json").read_text())
     model = DecisionModel(cfg["in_features"], hidden=max(cfg["hidden"], 1), num_layers=cfg["num_layers"])
     model.load_state_dict(load_file(str(path / "model.safetensors")))
@@ -228,7 +226,7 @@ def _stop_stats(prob: torch.Tensor, labels: torch.Tensor, beta: float) -> dict[s
 
 
 def train_decision_model(c) -> dict[str, Any]:
-    """Train the decision model described by ``c.decision`` (a validated :class:`~drafttrain.config.TrainConfig`).
+    """Train the decision model described by ``c`` (a validated :class:`~drafttrain.config.DecisionModelConfig`).
 
     Returns:
         The final metrics (also in ``<output_dir>/final_metrics.json``).
@@ -240,7 +238,9 @@ def train_decision_model(c) -> dict[str, Any]:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    d = c.decision
+    from drafttrain.config import to_dict
+
+    d = c
     os.environ.setdefault("WANDB_MODE", c.logging.wandb_mode)
     out = Path(c.output_dir)
     acc = Accelerator(cpu=True, log_with="wandb" if c.logging.wandb else None, project_dir=str(out))
@@ -258,12 +258,12 @@ def train_decision_model(c) -> dict[str, Any]:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if c.logging.wandb:
-            acc.init_trackers(c.logging.wandb_project, config={"decision": dict(vars(d)), "seed": c.seed},
+            acc.init_trackers(c.logging.wandb_project, config={"decision": to_dict(c), "seed": c.seed},
                               init_kwargs={"wandb": {"name": c.run_name, "dir": str(out)}})  # fmt: skip
     t0 = time.time()
     metrics_f = (out / "metrics.jsonl").open("w") if acc.is_main_process else None
     step = 0
-    for epoch in tqdm(range(d.epochs), desc="decision model", disable=not c.trainer.progress):
+    for epoch in tqdm(range(d.epochs), desc="decision model", disable=not c.progress):
         model.train()
         order = train[torch.randperm(len(train), generator=g)]
         total = 0.0
