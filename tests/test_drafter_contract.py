@@ -113,7 +113,7 @@ def test_toy_drafter_trains_through_the_loop_and_decodes_greedy_equal(tmp_path, 
     out = tmp_path / "run"
     overrides = [
         "target=tiny", "~drafter", "+drafter.name=toy_two_layer", "+drafter.num_heads=2",  # the toy's own keys
-        "data.max_conversations=10", "data.max_new_tokens=8", "data.heldout=2", "data.distill_batch_size=8",
+        "data.max_conversations=10", "data.generation.max_new_tokens=8", "data.heldout=2", "data.generation.batch_size=8",
         f"data.cache_dir={tmp_path / 'data'}", f"output_dir={out}", "trainer.max_steps=3", "trainer.micro_batch_size=2",
         "trainer.log_every=1", "trainer.progress=false", "trainer.spec_eval.num_prompts=0", "trainer.num_threads=1",
         "logging.wandb=false",
