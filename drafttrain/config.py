@@ -29,6 +29,9 @@ class TargetConfig:
     gguf_file: str | None = None  # a GGUF file to convert instead of the packaged one
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
+    # linear layers on oneDNN prepacked weights (drafttrain.fastlinear): auto = on for float32 on CPU
+    # when this torch has oneDNN; a k-token forward then costs about a 1-token one (issue 16)
+    fast_linear: str = "auto"
     # tiny random target for tests: a LlamaConfig built from these (only when random_init is true)
     random_init: bool = False
     hidden_size: int = 64
@@ -477,6 +480,8 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
+    if c.target.fast_linear not in ("auto", "on", "off"):
+        problems.append("target.fast_linear must be auto|on|off")
     if c.data.features not in ("auto", "live", "cache"):
         problems.append("data.features must be auto|live|cache")
     if c.data.features == "cache" and not c.data.feature_cache:
@@ -503,6 +508,8 @@ def _check_generate(c: GenerateConfig) -> None:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
+    if c.target.fast_linear not in ("auto", "on", "off"):
+        problems.append("target.fast_linear must be auto|on|off")
     if not c.output_dir:
         problems.append("output_dir must be set")
     if problems:
@@ -654,6 +661,8 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
             problems += m.check(c) if m.check is not None else []
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
+    if c.target.fast_linear not in ("auto", "on", "off"):
+        problems.append("target.fast_linear must be auto|on|off")
     if problems:
         raise ConfigError("; ".join(problems))
     return c

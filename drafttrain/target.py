@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain import assets
+from drafttrain import assets, fastlinear
 from drafttrain.config import TargetConfig
 from drafttrain.sampling import SamplingParams, sample_next
 
@@ -380,13 +380,18 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     ``random_init`` builds a tiny random Llama (tests) that shares the real tokenizer, so the data
     pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
 
+    ``fast_linear`` (auto | on | off): swap the loaded model's linear layers, LM head included, for
+    oneDNN prepacked ones (:mod:`drafttrain.fastlinear`; same parameters, inference only).
+
     Raises:
         MissingAssetError: the packaged model is not installed (message names the pip command).
         FileNotFoundError: ``cfg.path`` is not a model folder.
+        ValueError: ``fast_linear`` unknown, or ``on`` where it cannot apply.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dtype = _DTYPES[cfg.dtype]
+    pack = fastlinear.resolve(cfg.fast_linear, device, dtype)  # a bad value fails before any model loads
     folder = resolve_target_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if cfg.random_init:
@@ -396,4 +401,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         model = AutoModelForCausalLM.from_pretrained(
             folder, config=copy.deepcopy(mcfg), dtype=dtype, attn_implementation=cfg.attn_implementation
         )
-    return Target(model.to(device), tokenizer)
+    model = model.to(device)
+    if pack:
+        n = fastlinear.pack_linears(model)
+        log.info("target.fast_linear: %d linear layers on oneDNN prepacked weights", n)
+    return Target(model, tokenizer)

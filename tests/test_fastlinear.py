@@ -1,0 +1,148 @@
+"""Tests of drafttrain.fastlinear (the target's linears on oneDNN prepacked weights, issue 16 item 1).
+
+The swap must be invisible except in speed: same parameters (tied LM head included, so drafters that
+share it keep working and training still gets gradients), same state_dict, logits equal up to float
+reassociation, and greedy decoding through the engine equal to Hugging Face ``generate`` on the
+unpacked model, token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from drafttrain import fastlinear
+from drafttrain.config import ConfigError, TargetConfig
+from drafttrain.target import Target
+
+pytestmark = pytest.mark.skipif(not fastlinear.available(), reason="this torch build has no oneDNN")
+
+
+def _varied(model: nn.Module) -> nn.Module:
+    """A copy with its 2-D weights redrawn (std 0.3): greedy outputs change at every step."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=g)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target):
+    """(packed, plain) tiny varied targets with equal weights."""
+    plain = _varied(tiny_target.model)
+    fastlinear.unpack_linears(plain)
+    packed = copy.deepcopy(plain)
+    n = fastlinear.pack_linears(packed)
+    assert n == sum(type(m) is nn.Linear for m in plain.modules()) > 0
+    return Target(packed, tiny_target.tokenizer), Target(plain, tiny_target.tokenizer)
+
+
+def test_layer_matches_f_linear_and_shares_parameters():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200)
+    pl = fastlinear.PackedLinear.from_linear(lin)
+    assert isinstance(pl, nn.Linear) and pl.weight is lin.weight and pl.bias is lin.bias
+    for shape in [(1, 96), (9, 96), (2, 5, 96), (0, 96)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            ref, out = lin(x), pl(x)
+        assert out.shape == ref.shape
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # changed in place (load_state_dict, a training step): repacked on the next call
+        assert torch.allclose(pl(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_fall_back_to_f_linear():
+    """A drafter's loss goes through the shared LM head with grad on: the op has no backward, so F.linear runs."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 50, bias=False).requires_grad_(False)
+    pl = fastlinear.PackedLinear.from_linear(lin)
+    x = torch.randn(4, 32, requires_grad=True)
+    pl(x).square().sum().backward()
+    g1 = x.grad.clone()
+    x.grad = None
+    lin(x).square().sum().backward()
+    assert torch.allclose(g1, x.grad)
+    with torch.no_grad():
+        assert pl(x).grad_fn is None
+
+
+def test_pack_keeps_ties_state_dict_and_deepcopy(pair):
+    packed, plain = pair
+    m = packed.model
+    assert isinstance(m.lm_head, fastlinear.PackedLinear)
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # still tied: drafters read lm_head.weight
+    assert all(type(x) is not nn.Linear for x in m.modules())
+    assert list(m.state_dict()) == list(plain.model.state_dict())
+    m2 = copy.deepcopy(m)
+    assert isinstance(m2.lm_head, fastlinear.PackedLinear) and m2.lm_head.weight is m2.model.embed_tokens.weight
+    assert m2.lm_head.weight is not m.lm_head.weight
+    assert fastlinear.is_packed(m2) and not fastlinear.is_packed(plain.model)
+
+
+def test_logits_match_unpacked(pair):
+    packed, plain = pair
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 49152, (2, 23), generator=g)
+    a, b = packed.forward(ids).logits, plain.forward(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+
+def test_engine_on_packed_equals_hf_generate_unpacked(pair, make_drafter):
+    """Greedy speculative and plain decoding on the packed target == HF generate on the plain one."""
+    from drafttrain.verify import ParallelSpecProposer, PlainProposer, SpecEngine
+
+    packed, plain = pair
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    new = 16
+    runs = [
+        SpecEngine(packed, PlainProposer(), batch_size=2, max_new_tokens=new, stop_token_ids=-1).run(prompts),
+        SpecEngine(packed, ParallelSpecProposer(make_drafter(seed=1).eval(), widths=[2, 2, 1], budget=5),
+                   batch_size=3, max_new_tokens=new, stop_token_ids=-1).run(prompts),  # fmt: skip
+    ]
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        hf = plain.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                  min_new_tokens=new, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+        assert len(set(hf)) > 3  # the varied target changes token: an off-by-one would show
+        for run in runs:
+            assert run.results[i].tokens == hf
+
+
+def test_resolve_modes():
+    assert fastlinear.resolve("off", "cpu", torch.float32) is False
+    assert fastlinear.resolve("auto", "cpu", torch.float32) is True
+    assert fastlinear.resolve("auto", "cpu", torch.bfloat16) is False
+    assert fastlinear.resolve("auto", "meta", torch.float32) is False
+    with pytest.raises(ValueError, match="fast_linear=on"):
+        fastlinear.resolve("on", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="fast_linear must be"):
+        fastlinear.resolve("yes", "cpu", torch.float32)
+
+
+def test_tiny_target_is_packed_by_default_and_off_is_plain(tiny_target):
+    from drafttrain.target import load_target
+
+    assert fastlinear.is_packed(tiny_target.model)  # auto on CPU: every test runs the packed path
+    off = load_target(TargetConfig(random_init=True, fast_linear="off"))
+    assert not fastlinear.is_packed(off.model)
+    with pytest.raises(ValueError, match="fast_linear"):
+        load_target(TargetConfig(random_init=True, fast_linear="sometimes"))
+
+
+def test_config_rejects_bad_fast_linear():
+    from tests.helpers import compose_dict
+    from drafttrain.config import validate
+
+    d = compose_dict("train", ["target=tiny", "target.fast_linear=maybe"])
+    with pytest.raises(ConfigError, match="fast_linear"):
+        validate(d)
