@@ -148,3 +148,59 @@ def test_draft_candidates_sampling_without_replacement():
     first = torch.stack([draft_candidates(q, 1, True, g) for _ in range(2000)]).flatten()
     assert abs(float((first == 0).float().mean()) - 0.5) < 0.05  # the first draw is a draw from q
     assert draft_candidates(q, 2, sample=False).tolist() == [0, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# the drafting hot path (issue 16 item 2): batched draft-vocabulary trees, memoized templates
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_parallelspec_trees_greedy_equals_per_sequence_full_vocab_reference(static):
+    """One softmax + top-k over the draft vocabulary for the batch gives the same trees as the per-sequence
+    full-vocabulary path (scatter into v, softmax, D top-k calls), and each node's score is its path's product."""
+    from drafttrain.verify.tree import parallelspec_trees_greedy
+
+    g = torch.Generator().manual_seed(0)
+    b, depth, n_draft, v = 5, 4, 300, 1000
+    d2t = torch.randperm(v, generator=g)[:n_draft]
+    logits = torch.randn(b, depth, n_draft, generator=g) * 3
+    widths, budget = [4, 2, 2, 1], 7
+    tpl = template_from_choices(MEDUSA_DEFAULT_CHOICES) if static else None
+    fast = parallelspec_trees_greedy(logits, widths, budget, tpl, d2t)
+    for i in range(b):
+        full = torch.full((depth, v), float("-inf"))
+        full[:, d2t] = logits[i]
+        probs = torch.softmax(full, dim=-1)
+        ref = parallelspec_tree(probs, widths, budget, template=tpl)
+        assert fast[i].tokens.tolist() == ref.tokens.tolist()
+        assert fast[i].parents.tolist() == ref.parents.tolist()
+        assert fast[i].depth().tolist() == ref.depth().tolist()
+        assert torch.equal(fast[i].ancestor_mask(), ref.ancestor_mask())
+        path_p = [float(torch.prod(torch.stack([probs[t, fast[i].tokens[j]] for t, j in enumerate(fast[i].path_to(k))])))
+                  for k in range(fast[i].n)]  # fmt: skip
+        assert torch.allclose(fast[i].scores, torch.tensor(path_p), rtol=1e-5)
+        assert fast[i].draft_probs is None
+        par = fast[i].parents.tolist()
+        assert all(p < 0 or fast[i].scores[k] <= fast[i].scores[p] for k, p in enumerate(par))  # child <= parent
+
+
+def test_templates_are_memoized_and_still_validated():
+    a = template_from_choices([(0,), (1,), (0, 0)])
+    assert template_from_choices([[0], [1], [0, 0]]) is a  # a shape seen before is not rebuilt
+    with pytest.raises(ValueError):
+        template_from_choices([(0,), (2,)])  # bad lists still raise (failures are not memoized)
+    with pytest.raises(ValueError):
+        template_from_choices([(0,), (2,)])
+
+
+def test_filled_tree_structure_equals_validated_tree():
+    """A trusted tree from a template has the structure the validating constructor computes."""
+    tpl = template_from_choices(EAGLE_DEFAULT_CHOICES)
+    cands = [list(range(10 * t, 10 * t + 4)) for t in range(5)]
+    fast = tpl.fill_lists(cands)
+    ref = DraftTree(fast.tokens.clone(), fast.parents.clone())
+    assert fast.depth().tolist() == ref.depth().tolist()
+    assert fast.children() == ref.children()
+    assert torch.equal(fast.ancestor_mask(), ref.ancestor_mask())
+    assert fast.max_depth == 5

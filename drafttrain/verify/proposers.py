@@ -53,7 +53,13 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from drafttrain.sampling import GREEDY, SamplingParams, process_logits
-from drafttrain.verify.tree import DraftTree, TreeTemplate, parallelspec_tree, template_from_choices
+from drafttrain.verify.tree import (
+    DraftTree,
+    TreeTemplate,
+    parallelspec_tree,
+    parallelspec_trees_greedy,
+    template_from_choices,
+)
 
 
 @runtime_checkable
@@ -246,6 +252,9 @@ class ParallelSpecProposer:
         budget: maximum tree nodes (default: one per depth; with ``choices``: the list's length).
         choices: optional static shape (a Medusa-style choice list) instead of the best-first shape.
         batched: use the batched path when the drafter supports it.
+        fast_greedy: under greedy decoding on the batched path, build the trees from the draft
+            vocabulary in one batched top-k (:func:`~drafttrain.verify.tree.parallelspec_trees_greedy`;
+            same trees). False: the per-sequence full-vocabulary path (the reference; sampling always uses it).
     """
 
     name = "parallelspec"
@@ -257,12 +266,14 @@ class ParallelSpecProposer:
         budget: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
         batched: bool = True,
+        fast_greedy: bool = True,
     ):
         self.drafter = drafter.eval()
         spec = drafter.spec
         self.feature_layers = tuple(drafter.feature_layers)  # the engine hands start/commit these layers
         self.last_only = spec.step_input == "last"  # Medusa: the heads read the last feature only
         self.depth = depth = int(drafter.draft_depth)  # rows of one propose call (ParallelSpec K + 1, Medusa K heads)
+        self.fast_greedy = bool(fast_greedy)
         self.template: TreeTemplate | None = template_from_choices(choices) if choices is not None else None
         if widths is None and self.template is not None:  # a static shape: as wide as it asks, as deep as the drafter
             widths = [1 + max((r[t] for r in self.template.ranks if len(r) > t), default=-1) for t in range(depth)]
@@ -291,6 +302,10 @@ class ParallelSpecProposer:
         self._state[slot] = st
 
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        if sampling.greedy and self.batched and self.fast_greedy:  # draft vocabulary, batched top-k, cached shapes
+            lg = self._draft_logits_batched(slots, full_vocab=False)  # [B, K + 1, N]
+            d2t = self.drafter.d2t if getattr(self.drafter, "restricted_vocab", False) else None
+            return parallelspec_trees_greedy(lg, self.widths, self.budget, self.template, d2t)
         logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
         trees = []
         for lg in logits:  # [K + 1, v] per sequence
@@ -322,17 +337,18 @@ class ParallelSpecProposer:
         self._cache = _reset_drafter_row(self.drafter, self._cache, slot, like)
 
     @torch.no_grad()
-    def _draft_logits_batched(self, slots) -> list[torch.Tensor]:
+    def _draft_logits_batched(self, slots, full_vocab: bool = True):
         """One drafter forward for all ``slots``: items + K masks each, ParallelSpec's inference layout
-        (:func:`drafttrain.layout.inference_layout`) at each sequence's own cache offset."""
+        (:func:`drafttrain.layout.inference_layout`) at each sequence's own cache offset. Returns per slot
+        [K + 1, v] logits (``full_vocab``), else one [B, K + 1, N] tensor over the draft vocabulary."""
         d, cache = self.drafter, self._cache
         sts = [self._state[s] for s in slots]
         xs, pos, masks, slot_ids, n = _new_items_layout(d, cache, slots, sts)
         hs = _ragged_decode(d, cache, slots, xs, pos, masks, slot_ids)
         last = torch.stack([hi[ni - 1 :] for hi, ni in zip(hs, n)])  # [B, K + 1, d]: anchor + K mask slots
-        logits = d.full_vocab_logits(d.logits(last))  # [B, K + 1, v]
+        logits = d.logits(last)  # [B, K + 1, N]
         _commit_new_items(cache, slots, sts, n)  # the items, not the mask slots (propose's crop)
-        return list(logits)
+        return list(d.full_vocab_logits(logits)) if full_vocab else logits
 
 
 class EagleProposer:

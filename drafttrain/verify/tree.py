@@ -56,6 +56,30 @@ EAGLE_DEFAULT_CHOICES: list[tuple[int, ...]] = [
 NAMED_CHOICES = {"medusa_default": MEDUSA_DEFAULT_CHOICES, "eagle_default": EAGLE_DEFAULT_CHOICES}
 
 
+def _depths(parents: list[int]) -> torch.Tensor:
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return torch.tensor(d, dtype=torch.long)
+
+
+def _children(parents: list[int]) -> tuple[tuple[int, ...], ...]:
+    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        kids[p + 1].append(i)
+    return tuple(tuple(k) for k in kids)
+
+
+def _ancestor_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    m[:, 0] = True  # everyone sees the root
+    for i, p in enumerate(parents):
+        m[i + 1] = m[p + 1]  # the parent's ancestors (row p+1 is final: p < i)
+        m[i + 1, i + 1] = True
+    return m
+
+
 @dataclass
 class DraftTree:
     """Candidate tokens for one sequence and one verification step.
@@ -67,6 +91,13 @@ class DraftTree:
             children were drawn from. Needed by the sampling acceptance rules, not by greedy.
         dist_index: optional [n] int64, row of ``draft_probs`` node i was drawn from. Siblings share a
             row (they are successive draws from one distribution).
+        scores: optional [n] float, the drafter's confidence in each node's whole path (product of its
+            probabilities along the path; a child never scores above its parent). Read by
+            :mod:`drafttrain.verify.planner` to decide how many nodes are worth verifying.
+
+    The structure (:meth:`depth`, :meth:`children`, :meth:`ancestor_mask`) is computed once per tree
+    and kept (trees are not modified after construction); trees filled from a :class:`TreeTemplate`
+    get it from the template and skip validation (:meth:`trusted`): the template was validated once.
 
     Raises:
         ValueError: shapes disagree, a parent does not precede its child, siblings come from
@@ -77,6 +108,26 @@ class DraftTree:
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     dist_index: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    @classmethod
+    def trusted(cls, tokens: torch.Tensor, parents: torch.Tensor, draft_probs=None, dist_index=None, scores=None,
+                structure: dict | None = None) -> "DraftTree":
+        """A tree built without the checks of the constructor, for the drafting hot path: the caller
+        guarantees the invariants (e.g. :meth:`TreeTemplate.fill`). ``structure``: precomputed
+        ``depth`` / ``children`` / ``mask`` entries (as :meth:`depth`, :meth:`children`, :meth:`ancestor_mask`)."""
+        tree = cls.__new__(cls)
+        tree.tokens, tree.parents, tree.draft_probs, tree.dist_index, tree.scores = (
+            tokens, parents, draft_probs, dist_index, scores)  # fmt: skip
+        if structure:
+            tree.__dict__["_structure"] = dict(structure)
+        return tree
+
+    def _cached(self, key: str, compute):
+        cache = self.__dict__.setdefault("_structure", {})
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
 
     def __post_init__(self):
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
@@ -108,11 +159,8 @@ class DraftTree:
         return self.tokens.numel()
 
     def depth(self) -> torch.Tensor:
-        """[n] int64 depth of each node (children of the root have depth 1)."""
-        d: list[int] = []
-        for p in self.parents.tolist():
-            d.append(1 if p < 0 else d[p] + 1)
-        return torch.tensor(d, dtype=torch.long)
+        """[n] int64 depth of each node (children of the root have depth 1). Do not modify it (it is kept)."""
+        return self._cached("depth", lambda: _depths(self.parents.tolist()))
 
     @property
     def max_depth(self) -> int:
@@ -120,10 +168,7 @@ class DraftTree:
 
     def children(self) -> list[list[int]]:
         """Children lists, length n + 1: entry 0 = the root's children, entry i + 1 = node i's, in node order."""
-        kids: list[list[int]] = [[] for _ in range(self.n + 1)]
-        for i, p in enumerate(self.parents.tolist()):
-            kids[p + 1].append(i)
-        return kids
+        return [list(k) for k in self._cached("children", lambda: _children(self.parents.tolist()))]
 
     def path_to(self, i: int) -> list[int]:
         """Node indices from the root's child down to node i (inclusive)."""
@@ -143,14 +188,9 @@ class DraftTree:
         """[n + 1, n + 1] bool: entry [a, b] is True where b is a or an ancestor of a (root = index 0, node i = i + 1).
 
         This is the tree-attention mask of the verification input ``[root, node 0, ..., node n-1]``.
+        Do not modify it (it is kept).
         """
-        n = self.n
-        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        m[:, 0] = True  # everyone sees the root
-        for i, p in enumerate(self.parents.tolist()):
-            m[i + 1] = m[p + 1]  # the parent's ancestors (row p+1 is final: p < i)
-            m[i + 1, i + 1] = True
-        return m
+        return self._cached("mask", lambda: _ancestor_mask(self.parents.tolist()))
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -205,14 +245,53 @@ class TreeTemplate:
         Raises:
             ValueError: a rank is beyond the candidates of its depth (use :meth:`truncate` first).
         """
+        cands = [c.tolist() if isinstance(c, torch.Tensor) else list(c) for c in candidates]
+        return self.fill_lists(cands, draft_probs)
+
+    def fill_lists(self, candidates: Sequence[Sequence[int]], draft_probs: torch.Tensor | None = None,
+                   scores: Sequence[Sequence[float]] | None = None) -> DraftTree:  # fmt: skip
+        """:meth:`fill` from plain lists (the drafting hot path: no per-node tensor indexing, no re-validation).
+
+        Args:
+            candidates: ``candidates[t]`` = candidate ids at depth t + 1, best / first drawn first.
+            draft_probs: as in :meth:`fill`.
+            scores: optional ``scores[t][r]`` = the probability of candidate r at depth t + 1 (sorted
+                decreasing); the tree's ``scores`` are then each node's product along its path.
+
+        Raises:
+            ValueError: a rank is beyond the candidates of its depth.
+        """
         toks = []
         for r in self.ranks:
             t = len(r) - 1
-            if t >= len(candidates) or r[-1] >= candidates[t].numel():
+            if t >= len(candidates) or r[-1] >= len(candidates[t]):
                 raise ValueError(f"node {r} needs candidate {r[-1]} at depth {t + 1}, which is not there")
             toks.append(int(candidates[t][r[-1]]))
-        dist = torch.tensor([len(r) - 1 for r in self.ranks], dtype=torch.long) if draft_probs is not None else None
-        return DraftTree(torch.tensor(toks, dtype=torch.long), self.parents.clone(), draft_probs, dist)
+        st = self._structure()
+        dist = st["dist"] if draft_probs is not None else None
+        sc = None
+        if scores is not None:
+            vals: list[float] = []
+            for i, r in enumerate(self.ranks):
+                p = self.parent_list[i]
+                vals.append((1.0 if p < 0 else vals[p]) * float(scores[len(r) - 1][r[-1]]))
+            sc = torch.tensor(vals, dtype=torch.float32)
+        return DraftTree.trusted(torch.tensor(toks, dtype=torch.long), self.parents, draft_probs, dist, sc,
+                                 {"depth": st["depth"], "children": st["children"], "mask": st["mask"]})  # fmt: skip
+
+    @property
+    def parent_list(self) -> list[int]:
+        return self._structure()["parent_list"]
+
+    def _structure(self) -> dict:
+        """Depths, children, ancestor mask and depth index of this shape, computed once (the template is immutable)."""
+        st = self.__dict__.get("_cache")
+        if st is None:
+            par = self.parents.tolist()
+            st = {"parent_list": par, "depth": _depths(par), "children": _children(par), "mask": _ancestor_mask(par),
+                  "dist": torch.tensor([len(r) - 1 for r in self.ranks], dtype=torch.long)}  # fmt: skip
+            object.__setattr__(self, "_cache", st)
+        return st
 
     def truncate(self, widths: Sequence[int], budget: int | None = None) -> "TreeTemplate":
         """Keep nodes whose rank at every depth t is below ``widths[t - 1]`` (depths past ``len(widths)`` are
@@ -226,7 +305,8 @@ class TreeTemplate:
 
 
 def template_from_choices(choices: Sequence[Sequence[int]]) -> TreeTemplate:
-    """Build a :class:`TreeTemplate` from a Medusa-style choice list.
+    """Build a :class:`TreeTemplate` from a Medusa-style choice list (memoized: a shape seen before is
+    returned as built then, with its structure already computed; templates are immutable).
 
     Args:
         choices: rank tuples, e.g. ``[(0,), (1,), (0, 0)]``; any order, no duplicates.
@@ -241,7 +321,23 @@ def template_from_choices(choices: Sequence[Sequence[int]]) -> TreeTemplate:
         >>> t.ranks, t.parents.tolist()
         (((0,), (1,), (0, 0)), [-1, -1, 0])
     """
-    ranks = sorted({tuple(int(x) for x in c) for c in choices}, key=lambda c: (len(c), c))
+    key = tuple(tuple(int(x) for x in c) for c in choices)
+    hit = _TEMPLATES.get(key)
+    if hit is not None:
+        return hit
+    tpl = _build_template(key)
+    if len(_TEMPLATES) >= _TEMPLATE_CACHE_SIZE:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))  # oldest first
+    _TEMPLATES[key] = tpl
+    return tpl
+
+
+_TEMPLATES: dict[tuple[tuple[int, ...], ...], TreeTemplate] = {}
+_TEMPLATE_CACHE_SIZE = 4096
+
+
+def _build_template(choices: tuple[tuple[int, ...], ...]) -> TreeTemplate:
+    ranks = sorted(set(choices), key=lambda c: (len(c), c))
     if len(ranks) != len(choices):
         raise ValueError("duplicate or empty entries in the choice list")
     index = {r: i for i, r in enumerate(ranks)}
@@ -360,9 +456,50 @@ def parallelspec_tree(
     depth = min(len(widths), draft_probs.shape[0])
     cands = [draft_candidates(draft_probs[t], int(widths[t]), sample, generator) for t in range(depth)]
     avail = [c.numel() for c in cands]
+    sorted_p = [torch.topk(draft_probs[t], avail[t]).values.tolist() for t in range(depth)]  # the w largest
     if template is None:
-        sorted_p = [torch.topk(draft_probs[t], avail[t]).values.tolist() for t in range(depth)]  # the w largest
         template = best_first_template(sorted_p, budget)
     else:
         template = template.truncate(avail, budget)
-    return template.fill(cands, draft_probs[:depth])
+    return template.fill_lists([c.tolist() for c in cands], draft_probs[:depth], sorted_p)
+
+
+def parallelspec_trees_greedy(
+    logits: torch.Tensor,
+    widths: Sequence[int],
+    budget: int,
+    template: TreeTemplate | None = None,
+    d2t: torch.Tensor | None = None,
+) -> list[DraftTree]:
+    """:func:`parallelspec_tree` for a whole batch under greedy verification, from draft-vocabulary logits.
+
+    The same trees as ``parallelspec_tree(softmax(full_vocab_logits), widths, budget, template=template)``
+    per row (same candidates, same shape; ties between equal probabilities aside), at a fraction of the
+    cost: one softmax and one top-k over the N-entry draft vocabulary for the whole batch instead of a
+    scatter into the v-entry vocabulary, a softmax and D top-k calls per sequence; shapes come from
+    memoized templates; no ``draft_probs`` (greedy acceptance does not read them). Trees carry
+    ``scores`` (path confidences) for the planner.
+
+    Args:
+        logits: [b, D, N] float drafter logits over the draft vocabulary (N = v when unrestricted).
+        widths: candidates per depth; budget: maximum nodes; template: optional static shape.
+        d2t: [N] int64 draft id -> target id (None: the identity).
+
+    Returns:
+        b :class:`DraftTree` (greedy: no draft_probs), each with ``scores`` [n].
+    """
+    b, d_all, n_vocab = logits.shape
+    depth = min(len(widths), d_all)
+    widths = [min(int(w), n_vocab) for w in widths[:depth]]
+    if b == 0 or depth == 0:
+        return [DraftTree.empty() for _ in range(b)]
+    top = torch.topk(torch.softmax(logits[:, :depth].float(), dim=-1), max(widths), dim=-1)  # [b, depth, w]
+    ids = top.indices if d2t is None else d2t.to(top.indices.device)[top.indices]
+    vals, ids = top.values.tolist(), ids.tolist()
+    fixed = template.truncate(widths, budget) if template is not None else None
+    trees = []
+    for i in range(b):
+        scores = [vals[i][t][: widths[t]] for t in range(depth)]
+        tpl = fixed if fixed is not None else best_first_template(scores, budget)
+        trees.append(tpl.fill_lists(ids[i], None, scores))
+    return trees
