@@ -470,7 +470,11 @@ class SpecEngine:
         sel = [torch.arange(n) for n in q]
         t0 = time.perf_counter()
         hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False)
-        self.stats.forward_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.forward_seconds += dt
+        report = getattr(self.proposer, "observe_forward", None)  # the planner's cost curve (verify/planner.py)
+        if report is not None:
+            report(len(rows), sum(q), dt)
         return logits, hidden
 
     def _commit(self, rows, seqs, trees, logits, hidden) -> None:

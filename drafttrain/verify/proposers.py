@@ -713,7 +713,7 @@ class _DynamicTree:
 
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
-                 choices: Sequence[Sequence[int]] | None = None, batched: bool = True):  # fmt: skip
+                 choices: Sequence[Sequence[int]] | None = None, batched: bool = True, plan: bool = False):  # fmt: skip
     """The proposer that drafts the way ``drafter`` declares (``drafter.spec.drafting``,
     :class:`~drafttrain.drafters.base.DrafterSpec`).
 
@@ -727,6 +727,9 @@ def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | Non
 
     ``batched``: draft the whole batch in shared drafter forwards where the drafter declares it can
     (``spec.batched``; False: one sequence at a time).
+    ``plan``: wrap it in a :class:`~drafttrain.verify.planner.PlannedProposer`: every step verifies only
+    the nodes whose expected gain pays for their measured cost, and drafting pauses while it does not
+    pay (lossless; SSSD §3.2's planner, online).
 
     Returns:
         a :class:`Proposer` whose ``name`` is the drafter's and whose ``feature_layers`` are the drafter's.
@@ -736,4 +739,8 @@ def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | Non
     else:
         prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices, batched=batched)
     prop.name = drafter.name
+    if plan:
+        from drafttrain.verify.planner import PlannedProposer
+
+        prop = PlannedProposer(prop)
     return prop

@@ -1,0 +1,347 @@
+"""Speculation that never loses: per step, verify only the draft nodes whose expected gain pays for their cost.
+
+SSSD (Marzollo et al. 2024, §3.2, Fig. 2) picks the speculation length once per batch size from a measured
+forward-time table: "the theoretical end-to-end speedup and the optimal speculation length are obtained
+by dividing the algorithmic acceleration by the increase in cost" (:func:`drafttrain.verify.sssd.plan_speculation_length`:
+size n maximising ``b * tau(n) / t(b, n + 1)``). :class:`SpeculationPlanner` does the same **online and
+per step**, with the drafter's own confidence in place of a fixed tau table:
+
+- **Acceleration.** A draft node is accepted exactly when its whole path is the target's continuation;
+  siblings exclude each other, so the expected tokens a tree emits are ``1 + sum_j P(node j accepted)``
+  (bonus included). The drafter's path confidence (:attr:`~drafttrain.verify.tree.DraftTree.scores`:
+  product of its probabilities along the path) estimates P after calibration against what the
+  verifier actually accepted: verified nodes are binned by confidence and each bin's discounted
+  acceptance frequency, with one pseudo-observation at the bin's own confidence as prior, is the
+  estimate (a histogram calibration, learnt online). A node is never valued above its parent, so the
+  best K nodes of the batch are always ancestor-closed.
+- **Cost.** ``t(b, M)``: the measured seconds of one verification forward of b sequences with M inputs in
+  total (every verification forward is reported by the engine: :meth:`PlannedProposer.observe_forward`),
+  median of the recent measurements per (b, M), linear interpolation between measured M (as SSSD's
+  planner interpolates its table), and *optimistic* (flat) beyond the measured range, so an untried
+  size is tried once and then priced at what it cost; plus the measured drafting time.
+- **Choice.** With the batch's nodes sorted by value v_(1) >= v_(2) >= ..., the step verifies the K
+  best, K maximising ``(b + sum_{k<=K} v_(k)) / (t_draft + t(b, b + K))`` (SSSD's ratio with b sequences
+  and a tree size summed over the batch); K = 0 is plain decoding. When even the best K does not beat
+  plain decoding (``b / t(b, b)``, no drafting), the next steps skip drafting altogether (1, 2, 4, ...
+  up to ``max_skip`` steps, then draft again to re-measure): a drafter that does not pay costs at most
+  one drafting every ``max_skip`` steps. That next drafting is a probe: each sequence's best node is
+  verified whatever its estimate, so an under-confident drafter's calibration still gets evidence.
+
+Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
+subset; under sampling the kept children of a node are its first draws and the choice reads the
+sorted probabilities, never which tokens were drawn), so every acceptance rule keeps its guarantee.
+Greedy output stays equal to plain greedy decoding token for token.
+
+Shape letters: b sequences in the step, n tree nodes, M verification inputs of the step (b + nodes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from collections import deque
+from typing import Sequence
+
+import torch
+
+from drafttrain.verify.acceptance import GREEDY
+from drafttrain.verify.tree import DraftTree
+
+
+class ForwardCostModel:
+    """Online estimate of ``t(b, M)``, the seconds of one verification forward (b sequences, M inputs in total).
+
+    Args:
+        window: recent measurements kept per (b, M) (their median is the estimate).
+    """
+
+    def __init__(self, window: int = 5):
+        self.window = int(window)
+        self._obs: dict[int, dict[int, deque]] = {}  # b -> M -> recent seconds
+
+    def observe(self, batch: int, inputs: int, seconds: float) -> None:
+        self._obs.setdefault(int(batch), {}).setdefault(int(inputs), deque(maxlen=self.window)).append(float(seconds))
+
+    def measured(self, batch: int) -> dict[int, float]:
+        """{M: median seconds} measured at batch size ``batch``."""
+        return {m: statistics.median(d) for m, d in sorted(self._obs.get(int(batch), {}).items())}
+
+    def predict(self, batch: int, inputs: int) -> float | None:
+        """Seconds for (b, M): the median where measured, linear between measured M, flat (optimistic)
+        outside the measured range; None when nothing was measured at this batch size."""
+        table = self.measured(batch)
+        if not table:
+            return None
+        ms = list(table)
+        i = bisect.bisect_left(ms, inputs)
+        if i < len(ms) and ms[i] == inputs:
+            return table[inputs]
+        if i == 0:
+            return table[ms[0]]
+        if i == len(ms):
+            return table[ms[-1]]
+        lo, hi = ms[i - 1], ms[i]
+        w = (inputs - lo) / (hi - lo)
+        return (1 - w) * table[lo] + w * table[hi]
+
+
+class SpeculationPlanner:
+    """The per-step choice of how many draft nodes to verify (module docstring).
+
+    Args:
+        max_skip: longest run of steps without drafting after a step where drafting did not pay.
+        calibration_decay: discount of old evidence in the per-depth calibration (per observed step).
+        min_gain: drafting must promise at least this factor over plain decoding (1.0 = any gain).
+    """
+
+    #: upper edges of the confidence bins of the calibration
+    BINS = (0.001, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+    def __init__(self, max_skip: int = 16, calibration_decay: float = 0.99, min_gain: float = 1.0):
+        self.cost = ForwardCostModel()
+        self.max_skip = int(max_skip)
+        self.decay = float(calibration_decay)
+        self.min_gain = float(min_gain)
+        self._n = [0.0] * len(self.BINS)  # discounted verified nodes per confidence bin
+        self._acc = [0.0] * len(self.BINS)  # discounted accepted nodes per confidence bin
+        self.draft_seconds: dict[int, float] = {}  # b -> EMA of drafting time
+        self._skip_left = 0
+        self._skip_next = 1
+        self._probe = False
+        # counters (reported by the harness / tests)
+        self.steps = self.skipped_steps = self.plain_steps = self.nodes_offered = self.nodes_verified = 0
+
+    # -- calibration -------------------------------------------------------------------------------
+    def _bin(self, raw: float) -> int:
+        return min(bisect.bisect_left(self.BINS, raw), len(self.BINS) - 1)
+
+    def calibrated(self, raw: float) -> float:
+        """P(node accepted) for a node of raw confidence ``raw``: its bin's discounted acceptance
+        frequency with one pseudo-observation at ``raw`` itself as prior."""
+        i = self._bin(raw)
+        return (self._acc[i] + raw) / (self._n[i] + 1.0)
+
+    def observe_acceptance(self, tree: DraftTree, raw: Sequence[float], accepted_tokens: Sequence[int]) -> None:
+        """One verified tree: its nodes' raw values and the draft tokens the verifier accepted (in order)."""
+        if tree.n == 0:
+            return
+        on_path, node, kids, toks = set(), -1, tree.children(), tree.tokens.tolist()
+        for t in accepted_tokens:  # the accepted nodes: follow the child holding each accepted token
+            node = next((c for c in kids[node + 1] if toks[c] == t), None)
+            if node is None:
+                break
+            on_path.add(node)
+        self._n = [x * self.decay for x in self._n]
+        self._acc = [x * self.decay for x in self._acc]
+        for j, r in enumerate(raw):
+            i = self._bin(float(r))
+            self._n[i] += 1.0
+            self._acc[i] += 1.0 if j in on_path else 0.0
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        old = self.draft_seconds.get(batch)
+        self.draft_seconds[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    # -- the choice -----------------------------------------------------------------------------------
+    def should_draft(self, batch: int) -> bool:
+        """False while a skip run (drafting did not pay at the last drafted step) is in progress, and
+        once per batch size to measure plain decoding's forward first (the reference of every choice)."""
+        if batch not in self.cost.measured(batch):
+            self.skipped_steps += 1
+            self.steps += 1
+            return False
+        if self._skip_left > 0:
+            self._skip_left -= 1
+            self.skipped_steps += 1
+            self.steps += 1
+            return False
+        return True
+
+    @staticmethod
+    def raw_values(tree: DraftTree) -> list[float]:
+        """Each node's uncalibrated acceptance estimate: the tree's path scores, or (none given) the
+        parent's value split evenly among siblings (a chain: 1 per node, left to the calibration)."""
+        if tree.scores is not None:
+            return [float(x) for x in tree.scores.tolist()]
+        kids = tree.children()
+        vals: list[float] = []
+        for i, p in enumerate(tree.parents.tolist()):
+            vals.append((1.0 if p < 0 else vals[p]) / len(kids[p + 1]))
+        return vals
+
+    def plan(self, trees: Sequence[DraftTree]) -> tuple[list[list[int]], list[list[float]]]:
+        """Which nodes of each tree to verify this step.
+
+        Returns:
+            (keep, raw): per tree, the kept node indices (ascending, ancestor-closed; [] = plain decoding
+            for that sequence) and every node's raw value (for :meth:`observe_acceptance`).
+        """
+        b = len(trees)
+        self.steps += 1
+        raws = [self.raw_values(t) for t in trees]
+        cands = []  # (value, depth, tree, node)
+        for i, (t, raw) in enumerate(zip(trees, raws)):
+            depth, par, val = t.depth().tolist(), t.parents.tolist(), []
+            for j, (d, p, r) in enumerate(zip(depth, par, raw)):
+                v = self.calibrated(r)
+                if p >= 0:
+                    v = min(v, val[p])  # never above the parent: the best K stay ancestor-closed
+                val.append(v)
+                cands.append((-v, d, i, j))
+        cands.sort()
+        self.nodes_offered += len(cands)
+        t_plain = self.cost.predict(b, b)
+        t_draft = self.draft_seconds.get(b, 0.0)
+        best_k, best_rate, gain = len(cands), None, None  # nothing measured yet: verify everything (explore)
+        if t_plain is not None:
+            plain_rate = b / t_plain
+            expected = float(b)
+            best_k, best_rate = 0, b / (t_draft + t_plain)
+            for k, (neg_v, *_rest) in enumerate(cands, start=1):
+                expected -= neg_v
+                rate = expected / (t_draft + self.cost.predict(b, b + k))
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            gain = best_rate / plain_rate
+        keep: list[list[int]] = [[] for _ in trees]
+        for _, _, i, j in cands[:best_k]:
+            keep[i].append(j)
+        if self._probe:  # first drafting after a skip run: verify each sequence's best node regardless
+            self._probe = False
+            for _, _, i, j in cands:
+                if not keep[i] and trees[i].parents[j] < 0:
+                    keep[i].append(j)
+                    best_k += 1
+        for k in keep:
+            k.sort()
+        self.nodes_verified += best_k
+        if best_k == 0:
+            self.plain_steps += 1
+        if gain is not None and (best_k == 0 or gain < self.min_gain):  # drafting did not pay: skip the next steps' drafting
+            self._skip_left = self._skip_next
+            self._skip_next = min(2 * self._skip_next, self.max_skip)
+            self._probe = True
+        else:
+            self._skip_next = 1
+        return keep, raws
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
+                "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
+                "calibration": {f"<={e}": round((a + 1e-9) / (n + 1e-9), 3) for e, a, n in zip(self.BINS, self._acc, self._n)
+                                if n > 0.5}}  # fmt: skip
+
+
+def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
+    """The nodes ``keep`` (ascending, ancestor-closed) of ``tree`` as a tree of their own (re-indexed;
+    draft_probs rows and dist_index carried over)."""
+    if len(keep) == tree.n:
+        return tree
+    if not keep:
+        return DraftTree.empty()
+    new_index = {j: k for k, j in enumerate(keep)}
+    par = tree.parents.tolist()
+    idx = torch.tensor(list(keep), dtype=torch.long)
+    parents = torch.tensor([new_index[par[j]] if par[j] >= 0 else -1 for j in keep], dtype=torch.long)
+    return DraftTree.trusted(tree.tokens[idx], parents, tree.draft_probs,
+                             None if tree.dist_index is None else tree.dist_index[idx],
+                             None if tree.scores is None else tree.scores[idx])  # fmt: skip
+
+
+class PlannedProposer:
+    """Wraps a proposer so that a :class:`SpeculationPlanner` decides, every step, how much of its
+    trees the engine verifies, and whether to draft at all.
+
+    Steps without drafting return empty trees (plain decoding). The items the engine hands over
+    meanwhile (``start`` of a new sequence, ``commit`` after each step) are kept and given to the inner
+    proposer just before its next ``draft``: consecutive commits as one (their items are consecutive:
+    zip(tokens, hidden) stays the item stream), a start followed by commits as one start whose prompt
+    runs up to the last committed token. So a drafter with its own KV cache (ParallelSpec, EAGLE)
+    stays in step with the target. The engine reports every verification forward's time through
+    :meth:`observe_forward`.
+
+    Args:
+        inner: a proposer whose trees the engine's own acceptance rule verifies (no ``accept`` of its own).
+        planner: default a fresh :class:`SpeculationPlanner`.
+
+    Raises:
+        ValueError: ``inner`` brings its own acceptance rule (its trees' meaning is its own).
+    """
+
+    def __init__(self, inner, planner: SpeculationPlanner | None = None):
+        if getattr(inner, "accept", None) is not None:
+            raise ValueError(f"proposer {getattr(inner, 'name', inner)!r} has its own acceptance rule; plan=false for it")
+        self.inner = inner
+        self.planner = planner or SpeculationPlanner()
+        self.name = getattr(inner, "name", "proposer")
+        self.lossless = getattr(inner, "lossless", True)
+        self._starts: dict[int, tuple[list[int], torch.Tensor, int]] = {}  # slot -> start not yet handed on
+        self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # slot -> commits not yet handed on
+        self._inner_live: set[int] = set()
+        self._verified: dict[int, tuple[DraftTree, list[float]]] = {}  # slot -> (verified tree, raw values)
+
+    def __getattr__(self, name):  # widths, budget, template, ... of the inner proposer
+        if name in ("inner", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def start(self, slot, prompt_ids, hidden, first_token) -> None:
+        self._pending.pop(slot, None)
+        self._verified.pop(slot, None)
+        self._starts[slot] = (list(prompt_ids), hidden, int(first_token))
+
+    def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        slots = list(slots)
+        b = len(slots)
+        self._verified.clear()
+        if not slots:
+            return []
+        if not self.planner.should_draft(b):
+            return [DraftTree.empty() for _ in slots]
+        self._flush(slots)
+        t0 = time.perf_counter()
+        trees = self.inner.draft(slots, sampling, generator)
+        self.planner.observe_draft(b, time.perf_counter() - t0)
+        keep, raws = self.planner.plan(trees)
+        out = []
+        for s, t, k, raw in zip(slots, trees, keep, raws):
+            sub = subtree(t, k)
+            self._verified[s] = (sub, [raw[j] for j in k])
+            out.append(sub)
+        return out
+
+    def commit(self, slot, tokens, hidden) -> None:
+        ver = self._verified.pop(slot, None)
+        if ver is not None:
+            self.planner.observe_acceptance(ver[0], ver[1], list(tokens)[:-1])
+        # handed on just before the inner proposer's next draft (which may be steps away: the inner
+        # proposer keeps only the last commit until it drafts)
+        self._pending.setdefault(slot, []).append((list(tokens), hidden))
+
+    def release(self, slot) -> None:
+        self._starts.pop(slot, None)
+        self._pending.pop(slot, None)
+        self._verified.pop(slot, None)
+        if slot in self._inner_live:
+            self._inner_live.discard(slot)
+            self.inner.release(slot)
+
+    def observe_forward(self, batch: int, inputs: int, seconds: float) -> None:
+        """The engine's report of one verification forward (b sequences, M inputs, wall seconds)."""
+        self.planner.cost.observe(batch, inputs, seconds)
+
+    def _flush(self, slots) -> None:
+        for s in slots:
+            items = self._pending.pop(s, None) or []
+            toks = [t for tk, _ in items for t in tk]
+            hid = (torch.cat([h for _, h in items]) if len(items) > 1 else items[0][1]) if items else None
+            st = self._starts.pop(s, None)
+            if st is not None:  # start(prompt, h, first) + commits (T, H) == start(prompt + [first] + T[:-1], [h; H], T[-1])
+                prompt, h0, first = st
+                if toks:
+                    prompt, first, h0 = prompt + [first] + toks[:-1], toks[-1], torch.cat([h0, hid])
+                self.inner.start(s, prompt, h0, first)
+                self._inner_live.add(s)
+            elif toks:
+                self.inner.commit(s, toks, hid)

@@ -1,0 +1,189 @@
+"""Tests of drafttrain.verify.planner (issue 16 item 3: speculation that never loses).
+
+The planner only chooses which nodes of a proposer's tree are verified and whether to draft, so
+whatever it decides the output must stay plain greedy, token for token. Its decisions are driven by
+forward times; here a fixed cost model replaces the measured one so that every branch (verify all,
+verify some, verify none and skip drafting, then draft again) runs deterministically.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from drafttrain.target import Target
+from drafttrain.verify import DraftTree, ParallelSpecProposer, PlainProposer, SpecEngine
+from drafttrain.verify.planner import ForwardCostModel, PlannedProposer, SpeculationPlanner, subtree
+from drafttrain.verify.proposers import proposer_for
+
+
+class FixedCost(ForwardCostModel):
+    """t(b, M) = 1 + slope * (M - b): measured forwards are ignored."""
+
+    def __init__(self, slope: float):
+        super().__init__()
+        self.slope = slope
+
+    def observe(self, batch, inputs, seconds):
+        self._obs.setdefault(batch, {}).setdefault(inputs, [0.0])
+
+    def predict(self, batch, inputs):
+        return 1.0 + self.slope * (inputs - batch)
+
+
+def planner(slope: float) -> SpeculationPlanner:
+    p = SpeculationPlanner(max_skip=4)
+    p.cost = FixedCost(slope)
+    return p
+
+
+def test_cost_model_interpolates_and_is_optimistic_outside():
+    c = ForwardCostModel()
+    assert c.predict(1, 1) is None
+    for t in (1.0, 1.2, 1.1):
+        c.observe(1, 1, t)
+    c.observe(1, 9, 3.0)
+    assert c.predict(1, 1) == pytest.approx(1.1)  # median
+    assert c.predict(1, 5) == pytest.approx(1.1 + 0.5 * 1.9)  # linear between measured sizes
+    assert c.predict(1, 20) == pytest.approx(3.0)  # flat beyond: an untried size is tried once
+    assert c.predict(4, 4) is None  # other batch sizes are measured on their own
+
+
+def _chain(scores):
+    n = len(scores)
+    return DraftTree(torch.arange(10, 10 + n), torch.arange(n) - 1, scores=torch.tensor(scores))
+
+
+def test_plan_takes_the_nodes_that_pay_best_first_across_the_batch():
+    p = planner(slope=0.0)
+    p.cost.observe(2, 2, 0.0)
+    keep, _ = p.plan([_chain([0.9, 0.8, 0.1]), _chain([0.5, 0.4])])
+    assert keep == [[0, 1, 2], [0, 1]]  # free verification: everything
+    p = planner(slope=0.3)  # each node costs 0.3 of a forward: only values above ~the running rate pay
+    keep, _ = p.plan([_chain([0.9, 0.8, 0.1]), _chain([0.5, 0.4])])
+    assert keep == [[0, 1], []]  # (2 + .9 + .8) / 1.6 beats adding .5: (2 + 2.2) / 1.9
+    assert all(k == sorted(k) for k in keep)
+    p = planner(slope=5.0)  # verification far too dear: plain decoding, and the next step skips drafting
+    p.cost.observe(1, 1, 0.0)  # plain decoding measured at batch 1
+    keep, _ = p.plan([_chain([0.9, 0.8])])
+    assert keep == [[]]
+    assert not p.should_draft(1) and p.should_draft(1)
+
+
+def test_children_never_outrank_parents_and_calibration_learns():
+    p = planner(slope=0.0)
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]), scores=torch.tensor([0.5, 0.5, 0.1]))
+    keep, raw = p.plan([tree])
+    assert keep == [[0, 1, 2]] and raw[0] == pytest.approx([0.5, 0.5, 0.1])
+    for _ in range(50):  # node 0 (confidence 0.5) always accepted, its children never
+        p.observe_acceptance(tree, [0.5, 0.5, 0.1], accepted_tokens=[5])
+    assert p.calibrated(0.5) > 0.45 and p.calibrated(0.1) < 0.02  # bin (0.4, 0.5]: 1 of 2 nodes; (0.03, 0.1]: 0
+    p.observe_acceptance(tree, [0.5, 0.5, 0.1], accepted_tokens=[5, 7])
+    assert p.calibrated(0.1) > 0.02
+
+
+def test_subtree_reindexes():
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), scores=torch.tensor([0.9, 0.3, 0.8, 0.7]))
+    sub = subtree(tree, [0, 2, 3])
+    assert sub.tokens.tolist() == [5, 7, 8] and sub.parents.tolist() == [-1, 0, 1]
+    assert sub.scores.tolist() == pytest.approx([0.9, 0.8, 0.7])
+    assert subtree(tree, []).n == 0
+
+
+@pytest.fixture(scope="module")
+def varied(tiny_target):
+    model = copy.deepcopy(tiny_target.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=g)
+    return Target(model, tiny_target.tokenizer)
+
+
+@pytest.mark.parametrize("which", ["varied", "tiny"])
+@pytest.mark.parametrize("slope", [0.0, 0.15, 50.0])  # verify all / some / none (drafting skipped, resumed)
+def test_planned_engine_equals_plain_greedy(varied, tiny_target, make_drafter, which, slope):
+    target = varied if which == "varied" else tiny_target
+    drafter = make_drafter(seed=3)
+    drafter.layer.load_state_dict(target.last_layer.state_dict())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8, 21, 6)]
+    plain = SpecEngine(target, PlainProposer(), batch_size=3, max_new_tokens=24, stop_token_ids=-1).run(prompts)
+    pl = planner(slope)
+    prop = PlannedProposer(ParallelSpecProposer(drafter, widths=[2, 2, 1, 1], budget=5), pl)
+    run = SpecEngine(target, prop, batch_size=2, max_new_tokens=24, stop_token_ids=-1).run(prompts)
+    for a, p in zip(run.results, plain.results):
+        assert a.tokens == p.tokens
+    if slope == 50.0:
+        assert pl.skipped_steps > pl.steps // 2  # drafting mostly skipped; drafted steps are probes:
+        assert pl.nodes_verified <= 2 * (pl.steps - pl.skipped_steps)  # one node per sequence
+    assert run.stats.tree_nodes == pl.nodes_verified
+    if slope == 0.0:
+        assert pl.nodes_verified == pl.nodes_offered > 0
+    if which == "tiny" and slope < 1:
+        assert run.stats.tau > 1.0  # drafts were accepted through the wrapper: the drafter stayed in step
+
+
+def test_planned_drafter_cache_stays_in_step_through_skips(tiny_target, make_drafter):
+    """After skipped steps the inner drafter gets the missed items in one commit (or one start):
+    its committed item count equals the target's committed tokens at every drafted step."""
+    drafter = make_drafter(seed=3)
+    inner = ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3)
+    pl = planner(slope=50.0)  # skip runs of 1, 2, 4, 4, ...
+    prop = PlannedProposer(inner, pl)
+    checked = []
+    orig = inner.draft
+
+    def draft(slots, sampling, generator):
+        trees = orig(slots, sampling, generator)
+        for s in slots:  # after the append: items = committed tokens - 1 (the root's item is the next one)
+            seq = next(q for q in eng.rows if q is not None and q.slot == s)
+            checked.append(int(inner._cache.lengths[s]) == len(seq.prompt) + len(seq.generated) - 1)
+        return trees
+
+    inner.draft = draft
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
+    eng = SpecEngine(tiny_target, prop, batch_size=2, max_new_tokens=30, stop_token_ids=-1)
+    eng.run(prompts)
+    assert checked and all(checked)
+
+
+def test_proposer_for_plan_and_refusal():
+    class OwnRule:
+        name = "own"
+
+        def accept(self, *a):
+            raise AssertionError
+
+    with pytest.raises(ValueError, match="own acceptance rule"):
+        PlannedProposer(OwnRule())
+
+
+def test_planned_sampling_runs_and_keeps_draws_prefix(tiny_target, make_drafter):
+    """Under sampling the kept children of a node are its first draws (ranks 0..m-1), so the recursive
+    rejection rule still applies; a run completes with valid trees."""
+    from drafttrain.verify import SamplingParams
+
+    drafter = make_drafter(seed=3)
+    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
+    prop = proposer_for(drafter, widths=[3, 2, 1], budget=5, plan=True)
+    prop.planner.cost = FixedCost(0.2)
+    seen = []
+    orig = prop.inner.draft
+
+    def draft(slots, sampling, generator):
+        trees = orig(slots, sampling, generator)
+        seen.extend(trees)
+        return trees
+
+    prop.inner.draft = draft
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9)]
+    run = SpecEngine(tiny_target, prop, batch_size=2, max_new_tokens=16, stop_token_ids=-1,
+                     sampling=SamplingParams(temperature=0.8)).run(prompts)  # fmt: skip
+    assert all(len(r.tokens) == 16 for r in run.results)
+    assert seen and all(t.draft_probs is not None and t.scores is not None for t in seen)
