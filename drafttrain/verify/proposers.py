@@ -304,7 +304,7 @@ class ParallelSpecProposer:
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
         if sampling.greedy and self.batched and self.fast_greedy:  # draft vocabulary, batched top-k, cached shapes
             lg = self._draft_logits_batched(slots, full_vocab=False)  # [B, K + 1, N]
-            d2t = self.drafter.d2t if getattr(self.drafter, "restricted_vocab", False) else None
+            d2t = self.drafter.draft_token_ids if getattr(self.drafter, "restricted_vocab", False) else None
             return parallelspec_trees_greedy(lg, self.widths, self.budget, self.template, d2t)
         logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
         trees = []

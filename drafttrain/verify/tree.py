@@ -483,7 +483,7 @@ def parallelspec_trees_greedy(
     Args:
         logits: [b, D, N] float drafter logits over the draft vocabulary (N = v when unrestricted).
         widths: candidates per depth; budget: maximum nodes; template: optional static shape.
-        d2t: [N] int64 draft id -> target id (None: the identity).
+        d2t: [N] int64 target id of each draft id (``Drafter.draft_token_ids``; None: the identity).
 
     Returns:
         b :class:`DraftTree` (greedy: no draft_probs), each with ``scores`` [n].
