@@ -45,7 +45,7 @@ from typing import Sequence
 
 import torch
 
-from drafttrain.verify.acceptance import GREEDY
+from drafttrain.sampling import GREEDY
 from drafttrain.verify.tree import DraftTree
 
 
