@@ -95,6 +95,29 @@ def load_sequences(
     return out
 
 
+def load_drafter(target, checkpoint: str | None, seed: int = 0):
+    """The drafter to benchmark: ``Drafter.from_pretrained`` of ``checkpoint`` (a training run folder with
+    ``drafter/``, or the drafter folder itself), or, when None, a fresh ParallelSpec drafter with the
+    shipped drafter config (``conf/drafter/parallelspec.yaml``: its cost is a trained one's, its
+    acceptance is not).
+
+    Raises:
+        FileNotFoundError: no drafter in ``checkpoint``.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    from drafttrain.drafters import Drafter, build_drafter
+    from drafttrain.eval.harness import _drafter_dir
+
+    if checkpoint:
+        return Drafter.from_pretrained(_drafter_dir(Path(checkpoint).expanduser()), target).eval()
+    torch.manual_seed(seed)
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
+    cfg.pop("name", None)
+    return build_drafter("parallelspec", cfg, target).eval()
+
+
 # ==================================================================================================
 # Timing and the machine
 # ==================================================================================================

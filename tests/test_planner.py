@@ -187,3 +187,16 @@ def test_planned_sampling_runs_and_keeps_draws_prefix(tiny_target, make_drafter)
                      sampling=SamplingParams(temperature=0.8)).run(prompts)  # fmt: skip
     assert all(len(r.tokens) == 16 for r in run.results)
     assert seen and all(t.draft_probs is not None and t.scores is not None for t in seen)
+
+
+def test_evaluate_prompts_batched_planned_run(tiny_target, make_drafter):
+    """The in-training evaluation's planned run: its outputs are checked like the others; tau stays the full tree's."""
+    from drafttrain.eval.spec import evaluate_prompts_batched
+
+    drafter = make_drafter(seed=3)
+    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    r = evaluate_prompts_batched(tiny_target, drafter, prompts, 12, batch_size=2, progress=False, plan=True)
+    assert r["greedy_equal"] and r["speedup_planned"] > 0 and r["planner"]["steps"] > 0
+    assert r["tau"] > 1.0  # the unplanned chain's acceptance, as before

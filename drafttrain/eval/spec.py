@@ -166,7 +166,7 @@ def evaluate_prompts(
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
-    also_chain: bool = False,
+    also_chain: bool = False, plan: bool = False,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -184,7 +184,11 @@ def evaluate_prompts_batched(
     depth, maximum nodes; ParallelSpec Appendix A.3); greedy acceptance keeps the output lossless.
     ``also_chain`` (with a tree) decodes the prompts a third time with the chain and adds its numbers as
     ``tau_chain``, ``speedup_chain``, ``spec_tokens_per_s_chain``, ``accept_hist_chain``;
-    ``greedy_equal`` then covers both runs.
+    ``greedy_equal`` then covers both runs. ``plan`` decodes them once more with the online planner
+    (:mod:`drafttrain.verify.planner`: per step only the nodes that pay, none and no drafting when
+    nothing does) and adds ``speedup_planned``, ``spec_tokens_per_s_planned``, ``tau_planned`` and
+    ``planner`` (its counters); ``tau`` stays the full tree's (the drafter's quality), ``greedy_equal``
+    covers the planned run too.
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
@@ -206,12 +210,15 @@ def evaluate_prompts_batched(
     tree = tree_widths is not None or tree_budget is not None
     proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget)
     spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
-    chain = None
+    chain = planned = None
     if tree and also_chain:
         chain = engine(proposer_for(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
+    if plan:
+        planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True)
+        planned = engine(planned_prop).run(prompts, progress=progress and f"spec-eval planned b={batch_size}")
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
-        outs = [s.tokens] + ([chain.results[i].tokens] if chain is not None else [])
+        outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned) if x is not None]
         if any(o != r.tokens for o in outs):
             single = plain_greedy(target, p, max_new_tokens)[0]
             if any(o != single for o in outs):
@@ -223,6 +230,10 @@ def evaluate_prompts_batched(
         ct = chain.stats
         extra = {"tau_chain": ct.tau, "speedup_chain": ct.tokens_per_s / max(pt.tokens_per_s, 1e-9),
                  "spec_tokens_per_s_chain": ct.tokens_per_s, "accept_hist_chain": dict(sorted(ct.accept_hist.items()))}  # fmt: skip
+    if planned is not None:
+        qt = planned.stats
+        extra.update(speedup_planned=qt.tokens_per_s / max(pt.tokens_per_s, 1e-9), tau_planned=qt.tau,
+                     spec_tokens_per_s_planned=qt.tokens_per_s, planner=planned_prop.planner.summary())  # fmt: skip
     return {
         "tau": st.tau,
         "greedy_equal": not mismatches,

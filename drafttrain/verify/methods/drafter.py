@@ -25,12 +25,17 @@ class TreeConfig:
     ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``. ``batched_drafting``: the
     drafter drafts the whole batch in shared forwards (ParallelSpec: one forward; EAGLE: one per
     depth); false = one sequence at a time, each with its own drafter cache (a reference to compare).
+    ``plan``: the online planner (:mod:`drafttrain.verify.planner`) chooses every step how many of the
+    tree's nodes to verify, including none (τ is then per verification step of the pruned trees).
     """
 
     widths: list[int] | None = None
     budget: int | None = None
     choices: Any = None
     batched_drafting: bool = True
+    # verify per step only the nodes that pay for their measured cost, pause drafting while nothing does
+    # (drafttrain/verify/planner.py; lossless); false = verify the whole tree every step
+    plan: bool = True
 
     numeric_ranges = dict(widths=GE1, budget=GE1)  # checked at validation (drafttrain.config.numeric_ranges)
 
@@ -45,7 +50,7 @@ def make_proposer(c, drafter):
     if isinstance(choices, str):
         choices = NAMED_CHOICES[choices]
     return proposer_for(drafter, widths=c.tree.widths, budget=c.tree.budget, choices=choices,
-                        batched=c.tree.batched_drafting)  # fmt: skip
+                        batched=c.tree.batched_drafting, plan=c.tree.plan)  # fmt: skip
 
 
 def _check(c) -> list[str]:

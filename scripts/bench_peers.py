@@ -1,0 +1,185 @@
+"""Batch-1 decoding speed against the peers a user would reach for, interleaved per prompt.
+
+    python -m scripts.bench_peers drafter=outputs/parallelspec-smollm2-135m-instruct
+
+For each prompt (MT-bench first turns, greedy, ``max_new_tokens`` tokens, stop at end of turn) every
+method decodes it once, in a rotating order, in the same process:
+
+- ``hf_generate``: Hugging Face ``model.generate`` (greedy) on the target as ``transformers`` loads
+  it (``F.linear`` layers): what a user gets without this project;
+- ``hf_prompt_lookup``: the same with prompt-lookup decoding (``prompt_lookup_num_tokens``);
+- ``hf_generate_packed``: ``generate`` on the target with oneDNN prepacked linears
+  (``target.fast_linear``), to separate what the linear layers buy from what the engine buys;
+- ``engine_plain``: our engine, plain decoding (``PlainProposer``), prepacked linears (the default);
+- ``engine_spec``: our engine with the drafter's own proposer, its tree and the online planner
+  (``tree.plan``), prepacked linears: what ``scripts.evaluate`` runs at batch 1.
+
+tokens/s = generated tokens / wall time summed over the prompts; every output is compared with
+``hf_generate``'s token for token. ``drafter``: a training run folder (or its ``drafter/``); null = a
+fresh drafter of the shipped config (timing only: its acceptance is meaningless).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafttrain.config import TargetConfig
+from drafttrain.verify.methods.drafter import TreeConfig
+
+METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec")
+
+
+@dataclass
+class BenchPeersConfig:
+    """Schema of ``python -m scripts.bench_peers`` (key=value overrides, validated before any work)."""
+
+    drafter: str | None = None  # a training run folder or drafter/ folder; null = fresh ParallelSpec drafter
+    prompts: str = "mt_bench"
+    num_prompts: int = 8
+    prompt_stride: int = 10  # MT-bench: every 10th question = one per category
+    max_new_tokens: int = 64
+    prompt_lookup_num_tokens: int = 10
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    threads: int = 2
+    out: str = "docs/benchmarks/peers"
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(widths=[4, 2, 1, 1, 1], budget=8))
+    target: TargetConfig = field(default_factory=TargetConfig)
+
+
+def bench(cfg: BenchPeersConfig) -> dict:
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.data.template import end_of_turn_ids, prompt_ids
+    from drafttrain.target import load_target
+    from drafttrain.verify import PlainProposer, SpecEngine
+    from drafttrain.verify.proposers import proposer_for
+    from scripts.bench_forward_cost import LinearSwitch
+    from scripts.common import load_drafter
+
+    bad = sorted(set(cfg.methods) - set(METHODS))
+    if bad:
+        raise ValueError(f"unknown methods {bad}; choose from {list(METHODS)}")
+    torch.set_num_threads(cfg.threads)
+    target = load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"}))
+    switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
+    drafter = load_drafter(target, cfg.drafter) if "engine_spec" in cfg.methods else None
+    rows_in = load_eval_prompts(cfg.prompts, limit=cfg.num_prompts, stride=cfg.prompt_stride)
+    prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows_in]
+    stops = sorted(end_of_turn_ids(target.tokenizer))
+    spec_prop = None
+    if drafter is not None:
+        spec_prop = proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
+                                 batched=cfg.tree.batched_drafting, plan=cfg.tree.plan)  # fmt: skip
+
+    def hf(p: list[int], lookup: bool) -> list[int]:
+        ids = torch.tensor([p])
+        extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_num_tokens} if lookup else {}
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=cfg.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0],
+                                    **extra)  # fmt: skip
+        return out[0, len(p):].tolist()
+
+    def engine(p: list[int], prop) -> tuple[list[int], object]:
+        run = SpecEngine(target, prop, batch_size=1, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops).run([p])
+        return run.results[0].tokens, run.stats
+
+    calls = {
+        "hf_generate": (False, lambda p: (hf(p, False), None)),
+        "hf_prompt_lookup": (False, lambda p: (hf(p, True), None)),
+        "hf_generate_packed": (True, lambda p: (hf(p, False), None)),
+        "engine_plain": (True, lambda p: engine(p, PlainProposer())),
+        "engine_spec": (True, lambda p: engine(p, spec_prop)),
+    }
+    methods = [m for m in METHODS if m in cfg.methods]
+    totals = {m: {"seconds": 0.0, "tokens": 0, "equal": 0, "steps": 0, "emitted": 0} for m in methods}
+    calls[methods[0]][1](prompts[0][:8])  # warm-up (allocator, oneDNN primitives), untimed
+    per_prompt = []
+    for i, p in enumerate(prompts):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first
+        outs = {}
+        for m in order:
+            packed, fn = calls[m]
+            switch.use(packed)
+            t = time.perf_counter()
+            toks, stats = fn(p)
+            dt = time.perf_counter() - t
+            outs[m] = toks
+            totals[m]["seconds"] += dt
+            totals[m]["tokens"] += len(toks)
+            if stats is not None:
+                totals[m]["steps"] += stats.seq_steps
+                totals[m]["emitted"] += stats.emitted
+        ref = outs.get("hf_generate", outs[methods[0]])
+        for m in methods:
+            totals[m]["equal"] += int(outs[m] == ref)
+        per_prompt.append({"prompt": i, "tokens": {m: len(outs[m]) for m in methods},
+                           "equal": {m: outs[m] == ref for m in methods}})  # fmt: skip
+        print(f"prompt {i}: " + ", ".join(f"{m} {len(outs[m])} tok" for m in methods), flush=True)
+    switch.use(False)
+    base = totals[methods[0]]["tokens"] / totals[methods[0]]["seconds"]
+    rows = []
+    for m in methods:
+        t = totals[m]
+        tps = t["tokens"] / t["seconds"]
+        rows.append({"method": m, "tokens_per_s": tps, "vs_first": tps / base, "equal_outputs": t["equal"],
+                     "prompts": len(prompts), "tau": t["emitted"] / t["steps"] if t["steps"] else None,
+                     "tokens": t["tokens"], "seconds": t["seconds"]})  # fmt: skip
+    planner = getattr(spec_prop, "planner", None)
+    return {"rows": rows, "per_prompt": per_prompt, "planner": planner.summary() if planner is not None else None,
+            "drafter": cfg.drafter or "fresh parallelspec (untrained: timing only)"}  # fmt: skip
+
+
+def markdown(res: dict, command: str, analysis: str) -> str:
+    m = res["machine"]
+    shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
+    c = res["config"]
+    first = res["rows"][0]["method"]
+    lines = [
+        "# Batch-1 decoding speed against Hugging Face generate and prompt-lookup decoding",
+        "",
+        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
+        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        + (" and the machine was **shared with other jobs** while this ran (times noisy; methods rotate per prompt)."
+           if shared else "."),
+        "",
+        f"{c['num_prompts']} {c['prompts']} first turns (every {c['prompt_stride']}th), greedy, up to "
+        f"{c['max_new_tokens']} new tokens, batch 1, every method on every prompt in turn. Drafter: {res['drafter']}; "
+        f"tree {c['tree']}. Prompt lookup: `prompt_lookup_num_tokens={c['prompt_lookup_num_tokens']}`.",
+        "",
+        f"| method | tokens/s | vs {first} | τ | outputs equal to {first} |",
+        "|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else ""
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['vs_first']:.2f}x | {tau} | "
+                     f"{r['equal_outputs']}/{r['prompts']} |")  # fmt: skip
+    if res.get("planner"):
+        lines += ["", f"Planner (engine_spec): {res['planner']}"]
+    lines += ["", "Reproduce (from the repository root):", "", "```bash", command, "```", "", analysis, ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import dataclasses
+    import datetime
+
+    from drafttrain.cliconfig import parse_cli
+    from scripts.common import machine, reproduce, write_report
+
+    cfg = parse_cli(BenchPeersConfig, argv)
+    mach = machine()
+    res = bench(cfg)
+    conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "target"}
+    res.update(machine={**mach, "torch_threads": cfg.threads}, date=datetime.date.today().isoformat(), config=conf)
+    command = reproduce("bench_peers", argv)
+    res["command"] = command
+    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
+    return res
+
+
+if __name__ == "__main__":
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

@@ -1,0 +1,41 @@
+"""The speed benchmark scripts run end to end on the tiny target (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_bench_forward_cost_writes_page(tmp_path, tiny_target):
+    from scripts.bench_forward_cost import main
+
+    out = tmp_path / "fc"
+    res = main(["target.random_init=true", "tokens=[1,3]", "batch_sizes=[1,2]", "batch_tokens=[1,2]", "repeats=1",
+                "bandwidth_mb=8", "threads=1", f"out={out}"])  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 2)]
+    assert all(r["plain_ms"] > 0 and r["packed_ms"] > 0 and r["roofline_ms"] > 0 for r in rows)
+    assert res["linear_layers"] == 2 * 7 + 1  # 2 layers x (q, k, v, o, gate, up, down) + LM head
+    md = out.with_suffix(".md").read_text()
+    assert "python -m scripts.bench_forward_cost" in md and "| 2 | 2 |" in md
+
+
+def test_bench_draft_cost_writes_page(tmp_path, tiny_target):
+    from scripts.bench_draft_cost import main
+
+    out = tmp_path / "dc"
+    res = main(["target.random_init=true", "batch_sizes=[1,3]", "steps=2", "threads=1", "tree_widths=[2,1]",
+                "tree_budget=3", f"out={out}"])  # fmt: skip
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    assert all(r["same_state"] and r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
+    assert "python -m scripts.bench_draft_cost" in out.with_suffix(".md").read_text()
+
+
+def test_bench_peers_writes_page(tmp_path, tiny_target):
+    from scripts.bench_peers import main
+
+    out = tmp_path / "peers"
+    res = main(["target.random_init=true", "num_prompts=2", "max_new_tokens=6", "threads=1", f"out={out}"])
+    rows = {r["method"]: r for r in res["rows"]}
+    assert list(rows) == ["hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec"]
+    assert all(r["equal_outputs"] == 2 for r in rows.values())  # every method reproduces HF generate
+    assert "python -m scripts.bench_peers" in out.with_suffix(".md").read_text()
