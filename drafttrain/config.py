@@ -178,6 +178,12 @@ class SpecEvalConfig:
     batch_size: int = 16
     tree: SpecTreeConfig = field(default_factory=SpecTreeConfig)  # needs batch_size > 1; null widths+budget = a chain
     chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
+    # decode once more with the online planner (verify/planner.py: per step only the draft nodes that pay for
+    # their verification, none when nothing does); eval/speedup_b<N> is then the planned run's
+    plan: bool = True
+    # batch-1 latency: the first N prompts also go through the engine one sequence at a time, plain vs
+    # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)
+    latency_prompts: int = 4
 
 
 @dataclass

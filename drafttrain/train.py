@@ -587,13 +587,34 @@ def run(cfg) -> dict[str, Any]:
         atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
         summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
         print(f"[drafttrain] done: {summary}", flush=True)
+        if "eval/tau" in final:
+            print(f"[drafttrain] {speedup_line(final)}", flush=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
 
 
+def speedup_line(final: dict[str, Any]) -> str:
+    """One sentence with what the evaluation means for a user: τ, speedup at each batch size, losslessness."""
+    parts = [f"batch {k.rsplit('_b', 1)[1]}: {v:.2f}x" for k, v in sorted(final.items(), key=lambda kv: kv[0])
+             if k.startswith("eval/speedup_b") and isinstance(v, float)]  # fmt: skip
+    parts.sort(key=lambda p: int(p.split(":")[0].split()[1]))
+    eq = "every output equal to plain greedy decoding" if final.get("eval/greedy_equal") else "OUTPUTS DIFFER from plain greedy"
+    return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step; speculative vs plain decoding, "
+            f"tokens/s in the same engine: {', '.join(parts) or 'not timed'}; {eq}")
+
+
 def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
-    """Greedy chain speculative decoding of held-out prompts: eval/tau + token-for-token equality check."""
+    """Greedy speculative decoding of held-out prompts: eval/tau, token-for-token equality, and wall-clock speedup.
+
+    With ``trainer.spec_eval.batch_size`` N > 1 the prompts go through the bundled batched verifier N at a
+    time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``plan``, the
+    online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
+    speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
+    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from the first prompts decoded one at a time (the
+    latency a single user sees). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
+    run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
+    """
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
     from drafttrain.eval.spec import evaluate_prompts, evaluate_prompts_batched
@@ -603,30 +624,45 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
     rows = load_eval_prompts(se.prompts, limit=se.num_prompts, offset=se.prompt_offset, stride=se.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     bs = se.batch_size
+    tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
+    lat = None
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
             r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
-                                         progress=c.trainer.progress, tree_widths=se.tree.widths,
-                                         tree_budget=se.tree.budget, also_chain=se.chain)  # fmt: skip
+                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.plan, **tree)  # fmt: skip
+            if se.latency_prompts > 0:
+                lat = evaluate_prompts_batched(target, drafter, prompts[: se.latency_prompts], se.max_new_tokens,
+                                               batch_size=1, progress=c.trainer.progress, plan=se.plan,
+                                               full_tree=not se.plan, **tree)  # fmt: skip
         else:
             r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:
         log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
+    if lat is not None and not lat["greedy_equal"]:
+        log.error("batch-1 speculative output differs from plain greedy on prompts %s", lat["mismatches"])
     with (Path(c.output_dir) / "eval_outputs.jsonl").open("w") as f:
         for row, o in zip(rows, r["outputs"]):
             text = target.tokenizer.decode(o["tokens"])
             f.write(json.dumps({"id": row["id"], "tau": o["tau"], "equal_to_plain_greedy": o["equal"], "text": text}) + "\n")
-    return {
+    planned = "speedup_planned" in r
+    speedup = r["speedup_planned"] if planned else r["speedup"]
+    out = {
         "eval/tau": r["tau"],
-        "eval/greedy_equal": r["greedy_equal"],
-        "eval/speedup": r["speedup"],
-        "eval/spec_tokens_per_s": r["spec_tokens_per_s"],
+        "eval/greedy_equal": r["greedy_equal"] and (lat is None or lat["greedy_equal"]),
+        f"eval/speedup_b{bs}": speedup,
+        **({"eval/speedup_b1": lat["speedup"]} if lat is not None else {}),
+        "eval/speedup": speedup,
+        "eval/spec_tokens_per_s": r["spec_tokens_per_s_planned"] if planned else r["spec_tokens_per_s"],
         "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
         "eval/accept_hist": r["accept_hist"],
         "eval/batch_size": bs,
+        **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
+        **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
+            "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"])} if lat is not None else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
            if bs > 1 and (se.tree.widths is not None or se.tree.budget is not None) else {}),
         "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
     }
+    return out

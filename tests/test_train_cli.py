@@ -152,7 +152,7 @@ def resume_runs(tmp_path_factory, data_cache):
 
 
 def test_short_run_logs_metrics(run3):
-    run_dir, _ = run3
+    run_dir, proc = run3
     rows = train_rows(run_dir)
     assert sorted(rows) == [1, 2, 3]
     for step, r in rows.items():
@@ -165,6 +165,12 @@ def test_short_run_logs_metrics(run3):
     assert final["eval/tau"] >= 1
     assert final["eval/greedy_equal"] is True
     assert "eval/tau_sim" in final
+    # issue 16 item 5: speedup at the eval batch size (16, planned) and at batch 1 (first prompts, one at a time)
+    assert final["eval/batch_size"] == 16 and final["eval/latency_prompts"] == 2  # both prompts, one at a time
+    assert final["eval/speedup_b16"] == final["eval/speedup"] > 0 and final["eval/speedup_b1"] > 0
+    assert final["eval/spec_tokens_per_s_b1"] > 0 and final["eval/plain_tokens_per_s_b1"] > 0
+    line = next(x for x in output(proc).splitlines() if x.startswith("[drafttrain] eval: tau"))
+    assert "batch 1: " in line and "batch 16: " in line and "every output equal to plain greedy" in line
 
 
 def test_short_run_checkpoint_and_wandb(run3):

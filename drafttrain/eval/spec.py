@@ -166,7 +166,7 @@ def evaluate_prompts(
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
-    also_chain: bool = False, plan: bool = False,
+    also_chain: bool = False, plan: bool = False, full_tree: bool = True,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -188,7 +188,9 @@ def evaluate_prompts_batched(
     (:mod:`drafttrain.verify.planner`: per step only the nodes that pay, none and no drafting when
     nothing does) and adds ``speedup_planned``, ``spec_tokens_per_s_planned``, ``tau_planned`` and
     ``planner`` (its counters); ``tau`` stays the full tree's (the drafter's quality), ``greedy_equal``
-    covers the planned run too.
+    covers the planned run too. ``full_tree=False`` (with ``plan``) skips the full-tree run: the planned
+    run then also gives ``tau``, ``speedup``, ``spec_tokens_per_s`` and ``accept_hist`` (a cheaper
+    latency measurement where the drafter's full-tree τ is known from another run).
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
@@ -208,14 +210,19 @@ def evaluate_prompts_batched(
 
     plain = engine(PlainProposer()).run(prompts, progress=progress and f"spec-eval plain b={batch_size}")
     tree = tree_widths is not None or tree_budget is not None
-    proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget)
-    spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
-    chain = planned = None
+    if not full_tree and not plan:
+        raise ValueError("full_tree=False needs plan=True (there would be no speculative run)")
+    chain = planned = spec = None
+    if full_tree:
+        proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget)
+        spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
     if tree and also_chain:
         chain = engine(proposer_for(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
     if plan:
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True)
         planned = engine(planned_prop).run(prompts, progress=progress and f"spec-eval planned b={batch_size}")
+        if spec is None:
+            spec = planned
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
         outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned) if x is not None]
