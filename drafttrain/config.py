@@ -160,6 +160,17 @@ class SpecTreeConfig:
 
 
 @dataclass
+class SpecSSSDConfig:
+    """Training-free SSSD candidates merged into the drafter's trees (:mod:`drafttrain.verify.hybrid`;
+    SSSD §3.1): ``source`` none | input (n-grams of the prompt and the output so far) | data (input + a
+    datastore of the training answers, i.e. the target's own self-distilled outputs); ``nodes`` SSSD-only
+    nodes per tree at most."""
+
+    source: str = "none"
+    nodes: int = 8
+
+
+@dataclass
 class SpecEvalConfig:
     """In-training speculative evaluation (greedy) on held-out prompts, at the end and every ``every`` steps.
 
@@ -184,6 +195,7 @@ class SpecEvalConfig:
     # batch-1 latency: the first N prompts also go through the engine one sequence at a time, plain vs
     # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)
     latency_prompts: int = 4
+    sssd: SpecSSSDConfig = field(default_factory=SpecSSSDConfig)  # hybrid trees: the drafter's + SSSD's candidates
 
 
 @dataclass
@@ -425,7 +437,8 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
                           length_group_steps=GE1, log_every=GE1, eval_every=GE0, save_every=GE0, keep_checkpoints=GE1,
                           num_threads=GE1),
     "SpecEvalConfig": dict(every=GE0, num_prompts=GE0, prompt_offset=GE0, prompt_stride=GE1, max_new_tokens=GE1,
-                           batch_size=GE1),
+                           batch_size=GE1, latency_prompts=GE0),
+    "SpecSSSDConfig": dict(nodes=GE0),
     "SpecTreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
     "DecisionModelConfig": dict(seed=GE0, hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
@@ -484,6 +497,10 @@ def _check_values(c: TrainConfig) -> None:
                         "evaluation decodes a chain); set them to null")
     if tw is not None and not tw:
         problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
+    if se.sssd.source not in ("none", "input", "data"):
+        problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
+    if se.sssd.source != "none" and se.batch_size == 1:
+        problems.append("trainer.spec_eval.sssd needs trainer.spec_eval.batch_size > 1 (it runs in the batched engine)")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if c.target.fast_linear not in ("auto", "on", "off"):

@@ -548,7 +548,7 @@ def run(cfg) -> dict[str, Any]:
         if se_every and state.step % se_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
-                r = spec_eval(c, target, model)
+                r = spec_eval(c, target, model, train_ds)
                 log_metrics(r, state.step)
                 if c.logging.wandb:
                     log_eval_table(accelerator, r, state.step)
@@ -577,7 +577,7 @@ def run(cfg) -> dict[str, Any]:
     if main:
         atomic_save_pretrained(model, out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
-            final.update(spec_eval(c, target, model))
+            final.update(spec_eval(c, target, model, train_ds))
         final["wall_seconds"] = round(time.time() - t_start, 1)
         log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:
@@ -604,7 +604,26 @@ def speedup_line(final: dict[str, Any]) -> str:
             f"tokens/s in the same engine: {', '.join(parts) or 'not timed'}; {eq}")
 
 
-def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
+def sssd_for_eval(c: TrainConfig, train_ds=None):
+    """The SSSD drafter of ``trainer.spec_eval.sssd`` (None for ``source=none``): input trie only, or with a
+    datastore over the answers of ``train_ds`` (the self-distilled rows: the target's own outputs)."""
+    from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
+    from drafttrain.verify.methods.sssd_datastore import Datastore, documents_from_rows
+
+    src = c.trainer.spec_eval.sssd.source
+    if src == "none":
+        return None
+    store = None
+    if src == "data":
+        if train_ds is None:
+            raise ValueError("trainer.spec_eval.sssd.source=data needs the training data")
+        t0 = time.time()
+        store = Datastore.from_documents(documents_from_rows(train_ds.with_format(None).select_columns(["input_ids", "loss_mask"])))
+        log.info("SSSD datastore over the training answers: %d tokens in %.1f s", len(store), time.time() - t0)
+    return SSSDDrafter(SSSDConfig(), store)
+
+
+def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     """Greedy speculative decoding of held-out prompts: eval/tau, token-for-token equality, and wall-clock speedup.
 
     With ``trainer.spec_eval.batch_size`` N > 1 the prompts go through the bundled batched verifier N at a
@@ -614,6 +633,8 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
     ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from the first prompts decoded one at a time (the
     latency a single user sees). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
+    ``sssd.source`` != none merges SSSD's training-free candidates into every tree
+    (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``).
     """
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
@@ -625,6 +646,8 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     bs = se.batch_size
     tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
+    if bs > 1:
+        tree.update(sssd=sssd_for_eval(c, train_ds), sssd_nodes=se.sssd.nodes)
     lat = None
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
@@ -661,6 +684,7 @@ def spec_eval(c: TrainConfig, target, drafter) -> dict[str, Any]:
             "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"])} if lat is not None else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
+        **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),
         **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
            if bs > 1 and (se.tree.widths is not None or se.tree.budget is not None) else {}),
         "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",

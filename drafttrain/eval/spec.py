@@ -166,7 +166,7 @@ def evaluate_prompts(
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
-    also_chain: bool = False, plan: bool = False, full_tree: bool = True,
+    also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = 8,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -190,7 +190,10 @@ def evaluate_prompts_batched(
     ``planner`` (its counters); ``tau`` stays the full tree's (the drafter's quality), ``greedy_equal``
     covers the planned run too. ``full_tree=False`` (with ``plan``) skips the full-tree run: the planned
     run then also gives ``tau``, ``speedup``, ``spec_tokens_per_s`` and ``accept_hist`` (a cheaper
-    latency measurement where the drafter's full-tree τ is known from another run).
+    latency measurement where the drafter's full-tree τ is known from another run). ``sssd`` (an
+    :class:`~drafttrain.verify.methods.sssd.SSSDDrafter`) merges up to ``sssd_nodes`` training-free
+    candidates into every tree (:class:`~drafttrain.verify.hybrid.HybridProposer`) in the tree, chain
+    and planned runs alike.
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
@@ -214,12 +217,13 @@ def evaluate_prompts_batched(
         raise ValueError("full_tree=False needs plan=True (there would be no speculative run)")
     chain = planned = spec = None
     if full_tree:
-        proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget)
+        proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget, sssd=sssd, sssd_nodes=sssd_nodes)
         spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
     if tree and also_chain:
-        chain = engine(proposer_for(drafter)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
+        chain = engine(proposer_for(drafter, sssd=sssd, sssd_nodes=sssd_nodes)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
     if plan:
-        planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True)
+        planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
+                                    sssd_nodes=sssd_nodes)  # fmt: skip
         planned = engine(planned_prop).run(prompts, progress=progress and f"spec-eval planned b={batch_size}")
         if spec is None:
             spec = planned

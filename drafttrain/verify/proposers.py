@@ -713,7 +713,8 @@ class _DynamicTree:
 
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
-                 choices: Sequence[Sequence[int]] | None = None, batched: bool = True, plan: bool = False):  # fmt: skip
+                 choices: Sequence[Sequence[int]] | None = None, batched: bool = True, plan: bool = False,
+                 sssd=None, sssd_nodes: int = 8):  # fmt: skip
     """The proposer that drafts the way ``drafter`` declares (``drafter.spec.drafting``,
     :class:`~drafttrain.drafters.base.DrafterSpec`).
 
@@ -730,15 +731,23 @@ def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | Non
     ``plan``: wrap it in a :class:`~drafttrain.verify.planner.PlannedProposer`: every step verifies only
     the nodes whose expected gain pays for their measured cost, and drafting pauses while it does not
     pay (lossless; SSSD §3.2's planner, online).
+    ``sssd``: an :class:`~drafttrain.verify.methods.sssd.SSSDDrafter` whose training-free candidates (up to
+    ``sssd_nodes`` per tree) are merged into the drafter's trees under greedy decoding
+    (:class:`~drafttrain.verify.hybrid.HybridProposer`; inside the planner when ``plan``).
 
     Returns:
-        a :class:`Proposer` whose ``name`` is the drafter's and whose ``feature_layers`` are the drafter's.
+        a :class:`Proposer` whose ``name`` is the drafter's (``+sssd`` with ``sssd``) and whose
+        ``feature_layers`` are the drafter's.
     """
     if drafter.spec.drafting == "autoregressive":
         prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths, batched=batched)
     else:
         prop = ParallelSpecProposer(drafter, widths=widths, budget=budget, choices=choices, batched=batched)
     prop.name = drafter.name
+    if sssd is not None:
+        from drafttrain.verify.hybrid import HybridProposer
+
+        prop = HybridProposer(prop, sssd, sssd_nodes)
     if plan:
         from drafttrain.verify.planner import PlannedProposer
 
