@@ -301,6 +301,9 @@ class GenerationConfig:
     store_features: bool = False  # keep the target's last hidden states (fp16) from the generation itself
     check_template: bool = True  # check the template renders the regenerated text as the ids we assemble
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # engine: greedy generation through the bundled engine (preallocated ragged KV cache, no per-step cache
+    # copy, drafttrain/verify/recorder.py); hf: Target.generate (HF DynamicCache; also what sampling uses)
+    backend: str = "engine"
 
 
 @dataclass
@@ -313,6 +316,7 @@ class DistillConfig:
     max_new_tokens: int = GenerationConfig.max_new_tokens  # tokens per regenerated answer at most
     max_prompt_length: int | None = GenerationConfig.max_prompt_length  # longer first prompts are skipped (counted)
     batch_size: int = GenerationConfig.batch_size  # conversations per generation batch (and per shard)
+    backend: str = GenerationConfig.backend  # engine | hf (see GenerationConfig)
 
 
 @dataclass
@@ -503,6 +507,8 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.spec_eval.sssd needs trainer.spec_eval.batch_size > 1 (it runs in the batched engine)")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
+    if c.data.generation.backend not in ("engine", "hf"):
+        problems.append(f"data.generation.backend must be engine|hf, got {c.data.generation.backend!r}")
     if c.target.fast_linear not in ("auto", "on", "off"):
         problems.append("target.fast_linear must be auto|on|off")
     if c.data.features not in ("auto", "live", "cache"):
@@ -527,6 +533,8 @@ def _check_generate(c: GenerateConfig) -> None:
         problems.append("generation.max_turns must be >= 1 or null")
     if g.on_length not in ("close", "stop"):
         problems.append("generation.on_length must be close|stop")
+    if g.backend not in ("engine", "hf"):
+        problems.append(f"generation.backend must be engine|hf, got {g.backend!r}")
     if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):

@@ -300,17 +300,22 @@ def test_template_without_assistant_marker_skips_everything_cleanly(tiny_target,
     assert report["skip_reasons"] == {"no generation prompt": 5} and report["input"] == 5
 
 
-def test_generation_errors_are_counted_as_failed(tiny_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["hf", "engine"])
+def test_generation_errors_are_counted_as_failed(tiny_target, tmp_path, monkeypatch, backend):
     """A conversation whose generation raises is retried alone, then counted as failed; the others are kept."""
-    real = type(tiny_target).generate
+    import drafttrain.verify.recorder as recorder
 
-    def flaky(self, prompts, *args, **kwargs):
-        if prompt_ids(self.tokenizer, CONVS[1]["messages"][:2]) in prompts:
+    owner, name = (type(tiny_target), "generate") if backend == "hf" else (recorder, "engine_generate")
+    real = getattr(owner, name)
+
+    def flaky(first, prompts, *args, **kwargs):  # first: the target (self or engine_generate's argument)
+        if prompt_ids(tiny_target.tokenizer, CONVS[1]["messages"][:2]) in prompts:
             raise RuntimeError("boom")
-        return real(self, prompts, *args, **kwargs)
+        return real(first, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(type(tiny_target), "generate", flaky)
-    gen = GenerationConfig(max_new_tokens=4, max_length=128, max_turns=1, batch_size=2, shard_size=1)  # "hi" alone
+    monkeypatch.setattr(owner, name, flaky)
+    gen = GenerationConfig(max_new_tokens=4, max_length=128, max_turns=1, batch_size=2, shard_size=1,  # "hi" alone
+                           backend=backend)  # fmt: skip
     ds, report = generate_dataset(tiny_target, CONVS, tmp_path / "flaky", gen, progress=False)
     assert "hi" not in list(ds["id"]) and len(ds) == 4
     assert report["fail_reasons"] == {"generation error: RuntimeError": 1}

@@ -83,7 +83,7 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
                 name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
                 gen = c.data.generation
                 key = distill_key(convs, name, gen.max_new_tokens, c.data.max_length, gen.max_prompt_length,
-                                  c.data.first_turn_only, key_layers)
+                                  c.data.first_turn_only, key_layers, gen.backend)
                 ds, report = self_distill(
                     target,
                     convs,
@@ -96,6 +96,7 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
                     target_name=name,
                     progress=c.trainer.progress and accelerator.is_main_process,
                     feature_layers=layers,
+                    backend=gen.backend,
                 )
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"

@@ -222,10 +222,17 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
     if not sampling.greedy:
         gens = [row_generator(gen.sampling.seed, st.plan.index, st.plan.id, len(st.spans)) for st in states]
     caps = [min(gen.max_new_tokens, gen.max_length - len(st.ids)) for st in states]
-    results = target.generate(
-        [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
-        sampling=sampling, generators=gens, feature_layers=feature_layers,
-    )
+    if gen.backend == "engine" and sampling.greedy:  # continuous batching, preallocated cache (verify/recorder.py)
+        from drafttrain.verify.recorder import engine_generate
+
+        results = engine_generate(target, [st.ids for st in states], caps, stop_token_ids=stops,
+                                  return_features=gen.store_features, feature_layers=feature_layers,
+                                  batch_size=gen.batch_size)  # fmt: skip
+    else:
+        results = target.generate(
+            [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
+            sampling=sampling, generators=gens, feature_layers=feature_layers,
+        )
     n = 0
     for st, r in zip(states, results):
         new = r["tokens"][r["num_prompt"] :]
@@ -295,7 +302,9 @@ def generate_shard(
         ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
         if not ready:
             break
-        for batch in batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding):
+        engine = gen.backend == "engine" and gen.sampling.temperature == 0  # the engine batches the round itself
+        batches = [ready] if engine else batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding)
+        for batch in batches:
             try:
                 n = _generate_batch(target, batch, gen, stops, feature_layers)
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
@@ -562,11 +571,12 @@ def load_generated(path: str | Path):
 # ==================================================================================================
 def distill_key(
     conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None,
-    first_turn_only: bool = True, feature_layers: Sequence[int] | None = None,
+    first_turn_only: bool = True, feature_layers: Sequence[int] | None = None, backend: str = "hf",
 ) -> str:
     """Fingerprint of an in-training self-distillation job (inputs + generation settings + the stored
     feature layers; None = the final post-norm state, which keeps the keys of caches made before layers
-    were declared)."""
+    were declared; the generation backend, ``hf`` keeping the keys of caches made before there was a
+    choice: batched floats may differ between backends, hence possibly a token at a near tie)."""
     h = hashlib.sha256()
     for c in conversations:
         h.update(c["id"].encode())
@@ -574,6 +584,8 @@ def distill_key(
     h.update(f"{target_name}|{max_new_tokens}|{max_length}|{max_prompt_length}|{first_turn_only}|v{FORMAT_VERSION}".encode())
     if feature_layers is not None:
         h.update(f"|layers{[int(i) for i in feature_layers]}".encode())
+    if backend != "hf":
+        h.update(f"|backend={backend}".encode())
     return h.hexdigest()[:16]
 
 
@@ -589,6 +601,7 @@ def self_distill(
     first_turn_only: bool = True,
     target_name: str = "target",
     feature_layers: Sequence[int] | None = None,
+    backend: str = "engine",
 ):
     """Regenerate the first assistant turn (all turns with ``first_turn_only=False``) greedily, keeping features.
 
@@ -605,6 +618,8 @@ def self_distill(
         max_prompt_length: optional tighter cap on first-prompt tokens (long prompts make batched
             generation slow and teach the drafter little about answers); longer prompts are skipped.
         feature_layers: the target layers the drafter reads (its declaration; default the final state).
+        backend: ``engine`` (the bundled engine, :func:`drafttrain.verify.recorder.engine_generate`) or
+            ``hf`` (:meth:`drafttrain.target.Target.generate`).
 
     Returns:
         ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16
@@ -614,6 +629,7 @@ def self_distill(
         max_new_tokens=max_new_tokens, max_length=max_length, max_prompt_length=max_prompt_length,
         max_turns=1 if first_turn_only else None, batch_size=batch_size, store_features=True,
         max_padding=None,  # one batch per shard, as the main job's measured runs and stored losses assume
+        backend=backend,
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
                             progress=progress, desc="self-distill", reset_on_mismatch=True,

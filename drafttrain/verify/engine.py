@@ -70,6 +70,8 @@ class SequenceResult:
         steps: verification steps the sequence took part in.
         emitted: tokens emitted by those steps (all generated tokens but the prefill's first).
         accept_lengths: accepted drafts per step (0 .. tree depth).
+        features: what the proposer's optional ``finish`` hook returned for this sequence (e.g. the
+            recorded target hidden states of :class:`~drafttrain.verify.recorder.FeatureRecorder`), else None.
     """
 
     index: int
@@ -79,6 +81,7 @@ class SequenceResult:
     steps: int = 0
     emitted: int = 0
     accept_lengths: list[int] = field(default_factory=list)
+    features: object = None
 
     @property
     def tau(self) -> float:
@@ -182,6 +185,7 @@ class _Seq:
     prompt: list[int]
     result: SequenceResult
     pending: int = -1
+    cap: int = 64  # max new tokens of this sequence
 
     @property
     def generated(self) -> list[int]:
@@ -257,43 +261,57 @@ class SpecEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cache = RaggedKVCache(target.config, 0, initial_capacity, self.dtype, self.device)
         self.rows: list[_Seq | None] = []  # cache row r holds sequence rows[r] (None: free)
-        self.queue: deque[tuple[int, list[int]]] = deque()
+        self.queue: deque[tuple[int, list[int], int]] = deque()  # (index, prompt, max new tokens)
         self.results: dict[int, SequenceResult] = {}
         self.stats = EngineStats()
         self._free_slots = list(range(self.batch_size))
         self._write_ptr = 0  # padded mode: the common cache offset W
         self._read_lo = 0  # padded mode: common leading padding no row needs (start of the read window)
         self._progress = None
+        # optional proposer hook finish(slot, hidden) -> per-sequence data kept in SequenceResult.features:
+        # called once per sequence before its release, with the hidden states of the last step's inputs
+        # whose tokens were emitted (a plain step: the root's)
+        self._finish_hook = getattr(proposer, "finish", None)
 
     # =============================================================================================
     # public driving API
     # =============================================================================================
-    def submit(self, prompts: Sequence[Sequence[int]]) -> None:
+    def submit(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | None = None) -> None:
         """Queue prompts (token id lists, each non-empty).
 
+        Args:
+            prompts: token id lists.
+            max_new_tokens: one cap per prompt (each >= 1); default the engine's ``max_new_tokens``.
+
         Raises:
-            ValueError: an empty prompt.
+            ValueError: an empty prompt, or caps that do not match the prompts or are < 1.
         """
+        caps = [self.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
+        if len(caps) != len(prompts) or min(caps, default=1) < 1:
+            raise ValueError(f"max_new_tokens needs one cap >= 1 per prompt, got {list(max_new_tokens)} "
+                             f"for {len(prompts)} prompts")  # fmt: skip
         base = self.stats.prompts
-        for i, p in enumerate(prompts):
+        for i, (p, cap) in enumerate(zip(prompts, caps)):
             p = [int(t) for t in p]
             if not p:
                 raise ValueError(f"prompt {base + i} is empty")
-            self.queue.append((base + i, p))
+            self.queue.append((base + i, p, cap))
         self.stats.prompts += len(prompts)
 
     @property
     def done(self) -> bool:
         return not self.queue and all(s is None for s in self.rows)
 
-    def run(self, prompts: Sequence[Sequence[int]], progress: bool | str = False) -> EngineRun:
+    def run(self, prompts: Sequence[Sequence[int]], progress: bool | str = False,
+            max_new_tokens: Sequence[int] | None = None) -> EngineRun:  # fmt: skip
         """Decode every prompt; returns per-prompt results (in prompt order) and the run's counters.
 
         Args:
             prompts: token id lists.
             progress: show a tqdm bar over finished prompts (a str is used as its description).
+            max_new_tokens: one cap per prompt (default the engine's ``max_new_tokens`` for all).
         """
-        self.submit(prompts)
+        self.submit(prompts, max_new_tokens)
         desc = progress if isinstance(progress, str) else f"{self.proposer.name}/{self.mode}/b{self.batch_size}"
         t0 = time.perf_counter()
         with tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False) as bar:
@@ -329,8 +347,8 @@ class SpecEngine:
             new_rows = free[:n_new]
             seqs = []
             for r in new_rows:
-                index, prompt = self.queue.popleft()
-                seq = _Seq(index, self._free_slots.pop(0), prompt, SequenceResult(index, len(prompt)))
+                index, prompt, cap = self.queue.popleft()
+                seq = _Seq(index, self._free_slots.pop(0), prompt, SequenceResult(index, len(prompt)), cap=cap)
                 self.rows[r] = seq
                 seqs.append(seq)
             self._prefill(new_rows, seqs)
@@ -375,8 +393,13 @@ class SpecEngine:
             first = self._sample_token(lg[0])
             seq.pending = first
             seq.result.tokens.append(first)
-            if first in self.stop_ids or self.max_new_tokens <= 1:
-                self._finish(r, "stop" if first in self.stop_ids else "length", started=False)
+            if first in self.stop_ids or seq.cap <= 1:
+                if self._finish_hook is not None:  # the proposer collects per-sequence data: give it the prompt's
+                    self.proposer.start(seq.slot, seq.prompt, h, first)
+                    seq.result.features = self._finish_hook(seq.slot, h[:0])
+                    self._finish(r, "stop" if first in self.stop_ids else "length")
+                else:
+                    self._finish(r, "stop" if first in self.stop_ids else "length", started=False)
             else:
                 self.proposer.start(seq.slot, seq.prompt, h, first)
 
@@ -533,19 +556,20 @@ class SpecEngine:
             stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
             if stop_at is not None:
                 new = new[: stop_at + 1]
-            new = new[: self.max_new_tokens - len(seq.generated)]
+            new = new[: seq.cap - len(seq.generated)]
             seq.result.tokens.extend(new)
             seq.result.steps += 1
             seq.result.emitted += len(new)
             seq.result.accept_lengths.append(m)
             st.emitted += len(new)
             seq.pending = full[-1]
-            if stop_at is not None and stop_at < len(new):
-                self._finish(r, "stop")
-            elif len(seq.generated) >= self.max_new_tokens:
-                self._finish(r, "length")
+            fed = [0] + [p + 1 for p in acc.path]  # rows of [root, path] in this step's input
+            stopped = stop_at is not None and stop_at < len(new)
+            if stopped or len(seq.generated) >= seq.cap:
+                if self._finish_hook is not None:  # the items of the emitted tokens before the last one
+                    seq.result.features = self._finish_hook(seq.slot, h[fed[: len(new)]])
+                self._finish(r, "stop" if stopped else "length")
             else:
-                fed = [0] + [p + 1 for p in acc.path]  # rows of [root, path] in this step's input
                 self.proposer.commit(seq.slot, full, h[fed[: len(full)]])
         if self.mode == "padded":
             self._write_ptr += a_max
