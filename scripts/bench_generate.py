@@ -4,6 +4,7 @@ Run each phase on its own (each takes < 10 minutes on a 2-core CPU):
 
     python -m scripts.bench_generate phase=sweep
     python -m scripts.bench_generate phase=full batch_size=32
+    python -m scripts.bench_generate phase=backends   # the main job's self-distillation: hf vs engine backend
     python -m scripts.bench_generate phase=report     # rewrite the page from the JSON
 
 ``sweep``: first turns of the first ``subset`` ShareGPT conversations at each of ``batch_sizes``, plus
@@ -35,7 +36,9 @@ import torch
 class BenchGenerateConfig:
     """Schema of ``python -m scripts.bench_generate`` (key=value overrides, validated before any work)."""
 
-    phase: str = "sweep"  # sweep | full | report
+    phase: str = "sweep"  # sweep | full | backends | report
+    backends_subset: int = 128  # backends: first N ShareGPT conversations (the main job keeps ~82% of them)
+    backends_repeats: int = 2  # backends: each backend this many times, in the order hf, engine, engine, hf, ...
     subset: int = 32  # sweep: first N conversations
     bs1_subset: int = 6  # sweep: first N conversations at batch size 1 (0 = none)
     batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])  # sweep
@@ -123,6 +126,37 @@ def _run(target, convs, batch_size: int, out_dir: Path, max_new_tokens: int, fre
     }
 
 
+def _backends(target, args, work: Path) -> dict:
+    """The main job's self-distillation (``data=selfdistill``: first turns, prompts <= 256 tokens, 128 new
+    tokens, batch 64, one batch per shard, features kept) of the same conversations with each backend,
+    alternating ABBA; tokens/s = generated tokens / generation seconds. Outputs are compared row by row."""
+    from drafttrain.data.selfdistill import self_distill
+
+    convs, _ = _load(args.backends_subset)
+    order = [b for i in range(args.backends_repeats) for b in (("hf", "engine") if i % 2 == 0 else ("engine", "hf"))]
+    runs, outputs = [], {}
+    for i, backend in enumerate(order):
+        out_dir = work / f"backends-{backend}-{i}"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        load0 = os.getloadavg()[0]
+        ds, report = self_distill(target, convs, out_dir, max_new_tokens=128, max_length=512, batch_size=64,
+                                  max_prompt_length=256, backend=backend, progress=True)  # fmt: skip
+        r = report["this_run"]
+        runs.append({"backend": backend, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
+                     "tokens_per_s": r["tokens_per_s"], "rows": len(ds),
+                     "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]})  # fmt: skip
+        outputs.setdefault(backend, [list(x) for x in ds.with_format(None)["input_ids"]])
+        print(f"{backend}: {r['tokens_per_s']} tokens/s ({r['generated_tokens']} tokens, {r['seconds']} s)", flush=True)
+    tps = {b: sum(x["generated_tokens"] for x in runs if x["backend"] == b)
+              / sum(x["seconds"] for x in runs if x["backend"] == b) for b in ("hf", "engine")}  # fmt: skip
+    same = sum(a == b for a, b in zip(outputs["hf"], outputs["engine"]))
+    return {"runs": runs, "tokens_per_s": tps, "engine_vs_hf": tps["engine"] / tps["hf"],
+            "rows_equal": same, "rows": len(outputs["hf"]), "conversations": len(convs), "machine": _machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": f"python -m scripts.bench_generate phase=backends backends_subset={args.backends_subset} "
+                       f"backends_repeats={args.backends_repeats}"}  # fmt: skip
+
+
 def _machine() -> dict:
     return {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
@@ -133,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     from drafttrain.cliconfig import ConfigError, parse_cli
 
     args = parse_cli(BenchGenerateConfig, argv)
-    if args.phase not in ("sweep", "full", "report"):
-        raise ConfigError(f"phase must be sweep, full or report, got {args.phase!r}")
+    if args.phase not in ("sweep", "full", "backends", "report"):
+        raise ConfigError(f"phase must be sweep, full, backends or report, got {args.phase!r}")
     path = Path(args.out).with_suffix(".json")
     results = json.loads(path.read_text()) if path.is_file() else {}
     if args.phase != "report":
@@ -147,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         # warm-up (untimed): the first forward pages the weights in and builds the kernels
         target.generate([list(range(1, 65))] * 2, 4, return_features=False)
         work = Path(args.work)
-        if args.phase == "sweep":
+        if args.phase == "backends":
+            results["backends"] = _backends(target, args, work)
+        elif args.phase == "sweep":
             convs, _ = _load(args.subset)
             rows = []
             if args.bs1_subset:
@@ -248,6 +284,22 @@ def markdown(results: dict) -> str:
                   f"| load average (1 min) at start, end | {[r['loadavg_1min_start_end'] for r in inv]} |",
                   f"| date, machine | {inv[-1]['date']}, {inv[-1]['machine']['cpus']} CPUs, {inv[-1]['machine']['torch_threads']} torch threads |",
                   ""]
+    b = results.get("backends")
+    if b:
+        lines += ["## The main job's self-distillation: `Target.generate` (hf) vs the bundled engine", "",
+                  "```bash", b["command"], "```", "",
+                  f"First {b['conversations']} ShareGPT conversations with the main job's settings (first turns, prompts "
+                  "<= 256 tokens, 128 new tokens, batch 64, one batch per shard, features kept): **hf** = "
+                  "`Target.generate` (HF `DynamicCache`: every layer's keys/values concatenated each step, finished rows "
+                  "compacted by copying), **engine** = `generation.backend=engine` (`drafttrain/verify/recorder.py`: "
+                  "the engine's preallocated ragged cache written in place, finished rows refilled). Runs alternate "
+                  f"ABBA in one process; {b['date']}, {b['machine']['cpus']} CPUs.", "",
+                  "| run | backend | generated tokens | seconds | tokens/s | load avg (start, end) |", "|---|---|---|---|---|---|"]
+        for i, r in enumerate(b["runs"]):
+            lines.append(f"| {i + 1} | {r['backend']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
+                         f"{r['loadavg_1min_start_end']} |")  # fmt: skip
+        lines += ["", f"**engine / hf: {b['engine_vs_hf']:.2f}x** ({b['tokens_per_s']['engine']:.1f} vs "
+                      f"{b['tokens_per_s']['hf']:.1f} tokens/s); rows identical token for token: {b['rows_equal']} / {b['rows']}.", ""]
     return "\n".join(lines) + "\n"
 
 

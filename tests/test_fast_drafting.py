@@ -7,24 +7,17 @@ it replaces. Same trees -> same accepted lengths at every step and the same (pla
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
-from drafttrain.target import Target
 from drafttrain.verify import ParallelSpecProposer, PlainProposer, SpecEngine
 
 
 @pytest.fixture(scope="module")
-def varied(tiny_target):
-    model = copy.deepcopy(tiny_target.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return Target(model, tiny_target.tokenizer)
+def varied(varied_target):
+    """The tiny target with redrawn weights (conftest.varied_target): its greedy token changes every step."""
+    return varied_target
 
 
 @pytest.mark.parametrize("which", ["varied", "tiny"])  # tiny: drafts are accepted; varied: the token changes every step

@@ -8,12 +8,10 @@ verify some, verify none and skip drafting, then draft again) runs deterministic
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
-from drafttrain.target import Target
 from drafttrain.verify import DraftTree, ParallelSpecProposer, PlainProposer, SpecEngine
 from drafttrain.verify.planner import ForwardCostModel, PlannedProposer, SpeculationPlanner, subtree
 from drafttrain.verify.proposers import proposer_for
@@ -93,14 +91,9 @@ def test_subtree_reindexes():
 
 
 @pytest.fixture(scope="module")
-def varied(tiny_target):
-    model = copy.deepcopy(tiny_target.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return Target(model, tiny_target.tokenizer)
+def varied(varied_target):
+    """The tiny target with redrawn weights (conftest.varied_target): its greedy token changes every step."""
+    return varied_target
 
 
 @pytest.mark.parametrize("which", ["varied", "tiny"])

@@ -16,13 +16,11 @@ token at every step, so token bookkeeping errors cannot hide behind a repeated t
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from drafttrain.verify import MODES, DraftTree, ParallelSpecProposer, PlainProposer, SamplingParams, SpecEngine
-from drafttrain.target import Target
 
 PROMPT_LENGTHS = (3, 11, 30, 7, 19)
 NEW = 24
@@ -31,14 +29,9 @@ ENGINES = [(m, "auto") for m in MODES] + [("unpadded", "always")]  # (mode, pack
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    model = copy.deepcopy(tiny_target.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return Target(model, tiny_target.tokenizer)
+def target(varied_target):
+    """The tiny target with redrawn weights (conftest.varied_target): its greedy token changes every step."""
+    return varied_target
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,8 @@ def job_fingerprint(conversations: Sequence[dict], target_name: str, tokenizer, 
     settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size",)}
     if gen.sampling.temperature == 0:  # greedy: the sampling settings play no part
         settings.pop("sampling")
+    if settings.get("backend") == "hf":  # the generator of jobs made before there was a choice: their keys stay
+        settings.pop("backend")
     meta = {
         "format_version": FORMAT_VERSION,
         "target": target_name,

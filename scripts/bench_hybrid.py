@@ -1,0 +1,119 @@
+"""Hybrid draft trees on a trained run: the drafter's tree alone vs with SSSD's candidates, side by side.
+
+    python -m scripts.bench_hybrid run=outputs/parallelspec-smollm2-135m-instruct
+
+The run's own final evaluation (``drafttrain.train.spec_eval``: its MT-bench prompts, tree, batch 16 with
+the online planner, batch 1 on the first ``latency_prompts`` prompts) once per ``trainer.spec_eval.sssd.source``
+in ``sources``: ``none`` (the drafter's tree), ``input`` (+ SSSD n-gram candidates from the prompt and the
+output so far, SSSD §3.1.1), ``data`` (+ a datastore over the run's training answers, i.e. the target's
+self-distilled outputs, §3.1.2). Each evaluation times plain decoding beside it in the same engine, so
+every speedup is a side-by-side ratio. Every output is checked token for token against plain greedy.
+The training data is read from the run's self-distillation cache (the same ``DRAFTTRAIN_CACHE``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEYS = ("eval/tau", "eval/tau_planned", "eval/speedup_b16", "eval/speedup_full_tree", "eval/speedup_b1", "eval/tau_b1",
+        "eval/plain_tokens_per_s", "eval/spec_tokens_per_s", "eval/tree_nodes_per_step", "eval/greedy_equal")
+
+
+@dataclass
+class BenchHybridConfig:
+    """Schema of ``python -m scripts.bench_hybrid`` (key=value overrides, validated before any work)."""
+
+    run: str = "outputs/parallelspec-smollm2-135m-instruct"  # a finished training run (drafter/ + config.json)
+    sources: list[str] = field(default_factory=lambda: ["none", "input", "data"])
+    nodes: int = 8  # SSSD-only nodes per tree at most
+    latency_prompts: int = 4
+    out: str = "docs/benchmarks/hybrid"
+
+
+def bench(cfg: BenchHybridConfig) -> dict:
+    from accelerate import Accelerator
+
+    from drafttrain.config import ConfigError, to_dict, upgrade_saved, validate
+    from drafttrain.data.pipeline import prepare_data
+    from drafttrain.drafters import drafter_class, drafter_config
+    from drafttrain.target import load_target
+    from drafttrain.train import spec_eval
+    from scripts.common import load_drafter
+
+    bad = sorted(set(cfg.sources) - {"none", "input", "data"})
+    if bad:
+        raise ConfigError(f"sources must be among none|input|data, got {bad}")
+    saved = upgrade_saved(json.loads((Path(cfg.run) / "config.json").read_text()))
+    saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")  # runs made before backends
+    saved["output_dir"] = str(Path(cfg.out).parent / "hybrid_outputs")
+    base = validate(saved)
+    target = load_target(base.target)
+    drafter = load_drafter(target, cfg.run)
+    train_ds = None
+    if "data" in cfg.sources:
+        layers = drafter_class(base.drafter.name).layers_for(drafter_config(base.drafter.name, to_dict(base)["drafter"]),
+                                                              target.num_hidden_layers)  # fmt: skip
+        train_ds, _ = prepare_data(base, target, Accelerator(cpu=True), layers)
+    rows = []
+    for src in cfg.sources:
+        d = to_dict(base)
+        d["trainer"]["spec_eval"]["sssd"] = {"source": src, "nodes": cfg.nodes}
+        d["trainer"]["spec_eval"]["latency_prompts"] = cfg.latency_prompts
+        c = validate(d)
+        Path(c.output_dir).mkdir(parents=True, exist_ok=True)
+        r = spec_eval(c, target, drafter, train_ds)
+        row = {"source": src, **{k: r.get(k) for k in KEYS}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "run": cfg.run, "nodes": cfg.nodes, "tree": f"{base.trainer.spec_eval.tree}",
+            "prompts": r.get("eval/prompts"), "max_new_tokens": base.trainer.spec_eval.max_new_tokens}  # fmt: skip
+
+
+def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
+    lines = ["# Hybrid draft trees: the drafter's tree + SSSD's training-free candidates", "",
+             f"Measured {res['date']}: {machine_line(res.get('machine'))}, {res['machine']['cpus']} CPUs, 1-minute load "
+             f"average {res['machine']['loadavg_1min']} at the start.", "",
+             f"Run `{res['run']}`; its final evaluation (prompts: {res['prompts']}; {res['max_new_tokens']} new tokens; "
+             f"tree {res['tree']}) once per SSSD source, up to {res['nodes']} SSSD-only nodes per tree. τ = the full "
+             "tree's tokens per verification step; b16 = 16 sequences at a time with the online planner; b1 = the first "
+             "prompts one at a time with the planner; every speedup is tokens/s over plain decoding in the same engine, "
+             "measured beside it.", "",
+             "| SSSD source | τ (full tree) | τ (planned) | nodes per step | speedup b16 | speedup b16, full tree | speedup b1 | τ b1 | greedy-equal |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def f(x, d=3):
+        return "" if x is None else (f"{x:.{d}f}" if isinstance(x, float) else str(x))
+
+    for r in res["rows"]:
+        lines.append(f"| {r['source']} | {f(r['eval/tau'])} | {f(r['eval/tau_planned'])} | {f(r['eval/tree_nodes_per_step'], 1)} | "
+                     f"{f(r['eval/speedup_b16'], 2)}x | {f(r['eval/speedup_full_tree'], 2)}x | {f(r['eval/speedup_b1'], 2)}x | "
+                     f"{f(r['eval/tau_b1'])} | {r['eval/greedy_equal']} |")  # fmt: skip
+    lines += ["", "Reproduce (from the repository root, after the main job):", "", "```bash", command, "```", "", analysis, ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import dataclasses
+    import datetime
+
+    from drafttrain.cliconfig import parse_cli
+    from scripts.common import machine, reproduce, write_report
+
+    cfg = parse_cli(BenchHybridConfig, argv)
+    mach = machine()
+    res = bench(cfg)
+    res.update(machine=mach, date=datetime.date.today().isoformat(), config=dataclasses.asdict(cfg))
+    command = reproduce("bench_hybrid", argv)
+    res["command"] = command
+    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
+    return res
+
+
+if __name__ == "__main__":
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)
