@@ -164,9 +164,10 @@ class SpecSSSDConfig:
     """Training-free SSSD candidates merged into the drafter's trees (:mod:`drafttrain.verify.hybrid`;
     SSSD §3.1): ``source`` none | input (n-grams of the prompt and the output so far) | data (input + a
     datastore of the training answers, i.e. the target's own self-distilled outputs); ``nodes`` SSSD-only
-    nodes per tree at most."""
+    nodes per tree at most. Read by the batched evaluation (``spec_eval.batch_size`` > 1); the batch-1
+    reference implementation (``batch_size=1``) verifies the drafter's chain alone."""
 
-    source: str = "none"
+    source: str = "data"
     nodes: int = 8
 
 
@@ -503,8 +504,6 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
     if se.sssd.source not in ("none", "input", "data"):
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
-    if se.sssd.source != "none" and se.batch_size == 1:
-        problems.append("trainer.spec_eval.sssd needs trainer.spec_eval.batch_size > 1 (it runs in the batched engine)")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if c.data.generation.backend not in ("engine", "hf"):

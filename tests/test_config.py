@@ -144,10 +144,6 @@ def test_spec_eval_sssd_values_are_checked(overrides, message):
     d["trainer"]["spec_eval"]["sssd"].update(overrides)
     with pytest.raises(ConfigError, match=message):
         validate(d)
-    d = compose_dict(["+recipe=parallelspec", "trainer.spec_eval.sssd.source=input", "trainer.spec_eval.batch_size=1",
-                      "trainer.spec_eval.tree.widths=null", "trainer.spec_eval.tree.budget=null"])
-    with pytest.raises(ConfigError, match="batch_size > 1"):
-        validate(d)
 
 
 def test_validate_ignores_hydra_node():
