@@ -47,7 +47,7 @@ def bench(cfg: BenchHybridConfig) -> dict:
         raise ConfigError(f"sources must be among none|input|data, got {bad}")
     saved = upgrade_saved(json.loads((Path(cfg.run) / "config.json").read_text()))
     saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")  # runs made before backends
-    saved["output_dir"] = str(Path(cfg.out).parent / "hybrid_outputs")
+    saved["output_dir"] = "outputs/bench_hybrid"  # eval_outputs.jsonl of each evaluation
     base = validate(saved)
     target = load_target(base.target)
     drafter = load_drafter(target, cfg.run)
