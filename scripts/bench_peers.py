@@ -13,6 +13,9 @@ method decodes it once, in a rotating order, in the same process:
 - ``engine_plain``: our engine, plain decoding (``PlainProposer``), prepacked linears (the default);
 - ``engine_spec``: our engine with the drafter's own proposer, its tree and the online planner
   (``tree.plan``), prepacked linears: what ``scripts.evaluate`` runs at batch 1.
+- ``engine_hybrid``: the same with SSSD's n-gram candidates from the prompt and the output so far merged
+  into every tree (:mod:`drafttrain.verify.hybrid`, ``trainer.spec_eval.sssd.source=input``; the
+  main job's ``data`` source also needs its training data, so it is not run here).
 
 tokens/s = generated tokens / wall time summed over the prompts; every output is compared with
 ``hf_generate``'s token for token. ``drafter``: a training run folder (or its ``drafter/``); null = a
@@ -29,7 +32,7 @@ import torch
 from drafttrain.config import TargetConfig
 from drafttrain.verify.methods.drafter import TreeConfig
 
-METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec")
+METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid")
 
 
 @dataclass
@@ -42,6 +45,7 @@ class BenchPeersConfig:
     prompt_stride: int = 10  # MT-bench: every 10th question = one per category
     max_new_tokens: int = 64
     prompt_lookup_num_tokens: int = 10
+    sssd_nodes: int = 8  # engine_hybrid: SSSD-only nodes per tree at most
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     threads: int = 2
     out: str = "docs/benchmarks/peers"
@@ -64,12 +68,17 @@ def bench(cfg: BenchPeersConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     target = load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"}))
     switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
-    drafter = load_drafter(target, cfg.drafter) if "engine_spec" in cfg.methods else None
+    drafter = load_drafter(target, cfg.drafter) if {"engine_spec", "engine_hybrid"} & set(cfg.methods) else None
     rows_in = load_eval_prompts(cfg.prompts, limit=cfg.num_prompts, stride=cfg.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows_in]
     stops = sorted(end_of_turn_ids(target.tokenizer))
-    spec_prop = None
+    spec_prop = hybrid_prop = None
     if drafter is not None:
+        from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
+
+        hybrid_prop = proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
+                                   batched=cfg.tree.batched_drafting, plan=cfg.tree.plan,
+                                   sssd=SSSDDrafter(SSSDConfig()), sssd_nodes=cfg.sssd_nodes)  # fmt: skip
         spec_prop = proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
                                  batched=cfg.tree.batched_drafting, plan=cfg.tree.plan)  # fmt: skip
 
@@ -91,6 +100,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
         "hf_generate_packed": (True, lambda p: (hf(p, False), None)),
         "engine_plain": (True, lambda p: engine(p, PlainProposer())),
         "engine_spec": (True, lambda p: engine(p, spec_prop)),
+        "engine_hybrid": (True, lambda p: engine(p, hybrid_prop)),
     }
     methods = [m for m in METHODS if m in cfg.methods]
     totals = {m: {"seconds": 0.0, "tokens": 0, "equal": 0, "steps": 0, "emitted": 0} for m in methods}

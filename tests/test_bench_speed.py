@@ -36,6 +36,7 @@ def test_bench_peers_writes_page(tmp_path, tiny_target):
     out = tmp_path / "peers"
     res = main(["target.random_init=true", "num_prompts=2", "max_new_tokens=6", "threads=1", f"out={out}"])
     rows = {r["method"]: r for r in res["rows"]}
-    assert list(rows) == ["hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec"]
+    assert list(rows) == ["hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec",
+                          "engine_hybrid"]
     assert all(r["equal_outputs"] == 2 for r in rows.values())  # every method reproduces HF generate
     assert "python -m scripts.bench_peers" in out.with_suffix(".md").read_text()
