@@ -77,6 +77,8 @@ def summarize(run_dir: Path) -> dict:
         "eval_tau_chain": final.get("eval/tau_chain"),
         "eval_accept_hist_chain": final.get("eval/accept_hist_chain"),
         "eval_speedup_chain": final.get("eval/speedup_chain"),
+        **{f"eval_{k}": final.get(f"eval/{k}") for k in ("speedup_b1", "speedup_full_tree", "tau_planned", "tau_b1",
+                                                         "plain_tokens_per_s_b1", "spec_tokens_per_s_b1", "sssd")},
         "curve": curve,
     }
 
@@ -110,6 +112,14 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
         (f"plain / speculative tokens/s ({s.get('eval_batch_size', 1)} sequences at a time, same run)",
          f"{_f(s['eval_plain_tokens_per_s'], 1)} / {_f(s['eval_spec_tokens_per_s'], 1)} (speedup {_f(s['eval_speedup'], 2)}"
          + (f"; chain {_f(s['eval_speedup_chain'], 2)})" if s.get("eval_speedup_chain") is not None else ")")),
+        *([("speculative, full tree every step (no planner), same batch", f"speedup {_f(s['eval_speedup_full_tree'], 2)}"),
+           ("τ of the planned run (only the nodes that pay are verified)", _f(s["eval_tau_planned"]))]
+          if s.get("eval_speedup_full_tree") is not None else []),
+        *([("**batch 1**: plain / speculative tokens/s, first prompts one at a time",
+            f"{_f(s['eval_plain_tokens_per_s_b1'], 1)} / {_f(s['eval_spec_tokens_per_s_b1'], 1)} "
+            f"(**speedup {_f(s['eval_speedup_b1'], 2)}**, τ {_f(s['eval_tau_b1'])})")]
+          if s.get("eval_speedup_b1") is not None else []),
+        *([("SSSD candidates in the trees (trainer.spec_eval.sssd)", s["eval_sssd"])] if s.get("eval_sssd") else []),
     ]
     lines += [f"| {k} | {v} |" for k, v in table]
     if s["curve"]:
