@@ -111,20 +111,9 @@ def markdown(res: dict, command: str, analysis: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import datetime
+    from scripts.common import run_bench
 
-    from drafttrain.cliconfig import parse_cli
-    from scripts.common import machine, reproduce, write_report
-
-    cfg = parse_cli(BenchDraftCostConfig, argv)
-    mach = machine()
-    res = bench(cfg)
-    res.update(machine={**mach, "torch_threads": cfg.threads}, date=datetime.date.today().isoformat(),
-               config={k: v for k, v in cfg.__dict__.items() if k != "target"})  # fmt: skip
-    command = reproduce("bench_draft_cost", argv)
-    res["command"] = command
-    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
-    return res
+    return run_bench(BenchDraftCostConfig, bench, markdown, "bench_draft_cost", argv)
 
 
 if __name__ == "__main__":

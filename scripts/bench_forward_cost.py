@@ -232,20 +232,9 @@ def markdown(res: dict, command: str, analysis: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import datetime
+    from scripts.common import run_bench
 
-    from drafttrain.cliconfig import parse_cli
-    from scripts.common import machine, reproduce, write_report
-
-    cfg = parse_cli(BenchForwardCostConfig, argv)
-    mach = machine()
-    res = bench(cfg)
-    res["machine"] = {**mach, "torch_threads": cfg.threads}
-    res["date"] = datetime.date.today().isoformat()
-    command = reproduce("bench_forward_cost", argv)
-    res["command"] = command
-    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
-    return res
+    return run_bench(BenchForwardCostConfig, bench, markdown, "bench_forward_cost", argv)
 
 
 if __name__ == "__main__":

@@ -97,20 +97,9 @@ def markdown(res: dict, command: str, analysis: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import dataclasses
-    import datetime
+    from scripts.common import run_bench
 
-    from drafttrain.cliconfig import parse_cli
-    from scripts.common import machine, reproduce, write_report
-
-    cfg = parse_cli(BenchHybridConfig, argv)
-    mach = machine()
-    res = bench(cfg)
-    res.update(machine=mach, date=datetime.date.today().isoformat(), config=dataclasses.asdict(cfg))
-    command = reproduce("bench_hybrid", argv)
-    res["command"] = command
-    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
-    return res
+    return run_bench(BenchHybridConfig, bench, markdown, "bench_hybrid", argv)
 
 
 if __name__ == "__main__":

@@ -172,21 +172,9 @@ def markdown(res: dict, command: str, analysis: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import dataclasses
-    import datetime
+    from scripts.common import run_bench
 
-    from drafttrain.cliconfig import parse_cli
-    from scripts.common import machine, reproduce, write_report
-
-    cfg = parse_cli(BenchPeersConfig, argv)
-    mach = machine()
-    res = bench(cfg)
-    conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "target"}
-    res.update(machine={**mach, "torch_threads": cfg.threads}, date=datetime.date.today().isoformat(), config=conf)
-    command = reproduce("bench_peers", argv)
-    res["command"] = command
-    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
-    return res
+    return run_bench(BenchPeersConfig, bench, markdown, "bench_peers", argv)
 
 
 if __name__ == "__main__":

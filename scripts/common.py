@@ -7,6 +7,7 @@
 - :func:`reproduce` / :func:`kept_analysis` / :func:`write_report`: the page under ``docs/benchmarks/``:
   its JSON, its markdown with the command that reproduces it (from the repository root, no absolute
   paths) and the hand-written section between ``<!-- analysis -->`` markers kept across re-runs.
+- :func:`run_bench`: the whole ``main()`` of a benchmark script built from those pieces.
 """
 
 from __future__ import annotations
@@ -184,3 +185,31 @@ def write_report(out: str | Path, data: dict, markdown: Callable[[str], str] | s
     text = markdown(kept_analysis(md)) if callable(markdown) else markdown
     md.write_text(text)
     print(f"wrote {md} and {out.with_suffix('.json')}")
+
+
+def run_bench(schema: type, bench: Callable[[Any], dict], markdown: Callable[[dict, str, str], str], script: str,
+              argv: list[str] | None) -> dict:  # fmt: skip
+    """A benchmark script's ``main()``: parse ``argv`` (key=value) into ``schema``, run ``bench(cfg)``, stamp
+    the result with :func:`machine` (torch threads = the config's ``threads`` where it has one), the date,
+    the config (its ``target`` left out) and the command that reproduces it, and write ``<cfg.out>.json``
+    and ``.md`` (``markdown(result, command, kept analysis)``; :func:`write_report`).
+
+    Returns:
+        the result dict as written to the JSON.
+    """
+    import dataclasses
+    import datetime
+
+    from drafttrain.cliconfig import parse_cli
+
+    cfg = parse_cli(schema, argv)
+    mach = machine()
+    if getattr(cfg, "threads", None):
+        mach["torch_threads"] = cfg.threads
+    res = bench(cfg)
+    res.update(machine=mach, date=datetime.date.today().isoformat(),
+               config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "target"})  # fmt: skip
+    command = reproduce(script, argv)
+    res["command"] = command
+    write_report(cfg.out, res, lambda analysis: markdown(res, command, analysis))
+    return res

@@ -280,7 +280,28 @@ def output_perplexity(target, prompts: Sequence[Sequence[int]], outputs: Sequenc
 # ---------------------------------------------------------------------------------------------
 # the engine proposers
 # ---------------------------------------------------------------------------------------------
-class MTADProposer(ParallelSpecProposer):
+class _MTADRule:
+    """What both MTAD proposers share: B beams, K draft tokens, threshold τ, each slot's draft log-probs
+    kept from ``draft`` to ``accept``, and the joint-likelihood acceptance (lossy)."""
+
+    def _setup_mtad(self, num_beams: int, num_steps: int, threshold: float) -> None:
+        if num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+        if num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+        self.num_beams, self.num_steps, self.threshold = int(num_beams), int(num_steps), float(threshold)
+        self._draft_lp: dict[int, torch.Tensor] = {}
+
+    def release(self, slot) -> None:
+        super().release(slot)
+        self._draft_lp.pop(slot, None)
+
+    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
+        """Longest prefix whose joint target/draft likelihood ratio passes τ, then one target token."""
+        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
+
+
+class MTADProposer(_MTADRule, ParallelSpecProposer):
     """MTAD: B-beam drafting of K tokens by joint draft likelihood, joint-likelihood acceptance (lossy).
 
     Args:
@@ -300,18 +321,7 @@ class MTADProposer(ParallelSpecProposer):
     def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1,
                  batched: bool = True):  # fmt: skip
         super().__init__(drafter, batched=batched)
-        if num_beams < 1:
-            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-        self.num_beams = int(num_beams)
-        self.num_steps = self.depth if num_steps is None else min(int(num_steps), self.depth)
-        if self.num_steps < 1:
-            raise ValueError("num_steps must be >= 1")
-        self.threshold = float(threshold)
-        self._draft_lp: dict[int, torch.Tensor] = {}
-
-    def release(self, slot) -> None:
-        super().release(slot)
-        self._draft_lp.pop(slot, None)
+        self._setup_mtad(num_beams, self.depth if num_steps is None else min(int(num_steps), self.depth), threshold)
 
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
         logits = self._draft_logits_batched(slots) if self.batched else [self._draft_logits_one(s) for s in slots]
@@ -330,10 +340,6 @@ class MTADProposer(ParallelSpecProposer):
             trees.append(DraftTree(d.tokens, d.parents))
         return trees
 
-    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
-        """Longest prefix whose joint target/draft likelihood ratio passes τ, then one target token."""
-        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
-
 
 def _mtad_acceptance(tree: DraftTree, draft_lp: torch.Tensor, target_logits, threshold: float,
                      sampling: SamplingParams, generator) -> Acceptance:  # fmt: skip
@@ -345,7 +351,7 @@ def _mtad_acceptance(tree: DraftTree, draft_lp: torch.Tensor, target_logits, thr
     return Acceptance(list(range(m)), int(bonus[0]))
 
 
-class MTADEagleProposer(EagleProposer):
+class MTADEagleProposer(_MTADRule, EagleProposer):
     """MTAD with an autoregressive drafter (EAGLE): beams scored by the drafter's true joint likelihood.
 
     MTAD §3.2 assumes an auxiliary model with a joint distribution q(x_{1:K} | context) = prod_t
@@ -368,18 +374,7 @@ class MTADEagleProposer(EagleProposer):
 
     def __init__(self, drafter, num_beams: int = 4, num_steps: int | None = None, threshold: float = 0.1):
         super().__init__(drafter, batched=False)  # beams are drafted one sequence at a time
-        if num_beams < 1:
-            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-        self.num_beams = int(num_beams)
-        self.num_steps = int(drafter.draft_depth) if num_steps is None else int(num_steps)
-        if self.num_steps < 1:
-            raise ValueError("num_steps must be >= 1")
-        self.threshold = float(threshold)
-        self._draft_lp: dict[int, torch.Tensor] = {}
-
-    def release(self, slot) -> None:
-        super().release(slot)
-        self._draft_lp.pop(slot, None)
+        self._setup_mtad(num_beams, int(drafter.draft_depth) if num_steps is None else int(num_steps), threshold)
 
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
         trees = []
@@ -388,9 +383,6 @@ class MTADEagleProposer(EagleProposer):
             self._draft_lp[slot] = d.draft_log_probs
             trees.append(DraftTree(d.tokens, d.parents))
         return trees
-
-    def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
-        return _mtad_acceptance(tree, self._draft_lp.pop(slot), target_logits, self.threshold, sampling, generator)
 
     @torch.no_grad()
     def _beam_one(self, slot: int, sampling: SamplingParams, generator):
