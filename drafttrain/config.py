@@ -276,11 +276,12 @@ class SamplingConfig:
     """Greedy (``temperature: 0``) or temperature / top-p sampling, seeded per conversation and turn.
 
     The same vocabulary as :class:`~drafttrain.sampling.SamplingParams` and the evaluation's
-    ``temperature`` / ``top_p`` (the former ``do_sample`` switch is gone: a temperature > 0 samples).
+    ``temperature`` / ``top_p`` / ``top_k`` (the former ``do_sample`` switch is gone: a temperature > 0 samples).
     """
 
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off; else only the k most probable tokens (applied before top_p)
     seed: int = 0
 
 
@@ -451,13 +452,14 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "GenerateConfig": dict(max_conversations=GE1, num_threads=GE1, max_minutes=GT0),
     "GenerationConfig": dict(max_new_tokens=GE1, max_length=Range(2), max_prompt_length=GE1, max_turns=GE1, batch_size=GE1,
                              max_batch_tokens=GE1, max_padding=GE0, shard_size=GE1),
-    "SamplingConfig": dict(temperature=GE0, top_p=UNIT_OPEN_LOW, seed=GE0),
+    "SamplingConfig": dict(temperature=GE0, top_p=UNIT_OPEN_LOW, top_k=GE0, seed=GE0),
     # feature_layers: a loose sanity bound; the real one, [-(L + 1), L], needs the target's depth L and is
     # checked (target.resolve_feature_layers) from its config before the target loads
     "CacheFeaturesConfig": dict(top_k=GE0, batch_size=GE1, shard_size=GE1, num_threads=GE1,
                                 feature_layers=Range(-1025, 1024)),
-    "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, num_prompts=GE1, prompt_offset=GE0, max_new_tokens=GE1,
-                       batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
+    "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, num_prompts=GE1, prompt_offset=GE0, prompt_stride=GE1,
+                       max_new_tokens=GE1,
+                       batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, top_k=GE0, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
 }  # fmt: skip
 
 
@@ -617,6 +619,7 @@ class EvalConfig:
     prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
     num_prompts: int | None = 16
     prompt_offset: int = 0
+    prompt_stride: int = 1  # every N-th prompt from the offset (MT-bench: 10 per category, so 10 = one per category)
     max_new_tokens: int = 128
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
@@ -624,6 +627,7 @@ class EvalConfig:
     pack_inputs: str = "auto"  # unpadded mode: auto (pack only when the rows' input counts differ) | always
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off; else only the k most probable tokens (applied before top_p; MTAD App. F uses 20)
     seed: int = 0
     stop_token_ids: list[int] | None = None  # default: the tokenizer's end-of-turn ids
     num_threads: int | None = None

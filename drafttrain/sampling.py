@@ -7,7 +7,9 @@ Pure functions of the logits and random generators. Generation draws with one CP
 its row's generator: results do not depend on which other rows share the batch (up to the float
 reassociation of the logits themselves), and a run restarted from a shard boundary replays the same
 samples. Top-p is Holtzman et al. 2020 ("The Curious Case of Neural Text Degeneration", §3.1): keep the
-smallest set of most probable tokens whose mass reaches p.
+smallest set of most probable tokens whose mass reaches p. Top-k (Fan et al. 2018) keeps the k most
+probable tokens; with both, top-k is applied first, then top-p on the renormalised top-k mass (the
+order of MTAD App. F and of Hugging Face's warpers).
 
 Shape letters: a rows, v vocab.
 """
@@ -24,20 +26,24 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding distribution. ``temperature == 0`` means greedy (argmax); ``temperature > 0`` divides the
-    logits; ``top_p`` in (0, 1] keeps the nucleus of that mass (1 = off).
+    logits; ``top_k`` >= 1 keeps the k most probable tokens (0 = off); ``top_p`` in (0, 1] then keeps the
+    nucleus of that mass (1 = off).
 
     Raises:
-        ValueError: ``temperature < 0`` or ``top_p`` outside (0, 1].
+        ValueError: ``temperature < 0``, ``top_p`` outside (0, 1] or ``top_k < 0``.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -50,14 +56,15 @@ GREEDY = SamplingParams()
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits -> the distribution decoding samples from, for generation, target and draft alike.
 
-    softmax(logits / T), then nucleus (top-p) filtering: a token is kept when the mass of the tokens
-    strictly more probable than it (ties broken by sort order) is < ``top_p``, so the most probable
-    token is always kept and the token that crosses ``top_p`` is kept too; the kept mass is
-    renormalised. Greedy (T = 0) returns the one-hot argmax distribution.
+    softmax(logits / T); with ``top_k`` >= 1 only the k largest logits keep their mass (ties at the
+    k-th value broken by ``torch.topk``'s order), renormalised; then nucleus (top-p) filtering: a token is
+    kept when the mass of the tokens strictly more probable than it (ties broken by sort order) is <
+    ``top_p``, so the most probable token is always kept and the token that crosses ``top_p`` is kept
+    too; the kept mass is renormalised. Greedy (T = 0) returns the one-hot argmax distribution.
 
     Args:
         logits: [..., v] float.
-        params: temperature and top-p.
+        params: temperature, top-k and top-p.
 
     Returns:
         [..., v] float32 probabilities (rows sum to 1).
@@ -65,7 +72,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits / params.temperature, dim=-1)  # [..., v]
+    scaled = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        idx = torch.topk(scaled, params.top_k, dim=-1).indices  # [..., k]
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, idx, scaled.gather(-1, idx))
+    probs = torch.softmax(scaled, dim=-1)  # [..., v]
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)  # [..., v]
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more probable tokens

@@ -50,6 +50,26 @@ def test_process_logits_greedy_temperature_top_p():
         SamplingParams(top_p=0.0)
 
 
+def test_process_logits_top_k_then_top_p():
+    """Top-k keeps the k largest logits, renormalised; top-p then cuts that renormalised mass (MTAD App. F order)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [-1.0, 0.0, 3.0, 1.0]])
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    e = torch.tensor([[2.0, 1.0], [3.0, 1.0]]).softmax(-1)  # [0.7311, 0.2689], [0.8808, 0.1192]
+    torch.testing.assert_close(p, torch.tensor([[e[0, 0], e[0, 1], 0, 0], [0, 0, e[1, 0], e[1, 1]]]))
+    # top-p 0.72 after top-k 2: the first token alone (0.7311) reaches it in row 0; row 1 likewise (0.8808)
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.72, top_k=2))
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+    # without top-k the same top-p keeps two tokens of row 0 (0.6439 < 0.72 over the full softmax), one of row 1
+    assert (process_logits(logits, SamplingParams(temperature=1.0, top_p=0.72)) > 0).sum(-1).tolist() == [2, 1]
+    # top_k >= vocab is off; temperature applies before top-k
+    torch.testing.assert_close(process_logits(logits, SamplingParams(1.0, top_k=4)), logits.softmax(-1))
+    torch.testing.assert_close(process_logits(logits, SamplingParams(0.5, top_k=3))[0, :3],
+                               (logits[0, :3] / 0.5).softmax(-1))  # fmt: skip
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(temperature=1.0, top_k=bad)
+
+
 def test_accept_greedy_follows_argmax_children():
     """Tree: root -> {n0=5, n1=7}; n0 -> {n2=3}; n1 -> {n3=4, n4=2}. The target's argmax after the root
     is 7 (n1), after n1 is 2 (n4), after n4 is 6 (no child): path [1, 4], bonus 6."""

@@ -40,3 +40,40 @@ def test_bench_peers_writes_page(tmp_path, tiny_target):
                           "engine_hybrid"]
     assert all(r["equal_outputs"] == 2 for r in rows.values())  # every method reproduces HF generate
     assert "python -m scripts.bench_peers" in out.with_suffix(".md").read_text()
+
+
+def test_bench_sampling_rows_and_resume(tmp_path, checkpoint, monkeypatch):
+    """scripts.bench_sampling on the tiny target: greedy and sampled rows per recipe, MTAD with top-k + top-p and
+    MCSD under sampling, perplexity beside plain's, and a second call that reads every run back (no harness run)."""
+    import scripts.common
+    from scripts.bench_sampling import main
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "parallelspec").symlink_to(checkpoint)
+    argv = [f"runs={runs}", "recipes=[parallelspec,eagle]", "main_run=null", "num_prompts=2", "prompt_stride=3",
+            "max_new_tokens=6", "threads=1", "overrides=" + json.dumps(["target=tiny", "mcsd.ks=[2,1]", "mtad.num_beams=2"]),
+            f"cache_dir={tmp_path / 'cache'}", f"out={tmp_path / 'sampling'}"]  # fmt: skip
+    res = main(argv)
+    got = [(r["method"], r["decoding"], r["lossless"]) for r in res["rows"]]
+    assert got == [("parallelspec", "greedy", True), ("parallelspec", "sampled", True),  # eagle: no run, skipped
+                   ("mtad", "greedy", False), ("mcsd_w1", "greedy", True), ("mcsd_w2", "greedy", False),
+                   ("mtad", "mtad_warp", False), ("mcsd_w1", "mcsd_T", True), ("mcsd_w2", "mcsd_T", False)]  # fmt: skip
+    for r in res["rows"]:
+        assert r["perplexity"] > 1 and r["plain_perplexity"] > 1
+        if r["decoding"] != "greedy":
+            assert r["greedy_equal"] is None  # sampled: no token-for-token reference
+        elif r["lossless"]:
+            assert r["greedy_equal"] is True
+    warped = json.loads((tmp_path / "cache" / "mtad-warped.json").read_text())["command_config"]
+    assert (warped["temperature"], warped["top_p"], warped["top_k"]) == (0.7, 0.9, 20)  # MTAD App. F reached the harness
+    assert json.loads((tmp_path / "cache" / "mcsd-sampled.json").read_text())["command_config"]["top_p"] == 1.0
+    md = (tmp_path / "sampling.md").read_text()
+    assert "| mtad (parallelspec drafter) | T 0.7, top-k 20, top-p 0.9 | **no** |" in md
+    assert "python -m scripts.bench_sampling" in md
+
+    def no_run(_):
+        raise AssertionError("a cached run was run again")
+
+    monkeypatch.setattr(scripts.common, "run_eval", no_run)
+    assert main(argv)["rows"] == res["rows"]  # resumed: every run read back

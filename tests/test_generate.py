@@ -384,3 +384,29 @@ def test_hf_dataset_folder_source(tmp_path):
         load_conversations(str(tmp_path / "dict"))
     with pytest.raises(ValueError, match="unknown conversation source"):
         load_conversations(str(tmp_path / "missing"))
+
+
+def test_job_fingerprint_top_k(tiny_target, monkeypatch):
+    """Top-k is part of a sampled job's key (other outputs) and of no greedy job's key; top-k 0 leaves the key of a
+    job made before top-k existed (its settings had no top_k)."""
+    import drafttrain.config
+    from drafttrain.config import GenerationConfig, SamplingConfig
+    from drafttrain.data.selfdistill import job_fingerprint
+
+    conv = [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}]
+
+    def key(t, k):
+        return job_fingerprint(conv, "tiny", tiny_target.tokenizer, GenerationConfig(sampling=SamplingConfig(t, 0.9, k)))
+
+    assert key(0.0, 0) == key(0.0, 20)
+    assert key(0.7, 0) != key(0.7, 20)
+    now = key(0.7, 0)
+    to_dict = drafttrain.config.to_dict
+
+    def before_top_k(obj):  # the settings as a job made before top-k existed saw them
+        d = to_dict(obj)
+        d["sampling"].pop("top_k")
+        return d
+
+    monkeypatch.setattr(drafttrain.config, "to_dict", before_top_k)
+    assert key(0.7, 0) == now

@@ -2,8 +2,8 @@
 
 ``tests/test_acceptance.py`` checks the acceptance rules as pure functions. This file checks what a
 user gets: the tokens :class:`~drafttrain.verify.engine.SpecEngine` emits, with a real (random)
-ParallelSpec drafter proposing chains and trees, at T = 0.7 and at T = 1 with top-p 0.9, for every
-row of a batch, against the exact distribution of plain sampling from the target.
+ParallelSpec drafter proposing chains and trees, at T = 0.7, at T = 1 with top-p 0.9 and at T = 0.7
+with top-k 6 then top-p 0.9 (MTAD App. F's warping, k scaled to the toy vocabulary), for every row of a batch, against the exact distribution of plain sampling from the target.
 
 A toy target (a 2-layer Llama with a 16-token vocabulary, weights drawn large enough that its
 distributions are far from uniform) makes the exact law of the first three emitted tokens
@@ -18,8 +18,8 @@ softmax passed the whole suite before this test. With that mutation::
 
     sed -i 's/speculative_sampling_tree(tree, process_logits(target_logits, params)/speculative_sampling_tree(tree, torch.softmax(target_logits.float(), -1)/' drafttrain/verify/acceptance.py
 
-all four cases fail (T = 0.7: chi-square p ~ 1e-10; top-p 0.9: ~37 sequences emit a token outside
-the nucleus). The seeds are fixed, so the test is deterministic.
+all six cases fail (T = 0.7: chi-square p ~ 1e-10; top-p 0.9: ~37 sequences emit a token outside
+the nucleus; top-k 6 + top-p 0.9: 60-67 do). The seeds are fixed, so the test is deterministic.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, 0.9)], ids=["T0.7", "T1-topp0.9"])
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, 0.9), SamplingParams(0.7, 0.9, top_k=6)],
+                         ids=["T0.7", "T1-topp0.9", "T0.7-topk6-topp0.9"])  # fmt: skip
 def test_engine_samples_the_target_distribution(toy, shape, params):
     target, drafter = toy
     if shape == "chain":
@@ -110,7 +111,7 @@ def test_engine_samples_the_target_distribution(toy, shape, params):
                 assert len(r.tokens) == NEW
                 counts[tuple(r.tokens)] += 1
         outside = int(counts[law == 0].sum())
-        assert outside == 0, f"{outside} sequences emitted a token outside the top-p support"
+        assert outside == 0, f"{outside} sequences emitted a token outside the top-k/top-p support"
         p, df = chi_square_p(counts, law)
         assert df >= 5
         assert p > 1e-3, f"prompt {k}: emitted (x1, x2, x3) differ from plain sampling (chi-square p = {p:.2e}, df {df})"

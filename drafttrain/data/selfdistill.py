@@ -138,6 +138,8 @@ def job_fingerprint(conversations: Sequence[dict], target_name: str, tokenizer, 
     settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size",)}
     if gen.sampling.temperature == 0:  # greedy: the sampling settings play no part
         settings.pop("sampling")
+    elif not gen.sampling.top_k:  # top-k off: the key of jobs made before top-k existed
+        settings["sampling"].pop("top_k", None)
     if settings.get("backend") == "hf":  # the generator of jobs made before there was a choice: their keys stay
         settings.pop("backend")
     meta = {
@@ -219,7 +221,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
                     feature_layers: Sequence[int] | None = None) -> int:  # fmt: skip
     """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
     post-norm state, when ``gen.store_features``). Returns the number of generated tokens."""
-    sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p)
+    sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k)
     gens = None
     if not sampling.greedy:
         gens = [row_generator(gen.sampling.seed, st.plan.index, st.plan.id, len(st.spans)) for st in states]

@@ -89,7 +89,7 @@ def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
 
-    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset)
+    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset, stride=c.prompt_stride)
     if not rows:
         raise ValueError(f"no prompts in {c.prompts!r} at offset {c.prompt_offset}")
     return [r["id"] for r in rows], [prompt_ids(tokenizer, r["messages"]) for r in rows]
@@ -209,7 +209,7 @@ def evaluate(cfg) -> dict[str, Any]:
     drafter = load_drafter(c, ddir, target) if any(s.needs_drafter for s in specs) else None
     ids, prompts = load_prompts(c, target.tokenizer)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
-    sampling = SamplingParams(c.temperature, c.top_p)
+    sampling = SamplingParams(c.temperature, c.top_p, c.top_k)
     log.info("evaluating %d prompts of %s, batch sizes %s, modes %s, methods %s", len(prompts), c.prompts,
              c.batch_sizes, c.modes, methods)  # fmt: skip
 

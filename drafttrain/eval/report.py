@@ -72,7 +72,7 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         f"# Verifier evaluation: {results['prompts']['set']} ({results['prompts']['num']} prompts)",
         "",
         f"- target: `{cfg['target']['name']}`; drafter: " + _drafter_line(results["drafter"]),
-        f"- decoding: {'greedy' if results['greedy'] else 'temperature %s, top-p %s' % (cfg['temperature'], cfg['top_p'])}, "
+        f"- decoding: {'greedy' if results['greedy'] else 'temperature %s, top-p %s' % (cfg['temperature'], cfg['top_p']) + (', top-k %s' % cfg['top_k'] if cfg.get('top_k') else '')}, "
         f"max_new_tokens {cfg['max_new_tokens']}, mean prompt {results['prompts']['mean_prompt_tokens']:.0f} tokens; "
         f"tree: widths {cfg['tree']['widths']}, budget {cfg['tree']['budget']}, choices {cfg['tree']['choices'] if not isinstance(cfg['tree']['choices'], list) else 'custom'}",
         f"- machine: {results['machine']['device']}, {results['machine']['torch_threads']} torch threads, "
