@@ -58,6 +58,8 @@ class BenchSamplingConfig:
     top_p: float = 0.9
     mtad_top_k: int = 20  # MTAD App. F: top-k 20, then top-p
     seed: int = 0
+    # the noise of a sampled perplexity: plain + the parallelspec drafter at temperature/top_p, once per extra seed
+    noise_seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     threads: int | None = None
     overrides: list[str] = field(default_factory=list)  # more harness overrides for every run (e.g. target=tiny)
     cache_dir: str = "outputs/bench_sampling"  # one results JSON per harness run (resume)
@@ -103,6 +105,9 @@ def jobs(cfg: BenchSamplingConfig) -> list[dict]:
             {"key": "mcsd-sampled", "row": "parallelspec", "checkpoint": ps, "methods": ["mcsd"],
              "decoding": "mcsd_T", "sampling": {"temperature": cfg.temperature, "top_p": 1.0, "top_k": 0}},
         ]  # fmt: skip
+    for seed in cfg.noise_seeds if ps is not None else []:
+        out.append({"key": f"noise-seed{seed}", "row": "parallelspec", "checkpoint": ps, "methods": ["drafter"],
+                    "decoding": "sampled", "sampling": sampled, "seed": seed, "noise": True})  # fmt: skip
     if not out:
         raise ConfigError(f"no drafter found under {cfg.runs} (nor main_run={cfg.main_run}): train the runs first")
     return out
@@ -112,7 +117,7 @@ def _overrides(cfg: BenchSamplingConfig, job: dict) -> list[str]:
     s = job["sampling"]
     o = [f"checkpoint={job['checkpoint']}", f"methods=[{','.join(job['methods'])}]", f"prompts={cfg.prompts}",
          f"num_prompts={cfg.num_prompts}", f"prompt_stride={cfg.prompt_stride}", f"max_new_tokens={cfg.max_new_tokens}",
-         "batch_sizes=[1]", "modes=[unpadded]", "perplexity=true", f"seed={cfg.seed}", f"temperature={s['temperature']}",
+         "batch_sizes=[1]", "modes=[unpadded]", "perplexity=true", f"seed={job.get('seed', cfg.seed)}", f"temperature={s['temperature']}",
          f"top_p={s['top_p']}", f"top_k={s['top_k']}", f"output_dir={Path(cfg.cache_dir) / job['key']}", "plots=false",
          "progress=false"]  # fmt: skip
     return o + ([f"num_threads={cfg.threads}"] if cfg.threads else []) + list(cfg.overrides)
@@ -125,8 +130,10 @@ def _rows(job: dict, results: dict) -> list[dict]:
         if r["method"] == "plain":
             continue
         rows.append({"row": job["row"], "method": r["method"], "decoding": job["decoding"], **job["sampling"],
-                     "tau": r["tau"], "speedup": r["speedup"], "tokens_per_s": r["tokens_per_s"],
-                     "plain_tokens_per_s": plain["tokens_per_s"], "perplexity": r.get("perplexity"),
+                     "tau": r["tau"], "speedup": r["speedup"], "nodes_per_step": r["mean_tree_nodes"],
+                     "depth1_acceptance": r["depth_acceptance"].get("1", r["depth_acceptance"].get(1)),
+                     "tokens_per_s": r["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+                     "perplexity": r.get("perplexity"),
                      "plain_perplexity": plain.get("perplexity"), "lossless": r["lossless"],
                      "greedy_equal": r.get("greedy_equal"), "generated_tokens": r["generated_tokens"],
                      "drafter": results["drafter"]["name"], "checkpoint": job["checkpoint"]})  # fmt: skip
@@ -137,16 +144,21 @@ def bench(cfg: BenchSamplingConfig) -> dict:
     from scripts.common import cached, run_eval
 
     todo = jobs(cfg)
-    rows, prompts = [], None
+    rows, noise, prompts = [], [], None
     for i, job in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {job['key']}: {job['methods']} {job['sampling']}", flush=True)
         res = cached(Path(cfg.cache_dir) / f"{job['key']}.json", lambda job=job: run_eval(_overrides(cfg, job)))
         prompts = res["prompts"]["ids"]
+        if job.get("noise"):
+            noise += [{**r, "seed": job["seed"]} for r in _rows(job, res)]
+            continue
         for row in _rows(job, res):
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("row", "method", "decoding", "tau", "speedup", "perplexity",
                                                   "plain_perplexity")}), flush=True)  # fmt: skip
-    return {"rows": rows, "prompts": prompts, "prompt_set": cfg.prompts, "max_new_tokens": cfg.max_new_tokens}
+    if noise:  # seed cfg.seed's run is the table's row
+        noise = [{**r, "seed": cfg.seed} for r in rows if r["decoding"] == "sampled" and r["row"] == "parallelspec"] + noise
+    return {"rows": rows, "noise": noise, "prompts": prompts, "prompt_set": cfg.prompts, "max_new_tokens": cfg.max_new_tokens}
 
 
 DECODING = {
@@ -169,20 +181,35 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              f"(one per category), {res['max_new_tokens']} new tokens, batch 1, seed {res['config']['seed']}.", "",
              "Each row is one speculative run beside plain decoding of the same prompts under the same distribution, "
              "in the same process (speedup = its tokens/s over plain's). τ = tokens emitted per verification step "
-             "(the online planner may verify nothing in a step). Perplexity = exp(mean -log p) of the outputs under "
+             "(the online planner verifies only the draft tokens expected to pay for their cost, none in many steps: "
+             "draft nodes / step is what it verified on average); depth-1 acceptance = the fraction of verified "
+             "first draft tokens the target accepted. Perplexity = exp(mean -log p) of the outputs under "
              "the target (MTAD Eq. 1); plain = plain decoding's outputs under the same decoding settings. Lossless "
              "rows sample the same distribution as plain decoding, so their perplexity differs from plain's by "
              "noise only (8 prompts x 64 tokens: a few percent); under greedy they are also checked token for "
              "token (greedy-equal).", "",
-             "| drafter / method | decoding | lossless | τ | speedup b1 | tok/s (plain) | perplexity | plain perplexity | greedy-equal |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| drafter / method | decoding | lossless | τ | draft nodes / step | depth-1 acceptance | speedup b1 | tok/s (plain) | perplexity | plain perplexity | greedy-equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:
         label = r["row"] if r["method"] == r["drafter"] else f"{r['method']} ({r['row']} drafter)"
         dec = DECODING[r["decoding"]].format(**r)
         eq = "" if r["greedy_equal"] is None else ("yes" if r["greedy_equal"] else "no")
-        lines.append(f"| {label} | {dec} | {'yes' if r['lossless'] else '**no**'} | {f(r['tau'])} | {f(r['speedup'], 2)}x | "
+        lines.append(f"| {label} | {dec} | {'yes' if r['lossless'] else '**no**'} | {f(r['tau'])} | {f(r['nodes_per_step'], 2)} | "
+                     f"{f(r.get('depth1_acceptance'), 2)} | {f(r['speedup'], 2)}x | "
                      f"{f(r['tokens_per_s'], 1)} ({f(r['plain_tokens_per_s'], 1)}) | {f(r['perplexity'], 2)} | "
                      f"{f(r['plain_perplexity'], 2)} | {eq} |")  # fmt: skip
+    if res.get("noise"):
+        import statistics
+
+        lines += ["", "How much a sampled perplexity moves from seed to seed (plain decoding and the parallelspec "
+                  "drafter, same prompts and settings, one run per seed):", "",
+                  "| seed | plain perplexity | parallelspec perplexity | τ |", "|---|---|---|---|"]  # fmt: skip
+        for r in res["noise"]:
+            lines.append(f"| {r['seed']} | {f(r['plain_perplexity'], 2)} | {f(r['perplexity'], 2)} | {f(r['tau'])} |")
+        pl, sp = [r["plain_perplexity"] for r in res["noise"]], [r["perplexity"] for r in res["noise"]]
+        if len(pl) > 1:
+            lines.append(f"| mean ± sd | {statistics.mean(pl):.2f} ± {statistics.stdev(pl):.2f} | "
+                         f"{statistics.mean(sp):.2f} ± {statistics.stdev(sp):.2f} | |")  # fmt: skip
     lines += ["", "Reproduce (from the repository root, after training the runs as the script's docstring says):", "",
               "```bash", command, "```", "", analysis, ""]  # fmt: skip
     return "\n".join(lines)

@@ -52,7 +52,8 @@ def test_bench_sampling_rows_and_resume(tmp_path, checkpoint, monkeypatch):
     runs.mkdir()
     (runs / "parallelspec").symlink_to(checkpoint)
     argv = [f"runs={runs}", "recipes=[parallelspec,eagle]", "main_run=null", "num_prompts=2", "prompt_stride=3",
-            "max_new_tokens=6", "threads=1", "overrides=" + json.dumps(["target=tiny", "mcsd.ks=[2,1]", "mtad.num_beams=2"]),
+            "max_new_tokens=6", "threads=1", "noise_seeds=[1]",
+            "overrides=" + json.dumps(["target=tiny", "mcsd.ks=[2,1]", "mtad.num_beams=2"]),
             f"cache_dir={tmp_path / 'cache'}", f"out={tmp_path / 'sampling'}"]  # fmt: skip
     res = main(argv)
     got = [(r["method"], r["decoding"], r["lossless"]) for r in res["rows"]]
@@ -68,7 +69,10 @@ def test_bench_sampling_rows_and_resume(tmp_path, checkpoint, monkeypatch):
     warped = json.loads((tmp_path / "cache" / "mtad-warped.json").read_text())["command_config"]
     assert (warped["temperature"], warped["top_p"], warped["top_k"]) == (0.7, 0.9, 20)  # MTAD App. F reached the harness
     assert json.loads((tmp_path / "cache" / "mcsd-sampled.json").read_text())["command_config"]["top_p"] == 1.0
+    assert [(r["seed"], r["decoding"]) for r in res["noise"]] == [(0, "sampled"), (1, "sampled")]  # seed noise, own table
+    assert res["noise"][0]["perplexity"] == res["rows"][1]["perplexity"]
     md = (tmp_path / "sampling.md").read_text()
+    assert "| mean ± sd |" in md
     assert "| mtad (parallelspec drafter) | T 0.7, top-k 20, top-p 0.9 | **no** |" in md
     assert "python -m scripts.bench_sampling" in md
 
