@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafttrain.export.vllm_client import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
+
 log = logging.getLogger("drafttrain.serve_check")
-RUNNER = Path(__file__).resolve().parents[1] / "drafttrain" / "export" / "vllm_runner.py"
 METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}
 
 
@@ -63,15 +62,6 @@ class ServeCheckConfig:
     extra: dict = field(default_factory=dict)  # extra keys for vLLM's speculative_config
 
 
-def vllm_python(explicit: str | None = None) -> Path | None:
-    """The vLLM venv's python: ``explicit``, else $DRAFTTRAIN_VLLM_PYTHON, else ``.venv-vllm/bin/python`` (None if absent)."""
-    for cand in (explicit, os.environ.get("DRAFTTRAIN_VLLM_PYTHON"),
-                 str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")):  # fmt: skip
-        if cand and Path(cand).is_file():
-            return Path(cand)
-    return None
-
-
 def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | None = None) -> dict:
     """vLLM's ``speculative_config`` for an exported folder (format from its export_info.json)."""
     fmt = info["format"]
@@ -90,9 +80,7 @@ def run_vllm(python: Path, job: dict, *, threads: str, memory_gb: int, timeout_s
     Raises:
         RuntimeError: the runner exited non-zero (the tail of its log in the message).
     """
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": str(int(memory_gb))}  # fmt: skip
-    env.pop("PYTHONPATH", None)
+    env = vllm_env(threads, memory_gb)
     with tempfile.TemporaryDirectory() as tmp:
         jp, op = Path(tmp) / "job.json", Path(tmp) / "out.json"
         jp.write_text(json.dumps(job))

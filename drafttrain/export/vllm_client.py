@@ -1,0 +1,311 @@
+"""vLLM from drafttrain's own venv: find its python, and drive one engine in its own process.
+
+vLLM's CPU build lives in a second venv (``bash scripts/install_vllm.sh`` -> ``.venv-vllm``: it needs older
+transformers/datasets than drafttrain). drafttrain never imports it: :mod:`drafttrain.export.vllm_runner` (a
+plain file that imports only vLLM and the standard library) runs under that venv's python.
+
+- :func:`vllm_python`: the venv's python (explicit, ``$DRAFTTRAIN_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).
+- :func:`vllm_env`: the environment vLLM's CPU backend needs on a small machine (../shared/PLATFORM.md: it
+  binds one core and reserves the other unless told otherwise).
+- :class:`VllmGenerator`: one engine for a whole generation job (``generation.backend=vllm``), started on the
+  first request, answering greedy requests over JSON lines (``vllm_runner.py --serve``), shut down by
+  :meth:`VllmGenerator.close` (a context manager; also at interpreter exit) with every process it started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
+REPO = Path(__file__).resolve().parents[2]
+INSTALL = "bash scripts/install_vllm.sh"
+
+
+def vllm_python(explicit: str | None = None) -> Path | None:
+    """The vLLM venv's python: ``explicit`` (only it, when given), else ``$DRAFTTRAIN_VLLM_PYTHON``, else
+    ``.venv-vllm/bin/python`` in the repository (``bash scripts/install_vllm.sh``). None if that file is absent."""
+    cands = [explicit] if explicit else [os.environ.get("DRAFTTRAIN_VLLM_PYTHON"), str(REPO / ".venv-vllm" / "bin" / "python")]
+    for cand in cands:
+        if cand and Path(cand).expanduser().is_file():
+            return Path(cand).expanduser()
+    return None
+
+
+def cpu_list() -> str:
+    """The cores this process may run on, as VLLM_CPU_OMP_THREADS_BIND writes them ("0-1", "0,2,4")."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def vllm_env(threads: str | None = None, kv_cache_gb: int = 4) -> dict[str, str]:
+    """The environment of a vLLM process: the CPU backend on ``threads`` (VLLM_CPU_OMP_THREADS_BIND; None: every
+    core of this process) with no core reserved and ``kv_cache_gb`` GiB of KV cache; no PYTHONPATH (the vLLM venv
+    must not see drafttrain's packages)."""
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads or cpu_list(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb))}  # fmt: skip
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+class VllmProcessError(RuntimeError):
+    """The vLLM process could not start, died, or did not answer in time (the job cannot go on with it)."""
+
+
+class VllmRequestError(RuntimeError):
+    """vLLM refused or failed one request (the engine still serves the next)."""
+
+
+class VllmGenerator:
+    """One vLLM engine in its own process (the vLLM venv), serving greedy generation of token-id prompts.
+
+    Nothing starts until the first :meth:`generate` (a job with nothing left to do costs no engine start-up:
+    ~1 min eager on 2 cores, several with torch.compile). :meth:`close` (or leaving the ``with`` block, or the
+    interpreter's exit) asks the engine to shut down, then ends the process group it was started in (the
+    runner and the engine-core process vLLM spawns), so no process outlives the job, on errors too.
+
+    Args:
+        model_dir: the target's Hugging Face folder (what vLLM loads; its tokenizer too).
+        max_model_len: the longest sequence (prompt + generated tokens) a request may reach.
+        max_num_seqs: sequences vLLM decodes together (it batches a request's prompts itself).
+        dtype: the model dtype name ("float32", "bfloat16", "float16").
+        python: the vLLM venv's python (:func:`vllm_python` finds one when None).
+        threads, kv_cache_gb: :func:`vllm_env`.
+        memory_utilization: vLLM's ``gpu_memory_utilization`` (CPU memory on the CPU backend).
+        eager: no torch.compile in vLLM (faster start-up, slower decoding).
+        timeout_s: the engine's start-up and each request at most (seconds).
+        log_path: where the process's stderr (vLLM's log) goes; None: a temporary file.
+
+    Raises:
+        VllmProcessError: (at the first request) no vLLM python, or the engine could not be built.
+    """
+
+    def __init__(self, model_dir: str | Path, max_model_len: int, max_num_seqs: int = 32, dtype: str = "float32",
+                 python: str | Path | None = None, threads: str | None = None, kv_cache_gb: int = 4,
+                 memory_utilization: float = 0.3, eager: bool = False, timeout_s: float = 3600,
+                 log_path: str | Path | None = None):  # fmt: skip
+        self.job = {"model": str(Path(model_dir).resolve()), "dtype": dtype, "max_model_len": int(max_model_len),
+                    "max_num_seqs": int(max_num_seqs), "gpu_memory_utilization": float(memory_utilization),
+                    "eager": bool(eager)}  # fmt: skip
+        self.python = python
+        self.env = vllm_env(threads, kv_cache_gb)
+        self.timeout_s = float(timeout_s)
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}  # the engine's ready line: vllm_version, startup_seconds
+        self.seconds = 0.0  # time spent in requests (generation only)
+        self._failed: str | None = None  # why the engine is unusable (it died or hung): later requests fail at once
+        self._buf = b""
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    # -- life cycle ------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the engine and wait until it is ready (no-op when it runs).
+
+        Raises:
+            VllmProcessError: no vLLM python (the message names ``bash scripts/install_vllm.sh``), or the
+                engine failed to build (the tail of its log in the message), or it took over ``timeout_s``.
+        """
+        if self._failed:
+            raise VllmProcessError(f"the vLLM engine failed earlier: {self._failed}")
+        if self.running:
+            return
+        if self.proc is not None:
+            self._failed = f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}"
+            raise VllmProcessError(self._failed)
+        py = vllm_python(str(self.python) if self.python else None)
+        if py is None:
+            raise VllmProcessError(f"no vLLM python ({self.python or '.venv-vllm/bin/python, $DRAFTTRAIN_VLLM_PYTHON'}): "
+                                   f"run `{INSTALL}` (creates .venv-vllm)")  # fmt: skip
+        self._tmp = tempfile.TemporaryDirectory(prefix="drafttrain-vllm-")
+        job_path = Path(self._tmp.name) / "engine.json"
+        job_path.write_text(json.dumps(self.job))
+        if self.log_path is None:
+            self.log_path = Path(self._tmp.name) / "vllm.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen([str(py), str(RUNNER), "--serve", str(job_path)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=logf, env=self.env, cwd=self._tmp.name,
+                                         bufsize=0, start_new_session=True)  # fmt: skip
+        atexit.register(self.close)
+        t0 = time.perf_counter()
+        log.info("starting vLLM on %s (log %s)", self.job["model"], self.log_path)
+        try:
+            ready = self._read(self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if not ready.get("ready"):
+            self.close()
+            raise VllmProcessError(f"vLLM could not start: {ready.get('error')}\n{ready.get('traceback', '')}")
+        self.info = {"vllm_version": ready.get("vllm_version"), "startup_seconds": round(time.perf_counter() - t0, 1)}
+        log.info("vLLM %s ready after %.0f s", self.info["vllm_version"], self.info["startup_seconds"])
+
+    def close(self) -> None:
+        """Shut the engine down and end every process of its group; idempotent."""
+        proc, self.proc = self.proc, None
+        atexit.unregister(self.close)
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                try:
+                    _send(proc, b'{"shutdown": true}\n')
+                    proc.stdin.close()
+                except OSError:
+                    pass
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self._signal(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        self._signal(proc.pid, signal.SIGKILL)
+                        proc.wait(timeout=15)
+            # the runner is gone; end what is left of its group (an engine core it could not stop)
+            self._signal(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self._alive(proc.pid):
+                time.sleep(0.2)
+            self._signal(proc.pid, signal.SIGKILL)
+        finally:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            if self._tmp is not None and self.log_path is not None and Path(self._tmp.name) in self.log_path.parents:
+                self.log_path = None  # the temporary log goes with its folder
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
+
+    @staticmethod
+    def _signal(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)  # the session started for the runner: only processes we started
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @staticmethod
+    def _alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def __enter__(self) -> "VllmGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 stop_token_ids: Iterable[int] = ()) -> list[dict]:  # fmt: skip
+        """Greedy continuations of ``prompts``, all in one request (vLLM batches them itself).
+
+        Args:
+            prompts: b token id lists (each non-empty).
+            max_new_tokens: generated tokens per prompt at most (>= 1): one int, or one per prompt.
+            stop_token_ids: ids that end a sequence (included in its output when produced). The model's own
+                eos stops nothing unless it is among them (the same rule as ``Target.generate``).
+
+        Returns:
+            One dict per prompt, in order: ``tokens`` (prompt + generated, list[int]), ``num_prompt`` (int),
+            ``finish_reason`` ("stop": ended by a stop id | "length"): ``Target.generate``'s contract
+            without features.
+
+        Raises:
+            ValueError: an empty prompt or a cap < 1.
+            VllmRequestError: vLLM failed this request (e.g. a sequence longer than ``max_model_len``).
+            VllmProcessError: the engine could not start, died, or did not answer within ``timeout_s``.
+        """
+        b = len(prompts)
+        caps = [int(max_new_tokens)] * b if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
+        if len(caps) != b or min(caps, default=1) < 1 or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs >= 1 token and a max_new_tokens >= 1")
+        if not b:
+            return []
+        stops = sorted({int(t) for t in stop_token_ids})
+        self.start()
+        req = {"prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": caps, "stop_token_ids": stops}
+        t0 = time.perf_counter()
+        try:
+            try:
+                _send(self.proc, (json.dumps(req) + "\n").encode())
+            except OSError as err:
+                raise VllmProcessError(f"the vLLM process is gone ({err}); {self._log_tail()}") from err
+            ans = self._read(self.timeout_s)
+        except VllmProcessError as err:  # dead or hung: never read a late answer as the next request's
+            self._failed = str(err)
+            self.close()
+            raise
+        self.seconds += time.perf_counter() - t0
+        if "error" in ans:
+            raise VllmRequestError(f"vLLM: {ans['error']}")
+        outs = ans["outputs"]
+        if len(outs) != b:
+            raise VllmProcessError(f"vLLM answered {len(outs)} outputs for {b} prompts")
+        stop_set = set(stops)
+        results = []
+        for p, o, cap in zip(prompts, outs, caps):
+            if len(o) > cap or any(t in stop_set for t in o[:-1]):
+                raise VllmRequestError(f"vLLM output breaks the request's caps or stops: {len(o)} tokens, cap {cap}")
+            results.append({"tokens": list(p) + list(o), "num_prompt": len(p),
+                            "finish_reason": "stop" if o and o[-1] in stop_set else "length"})  # fmt: skip
+        return results
+
+    def _read(self, timeout: float) -> dict:
+        """The next JSON line from the process, within ``timeout`` seconds."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise VllmProcessError(f"vLLM did not answer within {timeout:.0f} s (generation.vllm.timeout_s); "
+                                       f"{self._log_tail()}")  # fmt: skip
+            ready, _, _ = select.select([fd], [], [], min(left, 5.0))
+            if not ready:
+                if self.proc.poll() is not None:
+                    raise VllmProcessError(f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}")
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                self.proc.wait(timeout=30)
+                raise VllmProcessError(f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def _log_tail(self, n: int = 30) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return "no log"
+        lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
+        return f"log {self.log_path}:\n" + "\n".join(lines)
+
+
+def _send(proc: subprocess.Popen, data: bytes) -> None:
+    """Write all of ``data`` to the process's stdin (an unbuffered pipe: one write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(proc.stdin.fileno(), view) :]
