@@ -286,6 +286,19 @@ class SamplingConfig:
 
 
 @dataclass
+class VllmConfig:
+    """``generation.vllm``: the vLLM engine of ``generation.backend=vllm`` (a second venv, run as a subprocess:
+    :class:`drafttrain.export.vllm_client.VllmGenerator`). Operational settings: none is part of a job's key."""
+
+    python: str | None = None  # the vLLM venv's python (null: $DRAFTTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)
+    threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (null: every core this process may use)
+    kv_cache_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on the CPU backend
+    memory_utilization: float = 0.3  # vLLM's gpu_memory_utilization (CPU memory on the CPU backend)
+    eager: bool = False  # no torch.compile / graphs in vLLM: minutes less start-up on a small CPU, slower decoding
+    timeout_s: int = 3600  # the engine's start-up and each round's request at most (seconds)
+
+
+@dataclass
 class GenerationConfig:
     """How the target regenerates assistant turns (:func:`drafttrain.data.selfdistill.generate_dataset`)."""
 
@@ -304,8 +317,10 @@ class GenerationConfig:
     check_template: bool = True  # check the template renders the regenerated text as the ids we assemble
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # engine: greedy generation through the bundled engine (preallocated ragged KV cache, no per-step cache
-    # copy, drafttrain/verify/recorder.py); hf: Target.generate (HF DynamicCache; also what sampling uses)
+    # copy, drafttrain/verify/recorder.py); hf: Target.generate (HF DynamicCache; also what sampling uses);
+    # vllm: greedy through vLLM in its own venv (scripts/install_vllm.sh), features from a teacher-forced pass
     backend: str = "engine"
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # backend=vllm only
 
 
 @dataclass
@@ -318,7 +333,8 @@ class DistillConfig:
     max_new_tokens: int = GenerationConfig.max_new_tokens  # tokens per regenerated answer at most
     max_prompt_length: int | None = GenerationConfig.max_prompt_length  # longer first prompts are skipped (counted)
     batch_size: int = GenerationConfig.batch_size  # conversations per generation batch (and per shard)
-    backend: str = GenerationConfig.backend  # engine | hf (see GenerationConfig)
+    backend: str = GenerationConfig.backend  # engine | hf | vllm (see GenerationConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # backend=vllm only
 
 
 @dataclass
@@ -508,8 +524,7 @@ def _check_values(c: TrainConfig) -> None:
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
-    if c.data.generation.backend not in ("engine", "hf"):
-        problems.append(f"data.generation.backend must be engine|hf, got {c.data.generation.backend!r}")
+    problems += _check_backend("data.generation", c.data.generation, c.target)
     if c.target.fast_linear not in ("auto", "on", "off"):
         problems.append("target.fast_linear must be auto|on|off")
     if c.data.features not in ("auto", "live", "cache"):
@@ -520,6 +535,31 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+BACKENDS = ("engine", "hf", "vllm")
+
+
+def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
+    """Problems of ``g.backend`` (a GenerationConfig or DistillConfig at ``key``); for ``vllm``, the ones that would
+    otherwise fail after the target has loaded: no vLLM python, no HF folder of the target for vLLM to load."""
+    if g.backend not in BACKENDS:
+        return [f"{key}.backend must be {'|'.join(BACKENDS)}, got {g.backend!r}"]
+    if g.backend != "vllm":
+        return []
+    from drafttrain.export.vllm_client import vllm_python
+
+    problems, v = [], g.vllm
+    if vllm_python(v.python) is None:
+        where = f"{key}.vllm.python={v.python} is not a file" if v.python else "no .venv-vllm/bin/python (nor $DRAFTTRAIN_VLLM_PYTHON)"
+        problems.append(f"{key}.backend=vllm needs vLLM's venv: {where}; run `bash scripts/install_vllm.sh` "
+                        f"(creates .venv-vllm) or set {key}.vllm.python=<its python>")
+    if target.random_init:
+        problems.append(f"{key}.backend=vllm loads the target from its Hugging Face folder, and a random target "
+                        "(target.random_init=true) has none: save it (save_pretrained) and pass target.path=<folder>")
+    if v.kv_cache_gb < 1 or not 0 < v.memory_utilization <= 1 or v.timeout_s < 1:
+        problems.append(f"{key}.vllm.kv_cache_gb and timeout_s must be >= 1, memory_utilization in (0, 1]")
+    return problems
 
 
 def _check_generate(c: GenerateConfig) -> None:
@@ -534,8 +574,11 @@ def _check_generate(c: GenerateConfig) -> None:
         problems.append("generation.max_turns must be >= 1 or null")
     if g.on_length not in ("close", "stop"):
         problems.append("generation.on_length must be close|stop")
-    if g.backend not in ("engine", "hf"):
-        problems.append(f"generation.backend must be engine|hf, got {g.backend!r}")
+    problems += _check_backend("generation", g, c.target)
+    if g.backend == "vllm" and g.sampling.temperature > 0:
+        problems.append("generation.backend=vllm is greedy only (generation.sampling.temperature=0): sampled rows draw "
+                        "from a generator seeded per conversation and turn (generation.sampling.seed), which vLLM "
+                        "cannot reproduce; sample with generation.backend=hf")
     if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):

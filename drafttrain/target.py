@@ -88,14 +88,17 @@ class Target:
         model: the HF ``*ForCausalLM`` (eval mode, ``requires_grad=False`` everywhere).
         tokenizer: its tokenizer (None for a random tiny target built without one).
         config: the model config.
+        source_dir: the Hugging Face folder the model was loaded from (None: built in memory, e.g. a random
+            tiny target); what an external engine (vLLM, generation.backend=vllm) loads.
     """
 
-    def __init__(self, model: nn.Module, tokenizer=None):
+    def __init__(self, model: nn.Module, tokenizer=None, source_dir: str | Path | None = None):
         model.eval()
         model.requires_grad_(False)
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
+        self.source_dir = Path(source_dir) if source_dir is not None else None
 
     # -- modules the drafters share by reference (frozen) --------------------------------------
     @property
@@ -405,4 +408,4 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     if pack:
         n = fastlinear.pack_linears(model)
         log.info("target.fast_linear: %d linear layers on oneDNN prepacked weights", n)
-    return Target(model, tokenizer)
+    return Target(model, tokenizer, source_dir=None if cfg.random_init else folder)

@@ -97,6 +97,7 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
                     progress=c.trainer.progress and accelerator.is_main_process,
                     feature_layers=layers,
                     backend=gen.backend,
+                    vllm=gen.vllm,
                 )
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"

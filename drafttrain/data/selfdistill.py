@@ -24,6 +24,13 @@ a template that would render the regenerated turns differently (e.g. one that st
 previous answers) ends the conversation there, counted as ``end_reason="template mismatch"``. A row
 always ends with its last generated token.
 
+**Backends** (``generation.backend``; the rows are the same whichever generates them): ``engine`` (greedy through
+the bundled engine, :mod:`drafttrain.verify.recorder`), ``hf`` (:meth:`drafttrain.target.Target.generate`; what
+sampling uses) and ``vllm`` (greedy through vLLM in its own venv, ``bash scripts/install_vllm.sh``: one engine
+process for the whole job, :class:`drafttrain.export.vllm_client.VllmGenerator`, each round sent whole; vLLM keeps
+no hidden states, so ``features`` come from one teacher-forced target forward over each finished row). The
+backend is part of the job's key: batched floats differ between backends, hence possibly a token at a near tie.
+
 **Resumable and loss-free.** Conversations are planned first (skips counted with a reason), sorted by
 first-prompt length into shards (little left padding), generated shard by shard and written with a
 manifest (:class:`drafttrain.data.shards.ShardStore`); a run killed at any point and restarted with
@@ -54,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.config import GenerationConfig
+from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 from drafttrain.data.sources import LoadStats
 from drafttrain.data.template import AssistantTurn, TemplateError, end_of_turn_ids, iter_assistant_turns, render_text
@@ -135,7 +142,8 @@ def job_fingerprint(conversations: Sequence[dict], target_name: str, tokenizer, 
     for conv in conversations:
         h.update(json.dumps(conv, sort_keys=True, ensure_ascii=False, default=str).encode())
         h.update(b"\0")
-    settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size",)}
+    # generation.vllm: where and how vLLM runs (its python, cores, memory, time limits), not what it generates
+    settings = {k: v for k, v in to_dict(gen).items() if k not in ("batch_size", "vllm")}
     if gen.sampling.temperature == 0:  # greedy: the sampling settings play no part
         settings.pop("sampling")
     elif not gen.sampling.top_k:  # top-k off: the key of jobs made before top-k existed
@@ -218,9 +226,11 @@ def _advance(st: _State, tokenizer, gen: GenerationConfig, stops: set[int]) -> N
 
 
 def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: set[int],
-                    feature_layers: Sequence[int] | None = None) -> int:  # fmt: skip
+                    feature_layers: Sequence[int] | None = None, vllm=None) -> int:  # fmt: skip
     """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
-    post-norm state, when ``gen.store_features``). Returns the number of generated tokens."""
+    post-norm state, when ``gen.store_features``; the vllm backend returns none: :func:`generate_shard` computes
+    them). ``vllm``: the job's :class:`~drafttrain.export.vllm_client.VllmGenerator` (backend vllm).
+    Returns the number of generated tokens."""
     sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k)
     gens = None
     if not sampling.greedy:
@@ -232,6 +242,10 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
         results = engine_generate(target, [st.ids for st in states], caps, stop_token_ids=stops,
                                   return_features=gen.store_features, feature_layers=feature_layers,
                                   batch_size=gen.batch_size)  # fmt: skip
+    elif gen.backend == "vllm":  # greedy only (config validation); one request, vLLM batches it itself
+        if not sampling.greedy:
+            raise ValueError("generation.backend=vllm is greedy only (generation.sampling.temperature=0)")
+        results = vllm.generate([st.ids for st in states], caps, stops)
     else:
         results = target.generate(
             [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
@@ -245,10 +259,88 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
         st.mask += [1] * len(new)
         st.spans.append((start, len(st.ids)))
         st.finish.append(r["finish_reason"])
-        if gen.store_features:
+        if gen.store_features and "features" in r:
             st.features = r["features"].to(torch.float16)  # [len(ids) - 1, F]: the whole context so far
         n += len(new)
     return n
+
+
+def vllm_generator(target, gen: GenerationConfig, log_path: str | Path | None = None):
+    """The :class:`~drafttrain.export.vllm_client.VllmGenerator` of a ``generation.backend=vllm`` job: the target's
+    own Hugging Face folder and dtype, ``max_model_len = gen.max_length`` (every request fits: a turn's cap is
+    ``min(max_new_tokens, max_length - context)``), ``max_num_seqs = gen.batch_size``, ``gen.vllm``'s settings.
+    Nothing starts until its first request.
+
+    Raises:
+        ValueError: the target was not loaded from a folder (a random target): vLLM has nothing to load.
+    """
+    from drafttrain.export.vllm_client import VllmGenerator
+
+    folder = getattr(target, "source_dir", None)
+    if folder is None:
+        raise ValueError("generation.backend=vllm loads the target from its Hugging Face folder and this target has "
+                         "none (a random target): save it (save_pretrained) and load it with target.path=<folder>")
+    v = gen.vllm
+    return VllmGenerator(folder, max_model_len=gen.max_length, max_num_seqs=gen.batch_size,
+                         dtype=str(target.model.dtype).removeprefix("torch."), python=v.python, threads=v.threads,
+                         kv_cache_gb=v.kv_cache_gb, memory_utilization=v.memory_utilization, eager=v.eager,
+                         timeout_s=v.timeout_s, log_path=log_path)  # fmt: skip
+
+
+@torch.no_grad()
+def teacher_forced_features(target, rows: Sequence[Sequence[int]], feature_layers: Sequence[int] | None = None,
+                            batch_size: int = 32, max_batch_tokens: int | None = 16384) -> list[torch.Tensor]:  # fmt: skip
+    """Features of token-id rows from the target's forward over the whole row (teacher forcing), as stored.
+
+    What the other backends keep from the generation itself, computed afterwards: f_0..f_{n-2} of
+    ``feature_layers`` (default the final post-norm state; :meth:`drafttrain.target.Target.forward`). Rows are
+    sorted by length and run right-padded, at most ``batch_size`` rows and ``max_batch_tokens`` padded slots
+    per forward (one row at least).
+
+    Returns:
+        One float16 CPU tensor per row, in order: [len(row) - 1, len(feature_layers) * d].
+    """
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    batches: list[list[int]] = []
+    for i in order:
+        n = len(rows[i])
+        if batches and len(batches[-1]) < batch_size and (max_batch_tokens is None or (len(batches[-1]) + 1) * n <= max_batch_tokens):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    for batch in batches:
+        s = max(len(rows[i]) for i in batch)
+        ids = torch.zeros((len(batch), s), dtype=torch.long)
+        attn = torch.zeros((len(batch), s), dtype=torch.long)
+        for j, i in enumerate(batch):
+            ids[j, : len(rows[i])] = torch.as_tensor(list(rows[i]))
+            attn[j, : len(rows[i])] = 1
+        feats = target.forward(ids.to(target.device), attention_mask=attn.to(target.device), with_logits=False,
+                               feature_layers=feature_layers).features  # [b, s, F]
+        for j, i in enumerate(batch):
+            out[i] = feats[j, : len(rows[i]) - 1].to("cpu", torch.float16)
+    return out
+
+
+def _teacher_forced_features(states: list[_State], target, gen: GenerationConfig, feature_layers) -> None:
+    """``st.features`` of every state from :func:`teacher_forced_features` over its row (``ids[:row_end]``); a
+    batch that raises is retried one state at a time, a state that still raises is recorded as failed."""
+    try:
+        feats = teacher_forced_features(target, [st.ids[: st.row_end] for st in states], feature_layers,
+                                        gen.batch_size, gen.max_batch_tokens)  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - retried per conversation below, never silent
+        log.warning("teacher-forced features of %d rows failed (%s: %s); retrying one by one", len(states), type(err).__name__, err)
+        feats = []
+        for st in states:
+            try:
+                feats += teacher_forced_features(target, [st.ids[: st.row_end]], feature_layers)
+            except Exception as err1:  # noqa: BLE001
+                st.failed = f"feature error: {type(err1).__name__}"
+                log.error("conversation %s: features failed: %s: %s", st.plan.id, type(err1).__name__, err1)
+                feats.append(None)
+    for st, f in zip(states, feats):
+        st.features = f
 
 
 def batches_by_budget(
@@ -280,43 +372,60 @@ def batches_by_budget(
 
 def generate_shard(
     target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None,
-    feature_layers: Sequence[int] | None = None,
+    feature_layers: Sequence[int] | None = None, vllm=None,
 ) -> tuple[list[dict], dict[int, str]]:
     """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
 
     Within a round, conversations are sorted by context length and generated in batches of at most
     ``gen.batch_size`` rows, ``gen.max_batch_tokens`` padded prompt slots and ``gen.max_padding``
-    padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped). A batch that raises is retried
-    one conversation at a time; a conversation that still raises is recorded as failed.
+    padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped); greedy rounds of the
+    ``engine`` and ``vllm`` backends go whole to the backend, which batches them itself. A batch that raises is
+    retried one conversation at a time; a conversation that still raises is recorded as failed. A vLLM engine that
+    died or hung (:class:`~drafttrain.export.vllm_client.VllmProcessError`) stops the job instead.
 
     ``feature_layers``: the target layers whose hidden states a row's ``features`` hold (with
-    ``gen.store_features``; :func:`drafttrain.target.resolve_feature_layers`; default the final state).
+    ``gen.store_features``; :func:`drafttrain.target.resolve_feature_layers`; default the final state). The
+    ``vllm`` backend keeps no hidden states: its rows' features come from one teacher-forced target forward
+    over the row's final ids (:func:`teacher_forced_features`; the same layers and storage dtype).
+
+    ``vllm``: the job's :class:`~drafttrain.export.vllm_client.VllmGenerator` (backend vllm; None: one started
+    and shut down for this shard).
 
     Returns:
         ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
         for the columns), in the order of ``plans``; ``failed`` maps input index -> reason.
     """
+    from drafttrain.export.vllm_client import VllmProcessError
+
+    if gen.backend == "vllm" and vllm is None:  # a direct call: an engine for this shard only
+        with vllm_generator(target, gen) as own:
+            return generate_shard(target, plans, gen, on_tokens, feature_layers, vllm=own)
     tok = target.tokenizer
     stops = end_of_turn_ids(tok) | {t.eot for p in plans for t in p.turns}
     states = []
     for p in plans:
         st = _State(p, ids=list(p.turns[0].glue), mask=[0] * len(p.turns[0].glue))
         states.append(st)
+    # the engine and vLLM batch (and refill) a whole round themselves
+    whole_round = gen.backend in ("engine", "vllm") and gen.sampling.temperature == 0
     while True:
         ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
         if not ready:
             break
-        engine = gen.backend == "engine" and gen.sampling.temperature == 0  # the engine batches the round itself
-        batches = [ready] if engine else batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding)
+        batches = [ready] if whole_round else batches_by_budget(ready, gen.batch_size, gen.max_batch_tokens, gen.max_padding)
         for batch in batches:
             try:
-                n = _generate_batch(target, batch, gen, stops, feature_layers)
+                n = _generate_batch(target, batch, gen, stops, feature_layers, vllm)
+            except VllmProcessError:  # the engine is gone: stop the job (resumable), never fail rows one by one
+                raise
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
                 log.warning("generation batch of %d failed (%s: %s); retrying one by one", len(batch), type(err).__name__, err)
                 n = 0
                 for st in batch:
                     try:
-                        n += _generate_batch(target, [st], gen, stops, feature_layers)
+                        n += _generate_batch(target, [st], gen, stops, feature_layers, vllm)
+                    except VllmProcessError:
+                        raise
                     except Exception as err1:  # noqa: BLE001
                         st.failed = f"generation error: {type(err1).__name__}"
                         log.error("conversation %s failed: %s: %s", st.plan.id, type(err1).__name__, err1)
@@ -325,6 +434,8 @@ def generate_shard(
         for st in ready:
             if not st.failed:
                 _advance(st, tok, gen, stops)
+    if gen.store_features and gen.backend == "vllm":  # vLLM keeps no hidden states: one teacher-forced pass
+        _teacher_forced_features([st for st in states if not st.failed], target, gen, feature_layers)
     rows, failed = [], {}
     for st in states:
         if st.failed:
@@ -453,19 +564,29 @@ def generate_dataset(
         bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
 
     stopped = False
-    for i, shard in enumerate(shards):
-        if store.is_done(i):
-            continue
-        if max_seconds is not None and time.time() - t_gen >= max_seconds:
-            stopped = True
-            break
-        rows, failed = generate_shard(target, shard, gen, on_tokens, layers)
-        cols = {k: [r[k] for r in rows] for k in features}
-        store.write(i, datasets.Dataset.from_dict(cols, features=features),
-                    {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()}})
-        bar.update(len(shard))
-    bar.close()
+    # backend vllm: one engine for the whole job, started by its first request (a finished job starts none),
+    # shut down here whatever happens (no process outlives the job)
+    engine = vllm_generator(target, gen, out_dir / "vllm.log") if gen.backend == "vllm" else None
+    try:
+        for i, shard in enumerate(shards):
+            if store.is_done(i):
+                continue
+            if max_seconds is not None and time.time() - t_gen >= max_seconds:
+                stopped = True
+                break
+            rows, failed = generate_shard(target, shard, gen, on_tokens, layers, vllm=engine)
+            cols = {k: [r[k] for r in rows] for k in features}
+            store.write(i, datasets.Dataset.from_dict(cols, features=features),
+                        {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()}})
+            bar.update(len(shard))
+    finally:
+        if engine is not None:
+            engine.close()
+        bar.close()
     seconds = time.time() - t_gen
+    backend_info = {}
+    if engine is not None and engine.info:  # vLLM ran: its version, start-up and request seconds (in `seconds`)
+        backend_info = {"vllm": {**engine.info, "request_seconds": round(engine.seconds, 1)}}
     if stopped:
         done = [i for i in range(len(shards)) if store.is_done(i)]
         report = {
@@ -477,7 +598,7 @@ def generate_dataset(
             "shards": len(shards),
             "this_run": {"generated_tokens": new_tokens, "seconds": round(seconds, 1),
                          "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
-                         "wall_seconds": round(time.time() - t0, 1)},
+                         "wall_seconds": round(time.time() - t0, 1), **backend_info},
         }
         log.info("stopped after %.0f s with %d of %d shards done; run again to continue", seconds, len(done), len(shards))
         return None, report
@@ -529,6 +650,7 @@ def generate_dataset(
             "seconds": round(seconds, 1),
             "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
             "wall_seconds": round(time.time() - t0, 1),
+            **backend_info,
         },
         "fingerprint": fingerprint,
     }
@@ -606,6 +728,7 @@ def self_distill(
     target_name: str = "target",
     feature_layers: Sequence[int] | None = None,
     backend: str = "engine",
+    vllm: VllmConfig | None = None,
 ):
     """Regenerate the first assistant turn (all turns with ``first_turn_only=False``) greedily, keeping features.
 
@@ -622,8 +745,10 @@ def self_distill(
         max_prompt_length: optional tighter cap on first-prompt tokens (long prompts make batched
             generation slow and teach the drafter little about answers); longer prompts are skipped.
         feature_layers: the target layers the drafter reads (its declaration; default the final state).
-        backend: ``engine`` (the bundled engine, :func:`drafttrain.verify.recorder.engine_generate`) or
-            ``hf`` (:meth:`drafttrain.target.Target.generate`).
+        backend: ``engine`` (the bundled engine, :func:`drafttrain.verify.recorder.engine_generate`), ``hf``
+            (:meth:`drafttrain.target.Target.generate`) or ``vllm`` (vLLM in its own venv, one process for the job;
+            features from a teacher-forced pass: :func:`generate_shard`).
+        vllm: ``backend=vllm``'s settings (:class:`drafttrain.config.VllmConfig`; None: its defaults).
 
     Returns:
         ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16
@@ -633,7 +758,7 @@ def self_distill(
         max_new_tokens=max_new_tokens, max_length=max_length, max_prompt_length=max_prompt_length,
         max_turns=1 if first_turn_only else None, batch_size=batch_size, store_features=True,
         max_padding=None,  # one batch per shard, as the main job's measured runs and stored losses assume
-        backend=backend,
+        backend=backend, vllm=vllm if vllm is not None else VllmConfig(),
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
                             progress=progress, desc="self-distill", reset_on_mismatch=True,
