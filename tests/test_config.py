@@ -183,6 +183,38 @@ def test_generate_config_composes_validates_and_rejects_typos(monkeypatch):
             generate_data.run(compose_script("generate", ["target=tiny", override]))
 
 
+def test_vllm_generation_backend_fails_before_any_model_loads(monkeypatch, tmp_path):
+    """generation.backend=vllm (and data.generation.backend=vllm): sampling (per-row seeded streams vLLM cannot
+    reproduce), a missing vLLM python (the message names the install script), a random target (no folder for
+    vLLM to load) and unknown backends are config errors, raised before any model loads."""
+    from drafttrain import target as target_mod
+    from drafttrain.config import GenerateConfig
+    from scripts import generate_data
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(target_mod, "load_target", no_model)
+    py, nope = tmp_path / "python", tmp_path / "nope"
+    py.write_text("")
+    ok = ["generation.backend=vllm", f"generation.vllm.python={py}"]
+    c = validate(compose_script("generate", ok + ["generation.vllm.threads='0-1'"]), GenerateConfig)
+    assert c.generation.backend == "vllm" and c.generation.vllm.threads == "0-1"
+    for overrides, match in [(ok + ["generation.sampling.temperature=0.7"], "greedy only"),
+                             (ok + ["target=tiny"], "random target"),
+                             (["generation.backend=vllm", f"generation.vllm.python={nope}"], "bash scripts/install_vllm.sh"),
+                             (ok + ["generation.vllm.kv_cache_gb=0"], "kv_cache_gb"),
+                             (["generation.backend=vlm"], r"generation.backend must be engine\|hf\|vllm")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            generate_data.run(compose_script("generate", overrides))
+    train = ["+recipe=parallelspec", "data.generation.backend=vllm"]
+    assert validate(compose_dict(train + [f"data.generation.vllm.python={py}"])).data.generation.backend == "vllm"
+    with pytest.raises(ConfigError, match="data.generation.backend=vllm needs vLLM's venv.*install_vllm.sh"):
+        validate(compose_dict(train + [f"data.generation.vllm.python={nope}"]))
+    with pytest.raises(ConfigError, match=r"data.generation.backend must be engine\|hf\|vllm"):
+        validate(compose_dict(["+recipe=parallelspec", "data.generation.backend=sglang"]))
+
+
 def test_cache_features_config_requires_a_dataset(monkeypatch):
     from drafttrain.config import CacheFeaturesConfig
     from scripts import cache_features

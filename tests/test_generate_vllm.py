@@ -1,0 +1,217 @@
+"""The vLLM generation backend (``generation.backend=vllm``; drafttrain.export.vllm_client, vllm_runner --serve).
+
+Why: vLLM is how peers regenerate data at scale; rows it generates must be the rows our own generator writes
+(same columns, same loss masks, same features from a teacher-forced pass), one engine per job that never
+outlives it, and a job that cannot run (sampling, no vLLM venv, no target folder) must fail before any model
+loads. The tests that run vLLM itself are skipped where .venv-vllm is absent (``bash scripts/install_vllm.sh``;
+CI, a fresh clone, skips them); the rest run everywhere with a stand-in engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from drafttrain.config import GenerationConfig, VllmConfig
+from drafttrain.data import selfdistill
+from drafttrain.data.selfdistill import distill_key, generate_dataset, job_fingerprint
+from drafttrain.data.template import prompt_ids
+from drafttrain.export.vllm_client import VllmGenerator, VllmProcessError, vllm_python
+from test_generate import CONVS, ids_of
+
+GEN = dict(max_new_tokens=6, max_length=256, max_turns=2, batch_size=4, shard_size=2, store_features=True)
+
+
+class FakeVllm:
+    """Stands in for :class:`VllmGenerator` without vLLM: greedy answers from our own engine (no features, as
+    vLLM), and a record of its life cycle (requests, closes)."""
+
+    def __init__(self, target, fail: bool = False):
+        self.target, self.fail = target, fail
+        self.requests, self.closed, self.info, self.seconds = 0, 0, {}, 0.0
+
+    def generate(self, prompts, caps, stops):
+        from drafttrain.verify.recorder import engine_generate
+
+        self.requests += 1
+        self.info = {"vllm_version": "fake", "startup_seconds": 0.0}
+        if self.fail:
+            raise VllmProcessError("the vLLM process ended (exit -9)")
+        return engine_generate(self.target, prompts, caps, stop_token_ids=stops, return_features=False)
+
+    def close(self):
+        self.closed += 1
+
+
+def _rows(ds) -> list[dict]:
+    return list(ds.with_format(None))
+
+
+def _assert_same_rows(ds_v, ds_e, min_agreement: float = 1.0) -> float:
+    """Same schema; the same prompt tokens, row for row; identical rows carry the same loss masks, finish and
+    end reasons and features (fp16 storage tolerance). Returns the share of identical rows."""
+    assert ds_v.features == ds_e.features and ds_v.column_names == ds_e.column_names
+    rv, re_ = _rows(ds_v), _rows(ds_e)
+    assert [r["id"] for r in rv] == [r["id"] for r in re_]
+    same = 0
+    for a, b in zip(rv, re_):
+        assert a["num_prompt"] == b["num_prompt"] and a["input_ids"][: a["num_prompt"]] == b["input_ids"][: b["num_prompt"]]
+        assert len(a["loss_mask"]) == len(a["input_ids"]) and a["loss_mask"][: a["num_prompt"]] == [0] * a["num_prompt"]
+        if a["input_ids"] == b["input_ids"]:
+            same += 1
+            for k in ("loss_mask", "num_turns", "finish_reasons", "finish_reason", "end_reason", "source_turns"):
+                assert a[k] == b[k], k
+            if "features" in a:
+                fa, fb = torch.tensor(a["features"]).float(), torch.tensor(b["features"]).float()
+                assert fa.shape == fb.shape == (len(a["input_ids"]) - 1, fb.shape[1])
+                torch.testing.assert_close(fa, fb, atol=2e-2, rtol=1e-2)  # generation's features vs teacher-forced
+    rate = same / max(len(rv), 1)
+    assert rate >= min_agreement, f"vllm rows identical to the engine's: {same}/{len(rv)}"
+    return rate
+
+
+# ---------------------------------------------------------------- without vLLM (everywhere)
+
+
+def test_vllm_backend_rows_and_life_cycle_with_a_stand_in_engine(tiny_target, tmp_path, monkeypatch):
+    """The backend's plumbing: rows in the engine backend's format with features from the teacher-forced pass
+    equal to the generation's own; one engine per job, closed at the end, on errors, and never started for a
+    job with nothing left to do."""
+    made = []
+
+    def fake(target, gen, log_path=None, fail=False):
+        made.append(FakeVllm(target, fail))
+        return made[-1]
+
+    monkeypatch.setattr(selfdistill, "vllm_generator", fake)
+    ds_e, _ = generate_dataset(tiny_target, CONVS, tmp_path / "engine", GenerationConfig(**GEN, backend="engine"),
+                               progress=False)  # fmt: skip
+    gen_v = GenerationConfig(**GEN, backend="vllm")
+    ds_v, report = generate_dataset(tiny_target, CONVS, tmp_path / "vllm", gen_v, progress=False)
+    assert _assert_same_rows(ds_v, ds_e) == 1.0  # the same greedy answers: every row identical
+    assert len(made) == 1 and made[0].closed == 1 and made[0].requests >= 3  # one engine for 3 shards, closed once
+    assert report["this_run"]["vllm"]["vllm_version"] == "fake"
+    # resumed when finished: an engine object, never a request (nothing starts), closed
+    generate_dataset(tiny_target, CONVS, tmp_path / "vllm", gen_v, progress=False)
+    assert len(made) == 2 and made[1].requests == 0 and made[1].closed == 1
+    # the engine dies: the job stops (resumable), the conversations are not counted as failed, the engine is closed
+    monkeypatch.setattr(selfdistill, "vllm_generator", lambda *a, **k: fake(*a, **k, fail=True))
+    with pytest.raises(VllmProcessError):
+        generate_dataset(tiny_target, CONVS, tmp_path / "dies", gen_v, progress=False)
+    assert made[2].requests == 1 and made[2].closed == 1
+
+
+def test_vllm_backend_needs_a_target_folder(tiny_target):
+    with pytest.raises(ValueError, match="target.path"):
+        selfdistill.vllm_generator(tiny_target, GenerationConfig(backend="vllm"))
+
+
+def test_vllm_backend_is_part_of_the_job_key_and_its_settings_are_not(tiny_target):
+    """Other backend, other floats (possibly a token at a near tie): another job. Where vLLM runs (its python,
+    cores, memory) changes nothing it generates: the same job."""
+    tok = tiny_target.tokenizer
+    key = {b: job_fingerprint(CONVS, "t", tok, GenerationConfig(backend=b)) for b in ("engine", "hf", "vllm")}
+    assert len(set(key.values())) == 3
+    other = GenerationConfig(backend="vllm", vllm=VllmConfig(python="/x/python", threads="0", kv_cache_gb=9, eager=True))
+    assert job_fingerprint(CONVS, "t", tok, other) == key["vllm"]
+    args = (CONVS, "t", 128, 512, 256, True, None)
+    assert distill_key(*args, backend="vllm") not in {distill_key(*args, backend="engine"), distill_key(*args)}
+
+
+def test_vllm_python_explicit_path_must_exist(tmp_path, monkeypatch):
+    assert vllm_python(str(tmp_path / "nope")) is None  # an explicit path is never silently replaced
+    py = tmp_path / "python"
+    py.write_text("")
+    monkeypatch.setenv("DRAFTTRAIN_VLLM_PYTHON", str(py))
+    assert vllm_python() == py and vllm_python(str(py)) == py
+
+
+def test_client_without_vllm_python_names_the_install_script(tmp_path):
+    client = VllmGenerator(tmp_path, max_model_len=64, python=str(tmp_path / "nope"))
+    with pytest.raises(VllmProcessError, match="install_vllm.sh"):
+        client.generate([[1, 2]], 2)
+    client.close()
+    assert not client.running
+
+
+# ---------------------------------------------------------------- vLLM itself (.venv-vllm)
+
+
+def _folder_target(folder):
+    """A tiny random target saved as a Hugging Face folder and loaded back from it (what vLLM loads): head_dim
+    32 (vLLM's CPU attention does not take the usual tiny target's 16), varied weights (greedy continuations
+    change at every step)."""
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+    from helpers import need_input
+
+    t = need_input(lambda: load_target(TargetConfig(random_init=True, num_attention_heads=2, num_key_value_heads=1)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=g)
+    t.model.save_pretrained(folder)
+    t.tokenizer.save_pretrained(folder)
+    return load_target(TargetConfig(path=str(folder)))
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)  # one engine start-up: ~1 min eager on 2 idle cores, far more on a loaded machine
+def test_vllm_backend_rows_equal_the_engine_backends(tmp_path, monkeypatch):
+    """vLLM (one engine, eager) on a tiny target: requests honour per-prompt caps and stop ids (included, finish
+    "stop"); the job's rows have the engine backend's format and, row for row, its tokens (agreement rate
+    printed; a near tie on a random target may flip one token, so at least 4 of 5 rows must be identical);
+    after close() no process of the engine is left. Skipped without .venv-vllm."""
+    if vllm_python() is None:
+        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
+    target = _folder_target(tmp_path / "target")
+    tok = target.tokenizer
+    vcfg = VllmConfig(kv_cache_gb=1, eager=True, timeout_s=1500)
+    gen_v = GenerationConfig(**GEN, backend="vllm", vllm=vcfg)
+    with selfdistill.vllm_generator(target, gen_v, tmp_path / "vllm.log") as client:
+        prompts = [prompt_ids(tok, CONVS[0]["messages"][:1]), prompt_ids(tok, CONVS[1]["messages"][:2])]
+        free = client.generate(prompts, 8)
+        pgid = client.proc.pid
+        assert [r["finish_reason"] for r in free] == ["length"] * 2
+        assert [len(r["tokens"]) - r["num_prompt"] for r in free] == [8, 8]
+        assert [r["tokens"][: r["num_prompt"]] for r in free] == prompts
+        new0 = free[0]["tokens"][len(prompts[0]) :]
+        stop = new0[3]
+        cut = client.generate(prompts[:1], 8, [stop])[0]
+        assert cut["finish_reason"] == "stop" and cut["tokens"] == free[0]["tokens"][: len(prompts[0]) + new0.index(stop) + 1]
+        capped = client.generate(prompts, [3, 5])
+        assert [r["tokens"] for r in capped] == [free[0]["tokens"][: len(prompts[0]) + 3], free[1]["tokens"][: len(prompts[1]) + 5]]
+
+        class Borrowed:  # the job's engine is this one (one start-up for the whole test); the job closes it
+            def __init__(self):
+                self.closed = 0
+
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def close(self):
+                self.closed += 1
+
+        borrowed = Borrowed()
+        monkeypatch.setattr(selfdistill, "vllm_generator", lambda *a, **k: borrowed)
+        ds_v, report = generate_dataset(target, CONVS, tmp_path / "vllm", gen_v, progress=False)
+        assert borrowed.closed == 1 and client.running
+    assert not client.running and not _alive(pgid)  # the runner and vLLM's engine-core process are gone
+    ds_e, _ = generate_dataset(target, CONVS, tmp_path / "engine", GenerationConfig(**GEN, backend="engine"),
+                               progress=False)  # fmt: skip
+    assert report["generated"] == len(ds_e) == 5 and report["this_run"]["vllm"]["vllm_version"]
+    rate = _assert_same_rows(ds_v, ds_e, min_agreement=0.8)
+    print(f"vllm backend vs engine backend: {rate:.0%} of rows identical")
+    assert ids_of(ds_v)  # non-empty rows
