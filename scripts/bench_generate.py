@@ -5,6 +5,7 @@ Run each phase on its own (each takes < 10 minutes on a 2-core CPU):
     python -m scripts.bench_generate phase=sweep
     python -m scripts.bench_generate phase=full batch_size=32
     python -m scripts.bench_generate phase=backends   # the main job's self-distillation: hf vs engine backend
+    python -m scripts.bench_generate phase=backends backends=[engine,vllm] backends_subset=32 backends_repeats=1  # vLLM beside ours
     python -m scripts.bench_generate phase=report     # rewrite the page from the JSON
 
 ``sweep``: first turns of the first ``subset`` ShareGPT conversations at each of ``batch_sizes``, plus
@@ -37,8 +38,11 @@ class BenchGenerateConfig:
     """Schema of ``python -m scripts.bench_generate`` (key=value overrides, validated before any work)."""
 
     phase: str = "sweep"  # sweep | full | backends | report
+    backends: list[str] = field(default_factory=lambda: ["hf", "engine"])  # backends: engine | hf | vllm (vllm: bash scripts/install_vllm.sh)
     backends_subset: int = 128  # backends: first N ShareGPT conversations (the main job keeps ~82% of them)
-    backends_repeats: int = 2  # backends: each backend this many times, in the order hf, engine, engine, hf, ...
+    backends_repeats: int = 2  # backends: each backend this many times, alternating (A B, B A, ...)
+    vllm_threads: str | None = None  # backends with vllm: VLLM_CPU_OMP_THREADS_BIND (null: every core)
+    vllm_eager: bool = False  # backends with vllm: no torch.compile (shorter start-up, slower decoding)
     subset: int = 32  # sweep: first N conversations
     bs1_subset: int = 6  # sweep: first N conversations at batch size 1 (0 = none)
     batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])  # sweep
@@ -126,35 +130,90 @@ def _run(target, convs, batch_size: int, out_dir: Path, max_new_tokens: int, fre
     }
 
 
+def _answers(ds) -> dict[str, tuple[list[int], int]]:
+    rows = ds.with_format(None).select_columns(["id", "input_ids", "num_prompt"])
+    return {r["id"]: (list(r["input_ids"]), int(r["num_prompt"])) for r in rows}
+
+
+def agreement(ref: dict, other: dict) -> dict:
+    """How far ``other``'s rows agree with ``ref``'s (id -> (input_ids, num_prompt)), over the ids both have:
+    rows identical token for token, and answer tokens agreeing before the first difference / ``ref``'s answer
+    tokens (a greedy answer that differs once goes on differently: the prefix is what agrees)."""
+    common = sorted(set(ref) & set(other))
+    equal = sum(ref[i][0] == other[i][0] for i in common)
+    agree = total = 0
+    for i in common:
+        (a, pa), (b, pb) = ref[i], other[i]
+        if a[:pa] != b[:pb]:
+            total += len(a) - pa
+            continue
+        n = 0
+        for x, y in zip(a[pa:], b[pb:]):
+            if x != y:
+                break
+            n += 1
+        agree += n
+        total += len(a) - pa
+    return {"rows": len(common), "rows_equal": equal, "rows_equal_rate": round(equal / max(len(common), 1), 4),
+            "answer_tokens": total, "answer_tokens_agreeing": agree, "token_agreement": round(agree / max(total, 1), 4),
+            "rows_only_in_one": len(set(ref) ^ set(other))}  # fmt: skip
+
+
 def _backends(target, args, work: Path) -> dict:
     """The main job's self-distillation (``data=selfdistill``: first turns, prompts <= 256 tokens, 128 new
-    tokens, batch 64, one batch per shard, features kept) of the same conversations with each backend,
-    alternating ABBA; tokens/s = generated tokens / generation seconds. Outputs are compared row by row."""
+    tokens, batch 64, one batch per shard, features kept) of the same conversations with each of
+    ``args.backends``, alternating (A B C, C B A, ...); tokens/s = generated tokens / the job's seconds (for
+    vllm these include the engine's start-up and the teacher-forced feature pass; its generation-only rate is
+    kept beside). Rows are compared with our generator's greedy answers (``engine``; else the first backend)."""
+    from drafttrain.config import VllmConfig
     from drafttrain.data.selfdistill import self_distill
 
     convs, _ = _load(args.backends_subset)
-    order = [b for i in range(args.backends_repeats) for b in (("hf", "engine") if i % 2 == 0 else ("engine", "hf"))]
+    names = list(args.backends)
+    order = [b for i in range(args.backends_repeats) for b in (names if i % 2 == 0 else names[::-1])]
+    vcfg = VllmConfig(threads=args.vllm_threads, eager=args.vllm_eager)
     runs, outputs = [], {}
     for i, backend in enumerate(order):
         out_dir = work / f"backends-{backend}-{i}"
         shutil.rmtree(out_dir, ignore_errors=True)
         load0 = os.getloadavg()[0]
         ds, report = self_distill(target, convs, out_dir, max_new_tokens=128, max_length=512, batch_size=64,
-                                  max_prompt_length=256, backend=backend, progress=True)  # fmt: skip
+                                  max_prompt_length=256, backend=backend, progress=True, vllm=vcfg)  # fmt: skip
         r = report["this_run"]
-        runs.append({"backend": backend, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
-                     "tokens_per_s": r["tokens_per_s"], "rows": len(ds),
-                     "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]})  # fmt: skip
-        outputs.setdefault(backend, [list(x) for x in ds.with_format(None)["input_ids"]])
+        run = {"backend": backend, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
+               "tokens_per_s": r["tokens_per_s"], "rows": len(ds),
+               "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+        if "vllm" in r:  # start-up, time inside vLLM's requests (generation only), version
+            run["vllm"] = r["vllm"]
+        runs.append(run)
+        outputs.setdefault(backend, _answers(ds))
         print(f"{backend}: {r['tokens_per_s']} tokens/s ({r['generated_tokens']} tokens, {r['seconds']} s)", flush=True)
     tps = {b: sum(x["generated_tokens"] for x in runs if x["backend"] == b)
-              / sum(x["seconds"] for x in runs if x["backend"] == b) for b in ("hf", "engine")}  # fmt: skip
-    same = sum(a == b for a, b in zip(outputs["hf"], outputs["engine"]))
-    return {"runs": runs, "tokens_per_s": tps, "engine_vs_hf": tps["engine"] / tps["hf"],
-            "rows_equal": same, "rows": len(outputs["hf"]), "conversations": len(convs), "machine": _machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "command": f"python -m scripts.bench_generate phase=backends backends_subset={args.backends_subset} "
-                       f"backends_repeats={args.backends_repeats}"}  # fmt: skip
+              / sum(x["seconds"] for x in runs if x["backend"] == b) for b in names}  # fmt: skip
+    ref = "engine" if "engine" in names else names[0]
+    out = {"backends": names, "runs": runs, "tokens_per_s": tps, "reference": ref,
+           "agreement": {b: agreement(outputs[ref], outputs[b]) for b in names if b != ref},
+           "conversations": len(convs), "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "command": f"python -m scripts.bench_generate phase=backends backends=[{','.join(names)}] "
+                      f"backends_subset={args.backends_subset} backends_repeats={args.backends_repeats}"
+                      + (" vllm_eager=true" if args.vllm_eager else "")}  # fmt: skip
+    vl = [x["vllm"] for x in runs if "vllm" in x]
+    if vl:
+        gen_tokens = sum(x["generated_tokens"] for x in runs if "vllm" in x)
+        out["vllm"] = {"version": vl[0].get("vllm_version"), "eager": args.vllm_eager,
+                       "startup_seconds": [v.get("startup_seconds") for v in vl],
+                       "generation_tokens_per_s": gen_tokens / max(sum(v.get("request_seconds", 0) for v in vl), 1e-9)}
+    if "hf" in names and "engine" in names:  # the keys of the first measurement (hf vs engine)
+        out["engine_vs_hf"] = tps["engine"] / tps["hf"]
+        out["rows_equal"] = out["agreement"]["hf"]["rows_equal"]
+        out["rows"] = out["agreement"]["hf"]["rows"]
+    return out
+
+
+def results_key(backends) -> str:
+    """Where a backends comparison is kept in the JSON: ``backends`` for hf vs engine (the first measurement,
+    kept as it was), ``backends_<a>_<b>...`` for any other set (a vLLM run never overwrites it)."""
+    return "backends" if sorted(backends) == ["engine", "hf"] else "backends_" + "_".join(backends)
 
 
 def _machine() -> dict:
@@ -169,6 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_cli(BenchGenerateConfig, argv)
     if args.phase not in ("sweep", "full", "backends", "report"):
         raise ConfigError(f"phase must be sweep, full, backends or report, got {args.phase!r}")
+    if args.phase == "backends":
+        from drafttrain.config import BACKENDS
+        from drafttrain.export.vllm_client import vllm_python
+
+        if not args.backends or len(set(args.backends)) != len(args.backends) or set(args.backends) - set(BACKENDS):
+            raise ConfigError(f"backends must be distinct names of {'|'.join(BACKENDS)}, got {args.backends}")
+        if "vllm" in args.backends and vllm_python() is None:
+            raise ConfigError("backends=[...vllm] needs vLLM's venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm)")
     path = Path(args.out).with_suffix(".json")
     results = json.loads(path.read_text()) if path.is_file() else {}
     if args.phase != "report":
@@ -182,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         target.generate([list(range(1, 65))] * 2, 4, return_features=False)
         work = Path(args.work)
         if args.phase == "backends":
-            results["backends"] = _backends(target, args, work)
+            results[results_key(args.backends)] = _backends(target, args, work)
         elif args.phase == "sweep":
             convs, _ = _load(args.subset)
             rows = []
@@ -300,7 +367,46 @@ def markdown(results: dict) -> str:
                          f"{r['loadavg_1min_start_end']} |")  # fmt: skip
         lines += ["", f"**engine / hf: {b['engine_vs_hf']:.2f}x** ({b['tokens_per_s']['engine']:.1f} vs "
                       f"{b['tokens_per_s']['hf']:.1f} tokens/s); rows identical token for token: {b['rows_equal']} / {b['rows']}.", ""]
+    for key in sorted(k for k in results if k.startswith("backends_")):
+        lines += backends_markdown(results[key])
     return "\n".join(lines) + "\n"
+
+
+def backends_markdown(b: dict) -> list[str]:
+    """The page's section of a backends comparison other than hf vs engine (e.g. ``backends=[engine,vllm]``)."""
+    names, ref = b["backends"], b["reference"]
+    load = [x for r in b["runs"] for x in r["loadavg_1min_start_end"]]
+    idle = max(load, default=0) < 0.5 * max(b["machine"]["cpus"], 1)
+    lines = [f"## The main job's self-distillation through {', '.join(names)}", "",
+             "```bash", b["command"], "```", "",
+             f"First {b['conversations']} ShareGPT conversations with the main job's settings (first turns, prompts "
+             "<= 256 tokens, 128 new tokens, batch 64, one batch per shard, features kept). **vllm** = "
+             "`generation.backend=vllm`: vLLM's CPU build in its own venv, one engine process for the job (its "
+             "start-up is in the job's seconds), each shard's prompts in one request, greedy; features from a "
+             "teacher-forced target forward over each finished row (also in the job's seconds). Rows are compared "
+             f"with **{ref}** (our generator's greedy answers). {b['date']}, {b['machine']['cpus']} CPUs; "
+             + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
+                f"**the machine was not idle** (1-min load averages {load}): the tokens/s are indicative only."), "",
+             "| run | backend | generated tokens | job seconds | tokens/s (job) | vLLM start-up s | vLLM generation tok/s | load avg (start, end) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for i, r in enumerate(b["runs"]):
+        v = r.get("vllm") or {}
+        gen_tps = f"{r['generated_tokens'] / v['request_seconds']:.1f}" if v.get("request_seconds") else "-"
+        lines.append(f"| {i + 1} | {r['backend']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
+                     f"{v.get('startup_seconds', '-')} | {gen_tps} | {r['loadavg_1min_start_end']} |")  # fmt: skip
+    lines += ["", "| backend | tokens/s (job) | rows identical to " + ref + " | answer tokens agreeing (before the first difference) |",
+              "|---|---|---|---|"]
+    for n in names:
+        a = b["agreement"].get(n)
+        same = f"{a['rows_equal']} / {a['rows']} ({100 * a['rows_equal_rate']:.1f}%)" if a else "(reference)"
+        tok = f"{a['answer_tokens_agreeing']} / {a['answer_tokens']} ({100 * a['token_agreement']:.1f}%)" if a else "-"
+        lines.append(f"| {n} | {b['tokens_per_s'][n]:.1f} | {same} | {tok} |")
+    if b.get("vllm"):
+        v = b["vllm"]
+        lines += ["", f"vLLM {v['version']} ({'eager' if v['eager'] else 'torch.compile'}): start-up "
+                      f"{', '.join(f'{s:.0f}' for s in v['startup_seconds'] if s is not None)} s; inside its requests "
+                      f"{v['generation_tokens_per_s']:.1f} generated tokens/s."]  # fmt: skip
+    return lines + [""]
 
 
 if __name__ == "__main__":
