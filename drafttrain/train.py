@@ -186,6 +186,7 @@ RESUME_MAY_CHANGE = (
     "resume", "run_name", "output_dir", "data.cache_dir", "logging.", "trainer.max_steps", "trainer.max_minutes",
     "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.num_threads",
     "trainer.progress", "trainer.spec_eval",
+    "data.generation.vllm.",  # where vLLM runs (python, cores, memory), not what it generates; absent before it existed
 )  # fmt: skip
 
 
