@@ -9,8 +9,6 @@ CI, a fresh clone, skips them); the rest run everywhere with a stand-in engine.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data import selfdistill
 from drafttrain.data.selfdistill import distill_key, generate_dataset, job_fingerprint
 from drafttrain.data.template import prompt_ids
-from drafttrain.export.vllm_client import VllmGenerator, VllmProcessError, vllm_python
+from drafttrain.export.vllm_client import VllmGenerator, VllmProcessError, group_alive, vllm_python
 from test_generate import CONVS, ids_of
 
 GEN = dict(max_new_tokens=6, max_length=256, max_turns=2, batch_size=4, shard_size=2, store_features=True)
@@ -158,14 +156,6 @@ def _folder_target(folder):
     return load_target(TargetConfig(path=str(folder)))
 
 
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)  # one engine start-up: ~1 min eager on 2 idle cores, far more on a loaded machine
@@ -208,7 +198,7 @@ def test_vllm_backend_rows_equal_the_engine_backends(tmp_path, monkeypatch):
         monkeypatch.setattr(selfdistill, "vllm_generator", lambda *a, **k: borrowed)
         ds_v, report = generate_dataset(target, CONVS, tmp_path / "vllm", gen_v, progress=False)
         assert borrowed.closed == 1 and client.running
-    assert not client.running and not _alive(pgid)  # the runner and vLLM's engine-core process are gone
+    assert not client.running and not group_alive(pgid)  # the runner and vLLM's engine-core process are gone
     ds_e, _ = generate_dataset(target, CONVS, tmp_path / "engine", GenerationConfig(**GEN, backend="engine"),
                                progress=False)  # fmt: skip
     assert report["generated"] == len(ds_e) == 5 and report["this_run"]["vllm"]["vllm_version"]

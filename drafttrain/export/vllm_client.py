@@ -181,11 +181,13 @@ class VllmGenerator:
                         self._signal(proc.pid, signal.SIGKILL)
                         proc.wait(timeout=15)
             # the runner is gone; end what is left of its group (an engine core it could not stop)
-            self._signal(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self._alive(proc.pid):
-                time.sleep(0.2)
-            self._signal(proc.pid, signal.SIGKILL)
+            if group_alive(proc.pid):
+                self._signal(proc.pid, signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and group_alive(proc.pid):
+                    time.sleep(0.2)
+                if group_alive(proc.pid):
+                    self._signal(proc.pid, signal.SIGKILL)
         finally:
             for f in (proc.stdin, proc.stdout):
                 try:
@@ -204,14 +206,6 @@ class VllmGenerator:
             os.killpg(pgid, sig)  # the session started for the runner: only processes we started
         except (ProcessLookupError, PermissionError):
             pass
-
-    @staticmethod
-    def _alive(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
 
     def __enter__(self) -> "VllmGenerator":
         return self
@@ -309,3 +303,25 @@ def _send(proc: subprocess.Popen, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(proc.stdin.fileno(), view) :]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group ``pgid``. Linux reads /proc (an exited process a
+    container's init never reaps still "exists" for ``killpg(pgid, 0)``); elsewhere ``killpg(pgid, 0)``."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
