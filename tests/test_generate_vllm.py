@@ -205,3 +205,15 @@ def test_vllm_backend_rows_equal_the_engine_backends(tmp_path, monkeypatch):
     rate = _assert_same_rows(ds_v, ds_e, min_agreement=0.8)
     print(f"vllm backend vs engine backend: {rate:.0%} of rows identical")
     assert ids_of(ds_v)  # non-empty rows
+
+
+def test_bench_agreement_literal():
+    """scripts.bench_generate phase=backends' agreement: rows identical, answer tokens before the first difference."""
+    from scripts.bench_generate import agreement, results_key
+
+    ref = {"a": ([1, 2, 3, 4, 5], 2), "b": ([1, 9, 9], 1), "c": ([7, 7], 1)}
+    other = {"a": ([1, 2, 3, 0, 5], 2), "b": ([1, 9, 9], 1), "d": ([1], 0)}
+    assert agreement(ref, other) == {"rows": 2, "rows_equal": 1, "rows_equal_rate": 0.5, "answer_tokens": 5,
+                                     "answer_tokens_agreeing": 3, "token_agreement": 0.6, "rows_only_in_one": 2}
+    assert results_key(["engine", "hf"]) == results_key(["hf", "engine"]) == "backends"  # the first measurement's key
+    assert results_key(["engine", "vllm"]) == "backends_engine_vllm"
