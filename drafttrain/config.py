@@ -469,6 +469,7 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "GenerationConfig": dict(max_new_tokens=GE1, max_length=Range(2), max_prompt_length=GE1, max_turns=GE1, batch_size=GE1,
                              max_batch_tokens=GE1, max_padding=GE0, shard_size=GE1),
     "SamplingConfig": dict(temperature=GE0, top_p=UNIT_OPEN_LOW, top_k=GE0, seed=GE0),
+    "VllmConfig": dict(kv_cache_gb=GE1, memory_utilization=UNIT_OPEN_LOW, timeout_s=GE1),
     # feature_layers: a loose sanity bound; the real one, [-(L + 1), L], needs the target's depth L and is
     # checked (target.resolve_feature_layers) from its config before the target loads
     "CacheFeaturesConfig": dict(top_k=GE0, batch_size=GE1, shard_size=GE1, num_threads=GE1,
