@@ -305,6 +305,21 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator, feature_layer
     return sums
 
 
+def data_fingerprint(ds) -> str:
+    """Hex digest (16 chars) of a dataset's token rows: ``input_ids`` and ``loss_mask`` of every row, in order.
+
+    Two runs trained on the same sequences print the same value whatever feature columns they carry
+    (e.g. the same self-distilled answers stored with another drafter's feature layers)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for row in ds.select_columns([k for k in ("input_ids", "loss_mask") if k in ds.column_names]).with_format("numpy"):
+        for k in ("input_ids", "loss_mask"):
+            if k in row:
+                h.update(row[k].astype("int64").tobytes())
+    return h.hexdigest()[:16]
+
+
 def peak_memory_mb(device) -> float:
     """Peak memory of this process so far, MiB: CUDA peak allocated on a GPU, else peak resident set size."""
     if device.type == "cuda":
@@ -564,6 +579,9 @@ def run(cfg) -> dict[str, Any]:
     # -- final evaluation and save ---------------------------------------------------------------
     final: dict[str, Any] = {
         "step": state.step,
+        "samples": state.samples,  # training sequences seen (all ranks)
+        "train_rows": len(train_ds),  # epochs = samples / train_rows
+        "train_data_sha": data_fingerprint(train_ds),  # same value = same training sequences
         "train_seconds": round(train_seconds, 1),
         "trainable_params": n_params,
         "stopped_by_time_budget": stopped_early,

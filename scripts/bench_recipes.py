@@ -1,4 +1,4 @@
-"""All four recipes side by side on the real target: same data, steps, seed and optimizer.
+"""The recipes side by side on the real target: same data, seed, optimizer and steps (or minutes).
 
     for r in parallelspec parallelspec_eagle medusa eagle; do   # the first run self-distils the data, the others reuse it
         python -m scripts.bench_recipes phase=train recipe=$r
@@ -6,11 +6,27 @@
     done
     python -m scripts.bench_recipes phase=report
 
+Equal wall-clock budget instead of equal steps (``budget_minutes``: every run trains until that much
+training time has passed, checkpointing every 100 steps, so a killed run resumes with ``resume=true``
+in ``overrides`` and its clock where the checkpoint left it), evaluated with ``eval_suite=full``
+(docs/benchmarks/eagle3.md)::
+
+    B='out_root=outputs/bench_eagle3 budget_minutes=40'
+    for r in eagle eagle3 parallelspec parallelspec_eagle3; do
+        python -m scripts.bench_recipes phase=train recipe=$r $B
+        python -m scripts.bench_recipes phase=eval recipe=$r $B eval_suite=full
+    done
+    python -m scripts.bench_recipes phase=report $B dest=docs/benchmarks/eagle3 'recipes=[eagle,eagle3,parallelspec,parallelspec_eagle3]'
+
 ``train`` launches the real CLI (``accelerate launch train.py +recipe=NAME`` with the shared overrides
 below, so every recipe trains on the same self-distilled sequences in the same order for the same
 number of steps); the run ends with held-out ``eval/tau_sim`` and greedy chain speculative decoding of
 MT-bench questions, checked token for token against plain greedy. ``eval`` decodes GSM8K questions
-with the saved drafter (``Drafter.from_pretrained``), the same check. ``report`` writes
+with the saved drafter (``Drafter.from_pretrained``), the same check; ``eval_suite=full`` instead decodes
+MT-bench and GSM8K prompts each with the batched verifier (:func:`drafttrain.train.spec_eval`, no
+SSSD candidates): the recipe's draft tree (EAGLE-2 dynamic tree for the autoregressive drafters, the
+best-first static tree for the parallel ones, the same node budget) and the chain at batch 16, then
+batch-1 latency (plain vs speculative, the online planner), every output checked against plain greedy. ``report`` writes
 ``docs/benchmarks/recipes.json`` and the marked table section of ``docs/benchmarks/recipes.md``: trainable parameters, training sequence tokens/s, peak memory
 (resident set size of the training process: target + data + drafter + optimizer), held-out tau_sim,
 and eval tau on both prompt sets with their greedy-equality flags.
@@ -30,25 +46,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ["parallelspec", "parallelspec_eagle", "medusa", "eagle"]
-# shared by every recipe: same steps, seed, batch, schedule and in-run MT-bench evaluation
+RECIPES = ["parallelspec", "parallelspec_eagle", "medusa", "eagle", "eagle3", "parallelspec_eagle3"]
+# shared by every recipe: same data, seed, batch, schedule and in-run evaluation
 COMMON = [
     "seed=0",
     "data.max_conversations=1150",  # 943 self-distilled first turns (927 train + 16 held out)
-    "trainer.max_steps=180",
     "drafter.draft_vocab_size=8192",  # one draft vocabulary for every recipe (the main job's ParallelSpec uses 4096)
-    "trainer.spec_eval.batch_size=1",  # batch-1 chain decoding, as the GSM8K evaluation below
-    "trainer.spec_eval.tree.widths=null",
-    "trainer.spec_eval.tree.budget=null",
-    "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 180 steps
     "trainer.eval_every=0",  # held-out eval/tau_sim once, at the end
-    "trainer.save_every=0",  # final checkpoint only
-    "trainer.spec_eval.prompts=mt_bench",
-    "trainer.spec_eval.num_prompts=10",
-    "trainer.spec_eval.max_new_tokens=128",
     "trainer.progress=false",
     "logging.wandb=false",
 ]
+# equal steps (recipes.md): 180 steps, batch-1 chain evaluation of MT-bench at the end of the run
+STEPS = [
+    "trainer.max_steps=180",
+    "trainer.max_minutes=7",  # a safety cap only: every recipe is meant to finish its 180 steps
+    "trainer.save_every=0",  # final checkpoint only
+    "trainer.spec_eval.batch_size=1",  # batch-1 chain decoding, as the GSM8K evaluation below
+    "trainer.spec_eval.tree.widths=null",
+    "trainer.spec_eval.tree.budget=null",
+    "trainer.spec_eval.prompts=mt_bench",
+    "trainer.spec_eval.num_prompts=10",
+    "trainer.spec_eval.max_new_tokens=128",
+]
+
+
+def budget_overrides(minutes: float) -> list[str]:
+    """Equal wall-clock budget: train until ``minutes`` of training time (the loop's own clock, saved in
+    every checkpoint, so a resumed run continues it), a checkpoint every 100 steps; no in-run speculative
+    evaluation (``eval_suite=full`` runs it afterwards, the same for every recipe)."""
+    return ["trainer.max_steps=1000000", f"trainer.max_minutes={minutes:g}", "trainer.save_every=100",
+            "trainer.spec_eval.num_prompts=0"]  # fmt: skip
+
+
 GSM8K_PROMPTS = 10
 START, END = "<!-- bench_recipes table: start -->", "<!-- bench_recipes table: end -->"  # report rewrites only this
 
@@ -57,15 +86,27 @@ def run_dir(out_root: Path, recipe: str) -> Path:
     return out_root / recipe
 
 
-def cmd_train(recipe: str, out_root: Path, extra: list[str]) -> None:
+def train_command(recipe: str, out_root: Path, extra: list[str], budget_minutes: float | None = None) -> list[str]:
+    """The ``accelerate launch train.py`` argv of one run: COMMON, then STEPS or :func:`budget_overrides`,
+    then ``extra`` (later overrides win)."""
+    plan = STEPS if budget_minutes is None else budget_overrides(budget_minutes)
     out = run_dir(out_root, recipe)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
-           f"+recipe={recipe}", *COMMON, f"output_dir={out}", f"run_name=bench-{recipe}", *extra]  # fmt: skip
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
+            f"+recipe={recipe}", *COMMON, *plan, f"output_dir={out}", f"run_name=bench-{recipe}", *extra]  # fmt: skip
+
+
+def cmd_train(recipe: str, out_root: Path, extra: list[str], budget_minutes: float | None = None) -> None:
+    out = run_dir(out_root, recipe)
+    cmd = train_command(recipe, out_root, extra, budget_minutes)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"})
     if proc.returncode != 0:
         raise SystemExit(f"training {recipe} failed ({proc.returncode})")
-    (out / "bench_command.json").write_text(json.dumps({"argv": cmd[2:], "wall_seconds": round(time.time() - t0, 1)}))
+    launch = out / "bench_command.json"  # every launch of the run (a resumed run has several)
+    prev = json.loads(launch.read_text()) if launch.is_file() else {}
+    launches = prev.get("launches", [{"argv": prev["argv"], "wall_seconds": prev["wall_seconds"]}] if prev else [])
+    launches.append({"argv": cmd[2:], "wall_seconds": round(time.time() - t0, 1)})
+    launch.write_text(json.dumps({"argv": cmd[2:], "wall_seconds": launches[-1]["wall_seconds"], "launches": launches}))
 
 
 def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
@@ -93,6 +134,51 @@ def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
     result["prompts"] = f"{prompts}[0:{len(ids)}]"
     (out / f"eval_{prompts}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+    return result
+
+
+FULL_PROMPTS = {"mt_bench": dict(prompt_stride=5), "gsm8k": dict(prompt_stride=1)}  # MT-bench: 2 per category
+
+
+def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens: int, latency_prompts: int) -> dict:
+    """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.train.spec_eval`) with the run's
+    saved drafter: the recipe's draft tree (widths [4, 2, 1, 1, 1], at most 8 nodes: an EAGLE-2 dynamic
+    tree for the autoregressive drafters, the best-first static tree for the parallel ones) and the chain,
+    16 sequences at a time, then the first ``latency_prompts`` one at a time (batch-1 latency, online
+    planner), no SSSD candidates. Writes ``<run>/eval_full.json`` ({prompt set: spec_eval's metrics})."""
+    import dataclasses
+
+    import torch
+
+    from drafttrain.config import upgrade_saved, validate
+    from drafttrain.drafters import Drafter
+    from drafttrain.target import load_target
+    from drafttrain.train import spec_eval
+
+    out = run_dir(out_root, recipe)
+    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
+    target = load_target(c.target)
+    drafter = Drafter.from_pretrained(out / "drafter", target).eval()
+    path = out / "eval_full.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}  # resumes per prompt set
+    for prompts, extra in FULL_PROMPTS.items():
+        if prompts in result:
+            continue
+        se = dataclasses.replace(c.trainer.spec_eval, prompts=prompts, num_prompts=num_prompts, prompt_offset=0,
+                                 max_new_tokens=max_new_tokens, batch_size=16, chain=True, plan=True,
+                                 latency_prompts=latency_prompts, **extra,
+                                 tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8),
+                                 sssd=dataclasses.replace(c.trainer.spec_eval.sssd, source="none"))  # fmt: skip
+        c2 = dataclasses.replace(c, output_dir=str(out / f"eval_full_{prompts}"),
+                                 trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
+        Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        r = spec_eval(c2, target, drafter)
+        result[prompts] = {**r, "seconds": round(time.time() - t0, 1)}
+        path.write_text(json.dumps(result, indent=1))
+        print(json.dumps({prompts: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/speedup_b1", "eval/greedy_equal")}}))
     return result
 
 
@@ -125,6 +211,9 @@ def summarize(out_root: Path, recipe: str) -> dict:
                      "accept_hist": final.get("eval/accept_hist"), "speedup": final.get("eval/speedup"),
                      "prompts": final.get("eval/prompts")},  # fmt: skip
         "gsm8k": gsm8k,
+        "full": json.loads((out / "eval_full.json").read_text()) if (out / "eval_full.json").is_file() else None,
+        "train_data_sha": final.get("train_data_sha"),
+        "epochs": final["samples"] / final["train_rows"] if final.get("train_rows") else None,
     }
 
 
@@ -148,20 +237,46 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
     def eq(x):
         return "yes" if x is True else ("**NO**" if x is False else "n/a")
 
+    in_run = any(r["mt_bench"]["tau"] is not None or r["gsm8k"] for r in rows)  # the equal-steps runs' evaluations
     lines = [
-        "| recipe | drafts / step | trainable params | train tokens/s | step (s) | peak RSS (MiB) | held-out τ_sim | MT-bench τ (= greedy) | GSM8K τ (= greedy) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| recipe | drafts / step | trainable params | steps (epochs) | train min | train tokens/s | step (s) | peak RSS (MiB) | held-out τ_sim |"
+        + (" MT-bench τ (= greedy) | GSM8K τ (= greedy) |" if in_run else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if in_run else ""),
     ]
     for r in rows:
         d = r["drafter"]
-        depth = {"medusa": d["num_heads"], "eagle": d["draft_depth"]}.get(r["recipe"], d["num_mask_tokens"] + 1)
-        passes = f"{depth} ({depth} passes)" if r["recipe"] == "eagle" else f"{depth} (1 pass)"
+        depth = d["num_heads"] if r["recipe"] == "medusa" else d.get("draft_depth", d.get("num_mask_tokens", 0) + 1)
+        passes = f"{depth} ({depth} passes)" if "draft_depth" in d else f"{depth} (1 pass)"
+        epochs = f" ({r['epochs']:.1f})" if r.get("epochs") is not None else ""
         lines.append(
-            f"| {r['recipe']} | {passes} | {r['trainable_params'] / 1e6:.2f}M | {r['train_seq_tokens_per_s']:.0f} | "
-            f"{r['step_seconds']:.2f} | {f(r['peak_memory_mb'], '{:.0f}')} | {f(r['heldout_tau_sim'])} | "
-            f"{f(r['mt_bench']['tau'])} ({eq(r['mt_bench']['greedy_equal'])}) | "
-            f"{f(r['gsm8k'].get('tau'))} ({eq(r['gsm8k'].get('greedy_equal'))}) |"
+            f"| {r['recipe']} | {passes} | {r['trainable_params'] / 1e6:.2f}M | {r['steps']}{epochs} | "
+            f"{r['train_seconds'] / 60:.1f} | {r['train_seq_tokens_per_s']:.0f} | "
+            f"{r['step_seconds']:.2f} | {f(r['peak_memory_mb'], '{:.0f}')} | {f(r['heldout_tau_sim'])} |"
+            + (f" {f(r['mt_bench']['tau'])} ({eq(r['mt_bench']['greedy_equal'])}) | "
+               f"{f(r['gsm8k'].get('tau'))} ({eq(r['gsm8k'].get('greedy_equal'))}) |" if in_run else "")
         )
+    shas = {r["recipe"]: r.get("train_data_sha") for r in rows}
+    if rows and None not in shas.values():
+        same = len(set(shas.values())) == 1
+        lines += ["", f"Training sequences (`train_data_sha`, input ids + loss masks in order): "
+                  + (f"the same in every run ({next(iter(shas.values()))})." if same
+                     else "**differ**: " + ", ".join(f"{k} {v}" for k, v in shas.items()))]  # fmt: skip
+    full = [r for r in rows if r.get("full")]
+    if full:
+        sets = list(FULL_PROMPTS)
+        lines += ["", "Speculative decoding with the saved drafters (`eval_suite=full`): τ with the recipe's draft tree "
+                  "(≤ 8 nodes) and the chain at batch 16, batch-1 speedup (online planner) over plain decoding in the "
+                  "same engine; every output compared token for token with plain greedy:", "",
+                  "| recipe | " + " | ".join(f"{p} τ tree | {p} τ chain | {p} speedup b1 (τ b1)" for p in sets)
+                  + " | all = greedy |", "|---|" + "---|---|---|" * len(sets) + "---|"]  # fmt: skip
+        for r in full:
+            cells, equal = [], True
+            for p in sets:
+                m = r["full"].get(p, {})
+                equal = equal and m.get("eval/greedy_equal") is True
+                cells.append(f"{f(m.get('eval/tau'))} | {f(m.get('eval/tau_chain'))} | "
+                             f"{f(m.get('eval/speedup_b1'), '{:.2f}x')} ({f(m.get('eval/tau_b1'))})")  # fmt: skip
+            lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {eq(equal)} |")
     acc = ["", "Held-out per-position accuracy acc_k (cond_acc_k):", "",
            "| recipe | " + " | ".join(f"k={k}" for k in range(5)) + " |", "|---|" + "---|" * 5]  # fmt: skip
     for r in rows:
@@ -188,6 +303,12 @@ class BenchRecipesConfig:
     dest: str = "docs/benchmarks/recipes"
     gsm8k_prompts: int = GSM8K_PROMPTS
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides for every training run
+    budget_minutes: float | None = None  # train: equal training time instead of 180 steps (budget_overrides)
+    eval_suite: str = "chain"  # eval: chain (GSM8K, batch-1 chain) | full (MT-bench + GSM8K: tree, chain, batch-1)
+    eval_prompts: int = 16  # eval_suite=full: prompts per set
+    eval_max_new_tokens: int = 128  # eval_suite=full
+    latency_prompts: int = 4  # eval_suite=full: prompts decoded one at a time for the batch-1 speedup
+    recipes: list[str] = field(default_factory=lambda: list(RECIPES[:4]))  # report: the rows, in this order
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,13 +319,21 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"phase must be train, eval or report, got {args.phase!r}")
     if args.phase in ("train", "eval") and args.recipe not in RECIPES:
         raise ConfigError(f"phase={args.phase} needs recipe= one of {RECIPES}")
+    if args.eval_suite not in ("chain", "full"):
+        raise ConfigError(f"eval_suite must be chain or full, got {args.eval_suite!r}")
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise ConfigError(f"budget_minutes must be > 0, got {args.budget_minutes}")
+    if unknown := [r for r in args.recipes if r not in RECIPES]:
+        raise ConfigError(f"recipes: unknown {unknown}; choose from {RECIPES}")
     out_root, dest = Path(args.out_root).resolve(), Path(args.dest)
     if args.phase == "train":
-        cmd_train(args.recipe, out_root, args.overrides)
+        cmd_train(args.recipe, out_root, args.overrides, args.budget_minutes)
+    elif args.eval_suite == "full":
+        cmd_eval_full(args.recipe, out_root, args.eval_prompts, args.eval_max_new_tokens, args.latency_prompts)
     elif args.phase == "eval":
         cmd_eval(args.recipe, out_root, "gsm8k", args.gsm8k_prompts)
     else:
-        cmd_report(out_root, dest, RECIPES)
+        cmd_report(out_root, dest, args.recipes)
 
 
 if __name__ == "__main__":
