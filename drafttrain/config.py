@@ -148,6 +148,9 @@ class OptimConfig:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
+    # the cosine runs over trainer.max_steps (steps) or over trainer.max_minutes of training time (minutes:
+    # a run bounded by a time budget, e.g. recipes compared at equal minutes, still ends its decay at the budget)
+    decay_over: str = "steps"
 
 
 @dataclass
@@ -526,6 +529,10 @@ def _check_values(c: TrainConfig) -> None:
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     problems += _check_backend("data.generation", c.data.generation, c.target)
+    if c.optim.decay_over not in ("steps", "minutes"):
+        problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
+    elif c.optim.decay_over == "minutes" and c.trainer.max_minutes is None:
+        problems.append("optim.decay_over=minutes needs trainer.max_minutes (the time the cosine runs over)")
     if c.target.fast_linear not in ("auto", "on", "off"):
         problems.append("target.fast_linear must be auto|on|off")
     if c.data.features not in ("auto", "live", "cache"):

@@ -64,6 +64,18 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def schedule_factor(step: int, train_seconds: float, c: TrainConfig) -> float:
+    """The lr factor for optimizer step ``step`` (0-based) of run ``c``: :func:`lr_lambda` over
+    ``trainer.max_steps`` (``optim.decay_over=steps``), or, with ``decay_over=minutes``, the same warm-up
+    (steps) and a cosine whose progress is the training time spent, ``train_seconds / (60 * max_minutes)``:
+    a run bounded by its time budget ends its decay when the budget ends, whatever its step rate."""
+    o = c.optim
+    if o.decay_over != "minutes" or step < o.warmup_steps:
+        return lr_lambda(step, o.warmup_steps, c.trainer.max_steps, o.min_lr_ratio)
+    progress = min(1.0, train_seconds / (60.0 * c.trainer.max_minutes))
+    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class TrainState:
     """Loop counters saved with every checkpoint (accelerate custom checkpoint object)."""
 
@@ -240,10 +252,11 @@ def check_resume(c: TrainConfig) -> Path | None:
     return ckpt
 
 
-def set_schedule_lr(optimizer, base_lrs: list[float], step: int, c: TrainConfig) -> None:
-    """Set every param group's lr to the schedule's value for the next step (after a resume): the
-    warm-up + cosine of the *current* ``trainer.max_steps``, which a resume may have changed."""
-    factor = lr_lambda(step, c.optim.warmup_steps, c.trainer.max_steps, c.optim.min_lr_ratio)
+def set_schedule_lr(optimizer, base_lrs: list[float], step: int, c: TrainConfig, train_seconds: float = 0.0) -> None:
+    """Set every param group's lr to the schedule's value for the next step (after a resume, and after
+    every step under ``optim.decay_over=minutes``): :func:`schedule_factor` of the *current*
+    ``trainer.max_steps`` / ``max_minutes``, which a resume may have changed."""
+    factor = schedule_factor(step, train_seconds, c)
     for group, base in zip(optimizer.param_groups, base_lrs):
         group["lr"] = base * factor
 
@@ -466,7 +479,8 @@ def run(cfg) -> dict[str, Any]:
         accelerator.load_state(str(resume_from))
         meta = json.loads((resume_from / "meta.json").read_text())
         metrics_lines = meta.get("metrics_lines")
-        set_schedule_lr(opt, sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs, state.step, c)
+        base_lrs = sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs
+        set_schedule_lr(opt, base_lrs, state.step, c, state.train_seconds)
         log.info("resumed from %s at step %d (samples %d)", resume_from, state.step, state.samples)
     elif c.resume:
         log.info("resume=true but no checkpoint in %s: starting fresh", out_dir / CHECKPOINTS)
@@ -533,6 +547,9 @@ def run(cfg) -> dict[str, Any]:
         state.step += 1
         state.samples += per_step
         state.train_seconds = base_seconds + (time.time() - seg_start)
+        if c.optim.decay_over == "minutes":  # the cosine follows the clock (LambdaLR counts steps only)
+            set_schedule_lr(opt, sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs,
+                            state.step, c, state.train_seconds)  # fmt: skip
         bar.update(1)
 
         if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:
@@ -543,7 +560,7 @@ def run(cfg) -> dict[str, Any]:
             loss = float(accelerator.reduce(torch.tensor([window_loss / window_n], device=accelerator.device), "mean"))
             metrics = {
                 "train/loss": loss,
-                "train/lr": sched.get_last_lr()[0],
+                "train/lr": opt.param_groups[0]["lr"],  # the lr of the next step (the schedule's, either clock)
                 "train/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                 "train/tokens_per_s": tok / max(time.time() - window_t0, 1e-9),  # drafter input slots
                 "train/seq_tokens_per_s": seq_tok / max(time.time() - window_t0, 1e-9),  # training sequence tokens

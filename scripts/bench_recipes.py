@@ -72,10 +72,12 @@ STEPS = [
 
 def budget_overrides(minutes: float) -> list[str]:
     """Equal wall-clock budget: train until ``minutes`` of training time (the loop's own clock, saved in
-    every checkpoint, so a resumed run continues it), a checkpoint every 100 steps; no in-run speculative
-    evaluation (``eval_suite=full`` runs it afterwards, the same for every recipe)."""
-    return ["trainer.max_steps=1000000", f"trainer.max_minutes={minutes:g}", "trainer.save_every=100",
-            "trainer.spec_eval.num_prompts=0"]  # fmt: skip
+    every checkpoint, so a resumed run continues it), a checkpoint and a held-out evaluation every 100
+    steps (the τ_sim curve; evaluation time is not training time), the learning rate's cosine over the
+    minutes (``optim.decay_over=minutes``: every recipe ends its decay at the budget, whatever its step
+    rate); no in-run speculative decoding (``eval_suite=full`` runs it afterwards, the same for every recipe)."""
+    return ["trainer.max_steps=1000000", f"trainer.max_minutes={minutes:g}", "optim.decay_over=minutes",
+            "trainer.save_every=100", "trainer.eval_every=100", "trainer.spec_eval.num_prompts=0"]  # fmt: skip
 
 
 GSM8K_PROMPTS = 10

@@ -13,7 +13,7 @@ def test_budget_overrides_reach_the_run_and_later_overrides_win(tmp_path):
     steps = train_command("eagle", tmp_path, [])
     assert all(o in steps for o in COMMON + STEPS)
     budget = train_command("eagle3", tmp_path, ["resume=true"], budget_minutes=40)
-    assert "trainer.max_minutes=40" in budget and "trainer.save_every=100" in budget
+    assert "trainer.max_minutes=40" in budget and "trainer.save_every=100" in budget and "optim.decay_over=minutes" in budget
     assert "trainer.max_steps=180" not in budget and "trainer.spec_eval.num_prompts=0" in budget
     assert budget[-1] == "resume=true" and f"output_dir={tmp_path / 'eagle3'}" in budget
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import math
+
 import pytest
 import torch
 
@@ -81,6 +83,36 @@ def test_changed_max_steps_follows_the_new_schedule():
     T.set_schedule_lr(opt, sched.base_lrs, 4, c)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * T.lr_lambda(4, 2, 20, 0.1))
     assert opt.param_groups[0]["lr"] != pytest.approx(1e-3 * T.lr_lambda(4, 2, 6, 0.1))
+
+
+def test_decay_over_minutes_follows_the_clock():
+    """optim.decay_over=minutes: warm-up by steps, then the cosine's progress is the training time spent
+    over trainer.max_minutes (a time-budgeted run ends its decay at the budget), whatever max_steps is."""
+    from drafttrain.config import TrainConfig
+
+    c = TrainConfig()
+    c.optim.warmup_steps, c.optim.min_lr_ratio = 2, 0.1
+    c.trainer.max_steps, c.trainer.max_minutes = 1_000_000, 10.0
+    c.optim.decay_over = "minutes"
+    assert T.schedule_factor(0, 0.0, c) == pytest.approx(0.5)  # warm-up: step 1 of 2
+    assert T.schedule_factor(50, 0.0, c) == pytest.approx(1.0)
+    assert T.schedule_factor(50, 300.0, c) == pytest.approx(0.1 + 0.9 * 0.5)  # half the budget: cosine half-way
+    assert T.schedule_factor(51, 600.0, c) == pytest.approx(0.1) == T.schedule_factor(9, 900.0, c)  # spent: the floor
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    T.set_schedule_lr(opt, [1e-3], 50, c, train_seconds=150.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25))))
+    c.optim.decay_over = "steps"  # the default: the clock is ignored
+    assert T.schedule_factor(50, 600.0, c) == pytest.approx(T.lr_lambda(50, 2, 1_000_000, 0.1))
+
+
+def test_decay_over_is_checked_before_anything_loads(tmp_path):
+    from drafttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.decay_over must be steps|minutes"):
+        T.validate(_cfg(tmp_path, "optim.decay_over=hours"))
+    with pytest.raises(ConfigError, match="needs trainer.max_minutes"):
+        T.validate(_cfg(tmp_path, "optim.decay_over=minutes", "trainer.max_minutes=null"))
 
 
 def test_interrupted_saves_are_removed_and_replace_is_atomic(tmp_path):
