@@ -215,6 +215,9 @@ def summarize(out_root: Path, recipe: str) -> dict:
         "gsm8k": gsm8k,
         "full": json.loads((out / "eval_full.json").read_text()) if (out / "eval_full.json").is_file() else None,
         "train_data_sha": final.get("train_data_sha"),
+        # held-out τ_sim after each evaluation, at ≈ minutes of training (step x the run's mean step time)
+        "heldout_curve": [(r["step"], round(final["train_seconds"] / 60 * r["step"] / max(final["step"], 1), 2), r["eval/tau_sim"])
+                          for r in rows if "eval/tau_sim" in r],  # fmt: skip
         "epochs": final["samples"] / final["train_rows"] if final.get("train_rows") else None,
     }
 
@@ -263,6 +266,21 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
         lines += ["", f"Training sequences (`train_data_sha`, input ids + loss masks in order): "
                   + (f"the same in every run ({next(iter(shas.values()))})." if same
                      else "**differ**: " + ", ".join(f"{k} {v}" for k, v in shas.items()))]  # fmt: skip
+    curves = {r["recipe"]: r["heldout_curve"] for r in rows if len(r.get("heldout_curve") or []) > 2}
+    if curves:
+        budget = max(r["train_seconds"] for r in rows) / 60
+        marks = [budget * x for x in (0.125, 0.25, 0.5, 0.75, 1.0)]
+
+        def at(curve, m):  # the last evaluation at or before m minutes
+            before = [t for t in curve if t[1] <= m + 1e-6]
+            return f"{before[-1][2]:.3f} ({before[-1][0]})" if before else ""
+
+        lines += ["", "Held-out τ_sim by training time (the last evaluation at or before; its step in brackets; minutes "
+                  "≈ step x the run's mean step time):", "",
+                  "| recipe | " + " | ".join(f"{m:.0f} min" for m in marks) + " | best |", "|---|" + "---|" * (len(marks) + 1)]
+        for name, curve in curves.items():
+            best = max(curve, key=lambda t: t[2])
+            lines.append(f"| {name} | " + " | ".join(at(curve, m) for m in marks) + f" | {best[2]:.3f} ({best[0]}) |")
     full = [r for r in rows if r.get("full")]
     if full:
         sets = list(FULL_PROMPTS)

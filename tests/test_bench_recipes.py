@@ -84,3 +84,30 @@ def test_data_fingerprint_reads_tokens_not_features():
     assert data_fingerprint(a) == data_fingerprint(b)  # feature columns do not count
     assert data_fingerprint(a) != data_fingerprint(Dataset.from_dict({**rows, "loss_mask": [[1, 1, 1], [1, 1]]}))
     assert data_fingerprint(a) != data_fingerprint(a.select([1, 0]))  # order counts
+
+
+def test_report_curve_by_training_minutes(tmp_path):
+    """The held-out τ_sim curve of budget runs, read at fractions of the budget (steps -> minutes by the
+    run's mean step time): a fast recipe's step 400 and a slow one's step 40 land in the same column."""
+    from scripts.bench_recipes import cmd_report
+
+    def run(name, steps, every, taus):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        rows = [{"step": s, "train/loss": 1.0, "train/seq_tokens_per_s": 100.0} for s in range(every, steps + 1, every)]
+        rows += [{"step": every * (i + 1), "eval/tau_sim": t} for i, t in enumerate(taus)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (d / "final_metrics.json").write_text(json.dumps({"step": steps, "samples": 8 * steps, "train_rows": 100,
+                                                          "train_seconds": 2400.0, "trainable_params": 1e6,
+                                                          "stopped_by_time_budget": True, "train_data_sha": "abc",
+                                                          "eval/tau_sim": taus[-1]}))  # fmt: skip
+        (d / "config.json").write_text(json.dumps({"drafter": {"draft_depth": 5}, "trainer": {}}))
+
+    run("eagle", 800, 100, [1.1, 1.2, 1.3, 1.35, 1.4, 1.42, 1.41, 1.40])  # 100 steps = 5 min
+    run("eagle3", 80, 10, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.55, 1.6])  # 10 steps = 5 min
+    cmd_report(tmp_path / "runs", tmp_path / "page", ["eagle", "eagle3"])
+    md = (tmp_path / "page.md").read_text()
+    assert "| 5 min | 10 min | 20 min | 30 min | 40 min | best |" in md
+    assert "| eagle | 1.100 (100) | 1.200 (200) | 1.350 (400) | 1.420 (600) | 1.400 (800) | 1.420 (600) |" in md
+    assert "| eagle3 | 1.000 (10) | 1.100 (20) | 1.300 (40) | 1.500 (60) | 1.600 (80) | 1.600 (80) |" in md
+    assert "the same in every run (abc)" in md
