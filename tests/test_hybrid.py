@@ -30,6 +30,8 @@ def test_merge_is_the_token_trie_union():
     assert sc[(5,)] == pytest.approx(0.95) and sc[(5, 6)] == pytest.approx(0.6)  # the larger score of a shared node
     assert sc[(5, 6, 7)] == pytest.approx(0.2) and sc[(5, 6, 9)] == pytest.approx(0.4)
     assert m.draft_probs is None and m.dist_index is None
+    src = dict(zip(map(tuple, [[5], [8], [5, 6], [5, 6, 7], [5, 6, 9], [4], [4, 3]]), m.sources.tolist()))
+    assert src == {(5,): 2, (5, 6): 2, (8,): 0, (5, 6, 7): 0, (5, 6, 9): 1, (4,): 1, (4, 3): 1}  # both / drafter / SSSD
 
 
 def test_merge_caps_the_added_nodes_and_drops_orphans():

@@ -32,8 +32,10 @@ class FixedCost(ForwardCostModel):
 
 
 def planner(slope: float) -> SpeculationPlanner:
+    """A planner whose costs are fixed: t(b, M) from FixedCost, no measured step overhead."""
     p = SpeculationPlanner(max_skip=4)
     p.cost = FixedCost(slope)
+    p.observe_overhead = lambda batch, drafted, seconds: None
     return p
 
 
@@ -82,12 +84,73 @@ def test_children_never_outrank_parents_and_calibration_learns():
     assert p.calibrated(0.1) > 0.02
 
 
+def test_each_source_has_its_own_calibration():
+    """Hybrid trees (verify/hybrid.py): a drafter node and an SSSD node of the same raw score are
+    calibrated apart, so a drafter that is right at 0.5 is not dragged down by SSSD candidates that are not."""
+    p = planner(slope=0.0)
+    tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, -1]), scores=torch.tensor([0.5, 0.5]),
+                     sources=torch.tensor([0, 1]))  # fmt: skip
+    for _ in range(60):  # the drafter's node always accepted, SSSD's sibling never
+        p.observe_acceptance(tree, [0.5, 0.5], accepted_tokens=[5])
+    assert p.calibrated(0.5, 0) > 0.9 and p.calibrated(0.5, 1) < 0.1
+    assert p.calibrated(0.5, 2) == pytest.approx(0.5)  # no evidence yet for nodes both propose: the raw value
+    keep, _ = p.plan([tree])
+    assert keep == [[0, 1]]  # free verification still takes both
+    p.cost = FixedCost(0.3)
+    keep, _ = p.plan([tree])
+    assert keep == [[0]]  # the dear one is dropped by its own source's record
+    names = p.summary()["calibration"]
+    assert "<=0.5" in names and "sssd <=0.5" in names
+    untagged = planner(slope=0.0)  # a tree without sources: every node is the drafter's
+    for _ in range(60):
+        untagged.observe_acceptance(DraftTree(tree.tokens, tree.parents, scores=tree.scores), [0.5, 0.5], [5])
+    assert 0.4 < untagged.calibrated(0.5) < 0.6  # one of the two 0.5 nodes accepted: the mixed record
+
+
+def test_step_overhead_prices_a_drafted_step():
+    """A drafted step whose time outside drafting and the forward is large (measured) is priced with it:
+    the same tree that pays without overhead is not verified with it, and drafting then pauses."""
+    tree = _chain([0.9, 0.8])
+    p = planner(slope=0.1)  # forward 1.0 s plain, +0.1 s per node
+    del p.observe_overhead  # the real method: overheads given by hand below
+    p.cost.observe(1, 1, 0.0)
+    assert p.plan([tree])[0] == [[0, 1]]
+    p.observe_overhead(1, True, 3.0)  # a drafted step also spends 3 s in bookkeeping, a plain one none
+    p.observe_overhead(1, False, 0.0)
+    assert p.plan([tree])[0] == [[]]  # (1 + 1.7) / (1.2 + 3) < 1 / 1
+    assert not p.should_draft(1)
+    assert p.summary()["overhead_ms"] == {"b1_plain": 0.0, "b1_drafted": 3000.0}
+
+
+def test_planned_proposer_measures_step_overhead(tiny_target, make_drafter):
+    """PlannedProposer times whole engine steps (draft call to draft call) and reports what is neither
+    drafting nor the verification forward, apart for drafted and plain steps; prefills are left out."""
+    drafter = make_drafter(seed=3)
+    pl = SpeculationPlanner()
+    prop = PlannedProposer(ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3), pl)
+    seen = []
+    orig = pl.observe_overhead
+    pl.observe_overhead = lambda b, d, s: (seen.append((b, d, s)), orig(b, d, s))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
+    eng = SpecEngine(tiny_target, prop, batch_size=2, max_new_tokens=12, stop_token_ids=-1)
+    eng.run(prompts)
+    assert seen and all(s >= 0 for _, _, s in seen)
+    assert {b for b, _, _ in seen} <= {1, 2} and any(d for _, d, _ in seen)
+    # every step but the last one before each prefill (3 prompts, batch 2: 2 prefills) and the run's last
+    drafted_or_plain = pl.steps
+    assert len(seen) <= drafted_or_plain - 1
+    assert (2, True) in pl.overhead_seconds
+
+
 def test_subtree_reindexes():
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), scores=torch.tensor([0.9, 0.3, 0.8, 0.7]))
     sub = subtree(tree, [0, 2, 3])
     assert sub.tokens.tolist() == [5, 7, 8] and sub.parents.tolist() == [-1, 0, 1]
     assert sub.scores.tolist() == pytest.approx([0.9, 0.8, 0.7])
     assert subtree(tree, []).n == 0
+    tagged = DraftTree(tree.tokens, tree.parents, scores=tree.scores, sources=torch.tensor([0, 1, 2, 1]))
+    assert subtree(tagged, [0, 2, 3]).sources.tolist() == [0, 2, 1]
 
 
 @pytest.fixture(scope="module")

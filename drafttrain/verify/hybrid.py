@@ -50,7 +50,9 @@ def merge_trees(tree: DraftTree, extra_tokens: Sequence[int], extra_parents: Seq
         a :class:`DraftTree` with the drafter's n nodes first (same indices, same tokens, scores raised to
         the other tree's where it proposes the same path) and up to ``max_extra`` new nodes after them;
         ``draft_probs`` / ``dist_index`` are dropped (the union is for greedy acceptance), ``scores``
-        [n + k] float32 is set (drafter nodes without scores count as 1.0).
+        [n + k] float32 is set (drafter nodes without scores count as 1.0), and ``sources`` [n + k]:
+        0 for a node only the drafter proposes, 2 for one both propose, 1 for the added nodes (the
+        planner calibrates each on its own).
 
     Raises:
         ValueError: an extra node's parent does not precede it.
@@ -58,6 +60,7 @@ def merge_trees(tree: DraftTree, extra_tokens: Sequence[int], extra_parents: Seq
     toks = tree.tokens.tolist()
     pars = tree.parents.tolist()
     scores = tree.scores.tolist() if tree.scores is not None else [1.0] * len(toks)
+    sources = tree.sources.tolist() if tree.sources is not None else [0] * len(toks)
     index: dict[tuple[int, int], int] = {}  # (parent index in the union, token) -> union index
     for i, (t, p) in enumerate(zip(toks, pars)):
         index.setdefault((p, t), i)
@@ -74,6 +77,8 @@ def merge_trees(tree: DraftTree, extra_tokens: Sequence[int], extra_parents: Seq
         hit = index.get((parent, t))
         if hit is not None:
             scores[hit] = max(scores[hit], s)
+            if sources[hit] == 0:  # a drafter node SSSD proposes too
+                sources[hit] = 2
             mapped.append(hit)
         elif added < max_extra:
             index[(parent, t)] = len(toks)
@@ -81,13 +86,15 @@ def merge_trees(tree: DraftTree, extra_tokens: Sequence[int], extra_parents: Seq
             toks.append(t)
             pars.append(parent)
             scores.append(s)
+            sources.append(1)
             added += 1
         else:
             mapped.append(None)
+    src = torch.tensor(sources, dtype=torch.long)
     if added == 0 and tree.scores is not None:
-        return DraftTree.trusted(tree.tokens, tree.parents, scores=torch.tensor(scores, dtype=torch.float32))
+        return DraftTree.trusted(tree.tokens, tree.parents, scores=torch.tensor(scores, dtype=torch.float32), sources=src)
     return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long),
-                     scores=torch.tensor(scores, dtype=torch.float32))  # fmt: skip
+                     scores=torch.tensor(scores, dtype=torch.float32), sources=src)  # fmt: skip
 
 
 class HybridProposer:

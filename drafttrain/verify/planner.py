@@ -12,17 +12,27 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   product of its probabilities along the path) estimates P after calibration against what the
   verifier actually accepted: verified nodes are binned by confidence and each bin's discounted
   acceptance frequency, with one pseudo-observation at the bin's own confidence as prior, is the
-  estimate (a histogram calibration, learnt online). A node is never valued above its parent, so the
+  estimate (a histogram calibration, learnt online). Each node source
+  (:attr:`~drafttrain.verify.tree.DraftTree.sources`: the drafter, SSSD's training-free candidates
+  in a hybrid tree, or both) has its own bins: a drafter probability and an SSSD pseudo-probability
+  of the same value do not mean the same chance of acceptance. A node is never valued above its parent, so the
   best K nodes of the batch are always ancestor-closed.
 - **Cost.** ``t(b, M)``: the measured seconds of one verification forward of b sequences with M inputs in
   total (every verification forward is reported by the engine: :meth:`PlannedProposer.observe_forward`),
   median of the recent measurements per (b, M), linear interpolation between measured M (as SSSD's
   planner interpolates its table), and *optimistic* (flat) beyond the measured range, so an untried
-  size is tried once and then priced at what it cost; plus the measured drafting time.
+  size is tried once and then priced at what it cost; plus the measured drafting time; plus each step's
+  **overhead**, measured too: the wall time of a whole engine step (from one ``draft`` call to the next:
+  drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
+  drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
+  A tree step's bookkeeping grows with the batch, so at batch 16 the forward time alone
+  under-prices a drafted step; steps with a prefill between them (continuous batching) are not used.
 - **Choice.** With the batch's nodes sorted by value v_(1) >= v_(2) >= ..., the step verifies the K
-  best, K maximising ``(b + sum_{k<=K} v_(k)) / (t_draft + t(b, b + K))`` (SSSD's ratio with b sequences
-  and a tree size summed over the batch); K = 0 is plain decoding. When even the best K does not beat
-  plain decoding (``b / t(b, b)``, no drafting), the next steps skip drafting altogether (1, 2, 4, ...
+  best, K maximising ``(b + sum_{k<=K} v_(k)) / (t_draft + t(b, b + K) + o_tree(b))`` (SSSD's ratio with
+  b sequences and a tree size summed over the batch; ``o_tree`` the measured overhead of a step that
+  verifies a tree, ``o_plain`` of one that does not); K = 0 is plain decoding,
+  ``b / (t_draft + t(b, b) + o_plain(b))``. When even the best K does not beat plain decoding
+  (``b / (t(b, b) + o_plain(b))``, no drafting), the next steps skip drafting altogether (1, 2, 4, ...
   up to ``max_skip`` steps, then draft again to re-measure): a drafter that does not pay costs at most
   one drafting every ``max_skip`` steps. That next drafting is a probe: each sequence's best node is
   verified whatever its estimate, so an under-confident drafter's calibration still gets evidence.
@@ -95,6 +105,8 @@ class SpeculationPlanner:
         min_gain: drafting must promise at least this factor over plain decoding (1.0 = any gain).
     """
 
+    #: names of the node sources other than the drafter (:attr:`DraftTree.sources`) in :meth:`summary`
+    SOURCE_NAMES = {1: "sssd", 2: "both"}
     #: upper edges of the confidence bins of the calibration
     BINS = (0.001, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -103,9 +115,10 @@ class SpeculationPlanner:
         self.max_skip = int(max_skip)
         self.decay = float(calibration_decay)
         self.min_gain = float(min_gain)
-        self._n = [0.0] * len(self.BINS)  # discounted verified nodes per confidence bin
-        self._acc = [0.0] * len(self.BINS)  # discounted accepted nodes per confidence bin
+        self._n: dict[int, list[float]] = {}  # source -> discounted verified nodes per confidence bin
+        self._acc: dict[int, list[float]] = {}  # source -> discounted accepted nodes per confidence bin
         self.draft_seconds: dict[int, float] = {}  # b -> EMA of drafting time
+        self.overhead_seconds: dict[tuple[int, bool], float] = {}  # (b, drafted) -> EMA of a step's other time
         self._skip_left = 0
         self._skip_next = 1
         self._probe = False
@@ -116,14 +129,19 @@ class SpeculationPlanner:
     def _bin(self, raw: float) -> int:
         return min(bisect.bisect_left(self.BINS, raw), len(self.BINS) - 1)
 
-    def calibrated(self, raw: float) -> float:
-        """P(node accepted) for a node of raw confidence ``raw``: its bin's discounted acceptance
-        frequency with one pseudo-observation at ``raw`` itself as prior."""
+    def calibrated(self, raw: float, source: int = 0) -> float:
+        """P(node accepted) for a node of raw confidence ``raw`` from ``source`` (0 the drafter, 1 SSSD,
+        2 both): its source's bin's discounted acceptance frequency with one pseudo-observation at
+        ``raw`` itself as prior."""
         i = self._bin(raw)
-        return (self._acc[i] + raw) / (self._n[i] + 1.0)
+        n, acc = self._n.get(source), self._acc.get(source)
+        if n is None:
+            return raw
+        return (acc[i] + raw) / (n[i] + 1.0)
 
     def observe_acceptance(self, tree: DraftTree, raw: Sequence[float], accepted_tokens: Sequence[int]) -> None:
-        """One verified tree: its nodes' raw values and the draft tokens the verifier accepted (in order)."""
+        """One verified tree: its nodes' raw values and the draft tokens the verifier accepted (in order);
+        ``tree.sources`` (if set) says whose bins each node's outcome goes to."""
         if tree.n == 0:
             return
         on_path, node, kids, toks = set(), -1, tree.children(), tree.tokens.tolist()
@@ -132,16 +150,26 @@ class SpeculationPlanner:
             if node is None:
                 break
             on_path.add(node)
-        self._n = [x * self.decay for x in self._n]
-        self._acc = [x * self.decay for x in self._acc]
-        for j, r in enumerate(raw):
+        for src in self._n:
+            self._n[src] = [x * self.decay for x in self._n[src]]
+            self._acc[src] = [x * self.decay for x in self._acc[src]]
+        sources = tree.sources.tolist() if tree.sources is not None else [0] * tree.n
+        for j, (r, src) in enumerate(zip(raw, sources)):
+            if src not in self._n:
+                self._n[src], self._acc[src] = [0.0] * len(self.BINS), [0.0] * len(self.BINS)
             i = self._bin(float(r))
-            self._n[i] += 1.0
-            self._acc[i] += 1.0 if j in on_path else 0.0
+            self._n[src][i] += 1.0
+            self._acc[src][i] += 1.0 if j in on_path else 0.0
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         old = self.draft_seconds.get(batch)
         self.draft_seconds[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def observe_overhead(self, batch: int, drafted: bool, seconds: float) -> None:
+        """One engine step's wall time outside drafting and the verification forward (seconds, >= 0)."""
+        key = (batch, bool(drafted))
+        old = self.overhead_seconds.get(key)
+        self.overhead_seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     # -- the choice -----------------------------------------------------------------------------------
     def should_draft(self, batch: int) -> bool:
@@ -183,8 +211,9 @@ class SpeculationPlanner:
         cands = []  # (value, depth, tree, node)
         for i, (t, raw) in enumerate(zip(trees, raws)):
             depth, par, val = t.depth().tolist(), t.parents.tolist(), []
+            src = t.sources.tolist() if t.sources is not None else [0] * t.n
             for j, (d, p, r) in enumerate(zip(depth, par, raw)):
-                v = self.calibrated(r)
+                v = self.calibrated(r, src[j])
                 if p >= 0:
                     v = min(v, val[p])  # never above the parent: the best K stay ancestor-closed
                 val.append(v)
@@ -193,14 +222,16 @@ class SpeculationPlanner:
         self.nodes_offered += len(cands)
         t_plain = self.cost.predict(b, b)
         t_draft = self.draft_seconds.get(b, 0.0)
+        o_plain = self.overhead_seconds.get((b, False), 0.0)  # a plain step's time outside its forward
+        o_spec = self.overhead_seconds.get((b, True), o_plain)  # a step verifying a tree (until measured: a plain one's)
         best_k, best_rate, gain = len(cands), None, None  # nothing measured yet: verify everything (explore)
         if t_plain is not None:
-            plain_rate = b / t_plain
+            plain_rate = b / (t_plain + o_plain)
             expected = float(b)
-            best_k, best_rate = 0, b / (t_draft + t_plain)
+            best_k, best_rate = 0, b / (t_draft + t_plain + o_plain)  # K = 0: a plain step (drafting spent)
             for k, (neg_v, *_rest) in enumerate(cands, start=1):
                 expected -= neg_v
-                rate = expected / (t_draft + self.cost.predict(b, b + k))
+                rate = expected / (t_draft + self.cost.predict(b, b + k) + o_spec)
                 if rate > best_rate:
                     best_k, best_rate = k, rate
             gain = best_rate / plain_rate
@@ -229,13 +260,17 @@ class SpeculationPlanner:
     def summary(self) -> dict:
         return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
                 "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
-                "calibration": {f"<={e}": round((a + 1e-9) / (n + 1e-9), 3) for e, a, n in zip(self.BINS, self._acc, self._n)
+                "overhead_ms": {f"b{b}_{'drafted' if d else 'plain'}": round(1e3 * v, 2)
+                                for (b, d), v in sorted(self.overhead_seconds.items())},
+                "calibration": {f"<={e}" if src == 0 else f"{self.SOURCE_NAMES.get(src, src)} <={e}":
+                                round((a + 1e-9) / (n + 1e-9), 3)
+                                for src in sorted(self._n) for e, a, n in zip(self.BINS, self._acc[src], self._n[src])
                                 if n > 0.5}}  # fmt: skip
 
 
 def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
     """The nodes ``keep`` (ascending, ancestor-closed) of ``tree`` as a tree of their own (re-indexed;
-    draft_probs rows and dist_index carried over)."""
+    draft_probs rows, dist_index, scores and sources carried over)."""
     if len(keep) == tree.n:
         return tree
     if not keep:
@@ -246,7 +281,8 @@ def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
     parents = torch.tensor([new_index[par[j]] if par[j] >= 0 else -1 for j in keep], dtype=torch.long)
     return DraftTree.trusted(tree.tokens[idx], parents, tree.draft_probs,
                              None if tree.dist_index is None else tree.dist_index[idx],
-                             None if tree.scores is None else tree.scores[idx])  # fmt: skip
+                             None if tree.scores is None else tree.scores[idx],
+                             sources=None if tree.sources is None else tree.sources[idx])  # fmt: skip
 
 
 class PlannedProposer:
@@ -280,6 +316,8 @@ class PlannedProposer:
         self._pending: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # slot -> commits not yet handed on
         self._inner_live: set[int] = set()
         self._verified: dict[int, tuple[DraftTree, list[float]]] = {}  # slot -> (verified tree, raw values)
+        # the step in progress, for its overhead (module doc): (start, b, drafted, drafting seconds, forward seconds)
+        self._step: list | None = None
 
     def __getattr__(self, name):  # widths, budget, template, ... of the inner proposer
         if name in ("inner", "__setstate__"):
@@ -287,23 +325,36 @@ class PlannedProposer:
         return getattr(self.inner, name)
 
     def start(self, slot, prompt_ids, hidden, first_token) -> None:
+        self._step = None  # a prefill ran since the last step started: that step's wall time is not its own
         self._pending.pop(slot, None)
         self._verified.pop(slot, None)
         self._starts[slot] = (list(prompt_ids), hidden, int(first_token))
 
+    def _close_step(self, now: float) -> None:
+        """The previous step ended now: report its time outside drafting and its forward."""
+        st, self._step = self._step, None
+        if st is not None and st[4] is not None:
+            start, b, drafted, t_draft, t_fwd = st
+            self.planner.observe_overhead(b, drafted, max(0.0, now - start - t_draft - t_fwd))
+
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
+        t0 = time.perf_counter()
+        self._close_step(t0)
         slots = list(slots)
         b = len(slots)
         self._verified.clear()
         if not slots:
             return []
         if not self.planner.should_draft(b):
+            self._step = [t0, b, False, 0.0, None]
             return [DraftTree.empty() for _ in slots]
-        self._flush(slots)
-        t0 = time.perf_counter()
+        self._flush(slots)  # catching the drafter up (after a skip run: several tokens) is drafting time
         trees = self.inner.draft(slots, sampling, generator)
-        self.planner.observe_draft(b, time.perf_counter() - t0)
+        t_draft = time.perf_counter() - t0
+        self.planner.observe_draft(b, t_draft)
+        self._step = [t0, b, True, t_draft, None]
         keep, raws = self.planner.plan(trees)
+        self._step[2] = any(keep)  # a tree was verified: the step's overhead is a drafted step's
         out = []
         for s, t, k, raw in zip(slots, trees, keep, raws):
             sub = subtree(t, k)
@@ -330,6 +381,8 @@ class PlannedProposer:
     def observe_forward(self, batch: int, inputs: int, seconds: float) -> None:
         """The engine's report of one verification forward (b sequences, M inputs, wall seconds)."""
         self.planner.cost.observe(batch, inputs, seconds)
+        if self._step is not None and self._step[4] is None:
+            self._step[4] = seconds
 
     def _flush(self, slots) -> None:
         for s in slots:

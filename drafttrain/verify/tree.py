@@ -94,6 +94,9 @@ class DraftTree:
         scores: optional [n] float, the drafter's confidence in each node's whole path (product of its
             probabilities along the path; a child never scores above its parent). Read by
             :mod:`drafttrain.verify.planner` to decide how many nodes are worth verifying.
+        sources: optional [n] int64, who proposed each node: 0 the drafter, 1 another proposer only
+            (SSSD's training-free candidates in a hybrid tree, :mod:`drafttrain.verify.hybrid`), 2 both.
+            The planner calibrates each source's scores on their own (their scales differ).
 
     The structure (:meth:`depth`, :meth:`children`, :meth:`ancestor_mask`) is computed once per tree
     and kept (trees are not modified after construction); trees filled from a :class:`TreeTemplate`
@@ -109,16 +112,17 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None
     dist_index: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
 
     @classmethod
     def trusted(cls, tokens: torch.Tensor, parents: torch.Tensor, draft_probs=None, dist_index=None, scores=None,
-                structure: dict | None = None) -> "DraftTree":
+                structure: dict | None = None, sources=None) -> "DraftTree":
         """A tree built without the checks of the constructor, for the drafting hot path: the caller
         guarantees the invariants (e.g. :meth:`TreeTemplate.fill`). ``structure``: precomputed
         ``depth`` / ``children`` / ``mask`` entries (as :meth:`depth`, :meth:`children`, :meth:`ancestor_mask`)."""
         tree = cls.__new__(cls)
-        tree.tokens, tree.parents, tree.draft_probs, tree.dist_index, tree.scores = (
-            tokens, parents, draft_probs, dist_index, scores)  # fmt: skip
+        tree.tokens, tree.parents, tree.draft_probs, tree.dist_index, tree.scores, tree.sources = (
+            tokens, parents, draft_probs, dist_index, scores, sources)  # fmt: skip
         if structure:
             tree.__dict__["_structure"] = dict(structure)
         return tree
@@ -139,6 +143,10 @@ class DraftTree:
         for i, p in enumerate(par):
             if not -1 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: parents must be -1 or an earlier node (topological order)")
+        if self.sources is not None:
+            self.sources = torch.as_tensor(self.sources, dtype=torch.long).reshape(-1)
+            if self.sources.numel() != n:
+                raise ValueError(f"sources has {self.sources.numel()} entries for {n} nodes")
         if (self.draft_probs is None) != (self.dist_index is None):
             raise ValueError("draft_probs and dist_index go together")
         if self.dist_index is not None:
