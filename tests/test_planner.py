@@ -8,6 +8,8 @@ verify some, verify none and skip drafting, then draft again) runs deterministic
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 import torch
@@ -256,3 +258,31 @@ def test_evaluate_prompts_batched_planned_run(tiny_target, make_drafter):
     r = evaluate_prompts_batched(tiny_target, drafter, prompts, 12, batch_size=2, progress=False, plan=True)
     assert r["greedy_equal"] and r["speedup_planned"] > 0 and r["planner"]["steps"] > 0
     assert r["tau"] > 1.0  # the unplanned chain's acceptance, as before
+
+
+def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
+    """scripts.bench_planner on the tiny target: plain and every variant per batch size and round,
+    interleaved; every output equal to plain greedy; the report's rows and command."""
+    from scripts.bench_planner import main
+
+    out = tmp_path / "planner"
+    res = main([f"run={checkpoint}", "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=1",
+                "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full]", f"out={out}"])  # fmt: skip
+    got = [(r["batch_size"], r["variant"], r["prompts"]) for r in res["rows"]]
+    assert got == [(b, v, n) for b, n in ((1, 1), (2, 3)) for v in ("mixed", "per_source", "full")]
+    for r in res["rows"]:
+        assert r["greedy_equal"] is True and len(r["speedups"]) == 2 and r["speedup_median"] > 0
+        assert r["plain_tokens_per_s"] > 0 and r["tau"] >= 1.0
+    full = next(r for r in res["rows"] if r["variant"] == "full" and r["batch_size"] == 2)["planner_last_round"]
+    assert full["overhead_ms"]  # the full variant measured step overheads
+    md = out.with_suffix(".md").read_text()
+    assert "| 2 | full | 3 | **" in md and "python -m scripts.bench_planner" in md
+    assert json.loads(out.with_suffix(".json").read_text())["sssd"] == "input, 4 nodes"
+
+
+def test_bench_planner_rejects_unknown_variant(checkpoint):
+    from drafttrain.config import ConfigError
+    from scripts.bench_planner import main
+
+    with pytest.raises(ConfigError, match="variants"):
+        main([f"run={checkpoint}", "variants=[fancy]"])

@@ -103,6 +103,10 @@ class SpeculationPlanner:
         max_skip: longest run of steps without drafting after a step where drafting did not pay.
         calibration_decay: discount of old evidence in the per-depth calibration (per observed step).
         min_gain: drafting must promise at least this factor over plain decoding (1.0 = any gain).
+        per_source: calibrate each node source (:attr:`DraftTree.sources`) on its own bins; False = one
+            set of bins for all (the planner before per-source calibration; ``scripts.bench_planner``).
+        price_overhead: add each step's measured overhead to its price; False = forward + drafting
+            time only (measured and reported all the same).
     """
 
     #: names of the node sources other than the drafter (:attr:`DraftTree.sources`) in :meth:`summary`
@@ -110,8 +114,11 @@ class SpeculationPlanner:
     #: upper edges of the confidence bins of the calibration
     BINS = (0.001, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
-    def __init__(self, max_skip: int = 16, calibration_decay: float = 0.99, min_gain: float = 1.0):
+    def __init__(self, max_skip: int = 16, calibration_decay: float = 0.99, min_gain: float = 1.0,
+                 per_source: bool = True, price_overhead: bool = True):  # fmt: skip
         self.cost = ForwardCostModel()
+        self.per_source = bool(per_source)
+        self.price_overhead = bool(price_overhead)
         self.max_skip = int(max_skip)
         self.decay = float(calibration_decay)
         self.min_gain = float(min_gain)
@@ -134,6 +141,7 @@ class SpeculationPlanner:
         2 both): its source's bin's discounted acceptance frequency with one pseudo-observation at
         ``raw`` itself as prior."""
         i = self._bin(raw)
+        source = source if self.per_source else 0
         n, acc = self._n.get(source), self._acc.get(source)
         if n is None:
             return raw
@@ -153,7 +161,7 @@ class SpeculationPlanner:
         for src in self._n:
             self._n[src] = [x * self.decay for x in self._n[src]]
             self._acc[src] = [x * self.decay for x in self._acc[src]]
-        sources = tree.sources.tolist() if tree.sources is not None else [0] * tree.n
+        sources = tree.sources.tolist() if tree.sources is not None and self.per_source else [0] * tree.n
         for j, (r, src) in enumerate(zip(raw, sources)):
             if src not in self._n:
                 self._n[src], self._acc[src] = [0.0] * len(self.BINS), [0.0] * len(self.BINS)
@@ -222,8 +230,8 @@ class SpeculationPlanner:
         self.nodes_offered += len(cands)
         t_plain = self.cost.predict(b, b)
         t_draft = self.draft_seconds.get(b, 0.0)
-        o_plain = self.overhead_seconds.get((b, False), 0.0)  # a plain step's time outside its forward
-        o_spec = self.overhead_seconds.get((b, True), o_plain)  # a step verifying a tree (until measured: a plain one's)
+        o_plain = self.overhead_seconds.get((b, False), 0.0) if self.price_overhead else 0.0  # a plain step's time outside its forward
+        o_spec = self.overhead_seconds.get((b, True), o_plain) if self.price_overhead else 0.0  # a step verifying a tree
         best_k, best_rate, gain = len(cands), None, None  # nothing measured yet: verify everything (explore)
         if t_plain is not None:
             plain_rate = b / (t_plain + o_plain)

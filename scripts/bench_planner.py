@@ -1,0 +1,185 @@
+"""The online planner's variants side by side on a trained run (issue 16 item 3: speculation that never loses).
+
+    python -m scripts.bench_planner run=outputs/parallelspec-smollm2-135m-instruct
+
+The run's evaluation prompts, tree and SSSD candidates (``trainer.spec_eval``; ``sssd`` overrides the
+source) decoded by the bundled engine at each batch size in ``batch_sizes`` (batch 1: the first
+``b1_prompts`` prompts), once with plain decoding and once per planner variant
+(:class:`~drafttrain.verify.planner.SpeculationPlanner`):
+
+- ``mixed``: one calibration for every node source, a step priced by its forward and drafting time
+  only (the planner as it was before per-source calibration and step overhead);
+- ``per_source``: each node source (drafter, SSSD, both) calibrated on its own;
+- ``full``: per-source calibration and each step's measured overhead in its price (the default).
+
+Runs are interleaved (plain, variants..., then the reverse order in the next round) so that a drifting
+machine hits every variant alike; each speedup is the variant's tokens/s over the plain run's of the
+same round, and the table reports the median over ``rounds``. Every output is compared token for token
+with plain decoding (a difference is re-checked against single-sequence greedy decoding, as the
+training evaluation does).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VARIANTS = {
+    "mixed": dict(per_source=False, price_overhead=False),
+    "per_source": dict(per_source=True, price_overhead=False),
+    "full": dict(per_source=True, price_overhead=True),
+}
+
+
+@dataclass
+class BenchPlannerConfig:
+    """Schema of ``python -m scripts.bench_planner`` (key=value overrides, validated before any work)."""
+
+    run: str = "outputs/parallelspec-smollm2-135m-instruct"  # a finished training run (drafter/ + config.json)
+    sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
+    nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
+    variants: list[str] = field(default_factory=lambda: ["mixed", "full"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
+    b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
+    num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts
+    max_new_tokens: int | None = None  # null = the run's
+    rounds: int = 2
+    out: str = "docs/benchmarks/planner"
+
+
+def bench(cfg: BenchPlannerConfig) -> dict:
+    from accelerate import Accelerator
+
+    from drafttrain.config import ConfigError, to_dict, upgrade_saved, validate
+    from drafttrain.data.pipeline import prepare_data
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.data.template import prompt_ids
+    from drafttrain.drafters import drafter_class, drafter_config
+    from drafttrain.eval.spec import plain_greedy
+    from drafttrain.target import load_target
+    from drafttrain.train import sssd_for_eval
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.planner import PlannedProposer, SpeculationPlanner
+    from drafttrain.verify.proposers import PlainProposer, proposer_for
+    from scripts.common import load_drafter
+
+    if bad := sorted(set(cfg.variants) - set(VARIANTS)):
+        raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS)}")
+    if cfg.sssd not in (None, "none", "input", "data"):
+        raise ConfigError(f"sssd must be none, input or data, got {cfg.sssd!r}")
+    if cfg.rounds < 1 or cfg.b1_prompts < 1 or not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
+        raise ConfigError("rounds, b1_prompts and every batch size must be >= 1")
+    saved = upgrade_saved(json.loads((Path(cfg.run) / "config.json").read_text()))
+    saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")  # runs made before backends
+    sssd_d = saved.setdefault("trainer", {}).setdefault("spec_eval", {}).setdefault("sssd", {})
+    if cfg.sssd is not None:
+        sssd_d["source"] = cfg.sssd
+    if cfg.nodes is not None:
+        sssd_d["nodes"] = cfg.nodes
+    c = validate(saved)
+    se = c.trainer.spec_eval
+    target = load_target(c.target)
+    drafter = load_drafter(target, cfg.run)
+    train_ds = None
+    if se.sssd.source == "data":
+        layers = drafter_class(c.drafter.name).layers_for(drafter_config(c.drafter.name, to_dict(c)["drafter"]),
+                                                           target.num_hidden_layers)  # fmt: skip
+        train_ds, _ = prepare_data(c, target, Accelerator(cpu=True), layers)
+    sssd = sssd_for_eval(c, train_ds)
+    rows = load_eval_prompts(se.prompts, limit=cfg.num_prompts or se.num_prompts, offset=se.prompt_offset,
+                             stride=se.prompt_stride)  # fmt: skip
+    prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+    max_new = cfg.max_new_tokens or se.max_new_tokens
+    stop = target.eos_token_id
+
+    def decode(name: str, bs: int, ps: list[list[int]]):
+        if name == "plain":
+            prop, planner = PlainProposer(), None
+        else:
+            planner = SpeculationPlanner(**VARIANTS[name])
+            inner = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
+            prop = PlannedProposer(inner, planner)
+        eng = SpecEngine(target, prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
+        t0 = time.perf_counter()
+        run = eng.run(ps)
+        return run, time.perf_counter() - t0, planner
+
+    results = []
+    for bs in cfg.batch_sizes:
+        ps = prompts if bs > 1 else prompts[: cfg.b1_prompts]
+        names = ["plain", *cfg.variants]
+        per = {n: [] for n in names}
+        reference = None
+        for r in range(cfg.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                run, secs, planner = decode(name, bs, ps)
+                toks = [x.tokens for x in run.results]
+                if name == "plain" and reference is None:
+                    reference = toks
+                per[name].append({"tokens_per_s": run.stats.tokens_per_s, "seconds": round(secs, 2), "tau": run.stats.tau,
+                                  "nodes_per_step": run.stats.tree_nodes / max(run.stats.seq_steps, 1), "outputs": toks,
+                                  "planner": planner.summary() if planner else None})  # fmt: skip
+                print(json.dumps({"batch": bs, "round": r, "run": name, "tokens_per_s": round(run.stats.tokens_per_s, 2),
+                                  "tau": round(run.stats.tau, 3)}), flush=True)  # fmt: skip
+        for name in cfg.variants:
+            mism = set()
+            for rec in per[name]:
+                for i, (a, b) in enumerate(zip(rec["outputs"], reference)):
+                    if a != b and a != plain_greedy(target, ps[i], max_new, stop)[0]:
+                        mism.add(i)
+            ratios = [v["tokens_per_s"] / p["tokens_per_s"] for v, p in zip(per[name], per["plain"])]
+            last = per[name][-1]
+            results.append({
+                "batch_size": bs, "variant": name, "prompts": len(ps),
+                "speedup_median": statistics.median(ratios), "speedups": [round(x, 3) for x in ratios],
+                "tokens_per_s": statistics.median(v["tokens_per_s"] for v in per[name]),
+                "plain_tokens_per_s": statistics.median(p["tokens_per_s"] for p in per["plain"]),
+                "tau": statistics.median(v["tau"] for v in per[name]),
+                "nodes_per_step": statistics.median(v["nodes_per_step"] for v in per[name]),
+                "greedy_equal": not mism, "mismatches": sorted(mism), "planner_last_round": last["planner"],
+            })  # fmt: skip
+    return {"rows": results, "run": cfg.run, "sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes",
+            "tree": f"widths {se.tree.widths} budget {se.tree.budget}", "prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
+            "max_new_tokens": max_new}  # fmt: skip
+
+
+def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
+    lines = ["# The online planner: variants side by side", "",
+             f"Measured {res['date']}: {machine_line(res.get('machine'))}, {res['machine']['cpus']} CPUs, 1-minute load "
+             f"average {res['machine']['loadavg_1min']} at the start.", "",
+             f"Run `{res['run']}`, tree {res['tree']}, SSSD candidates: {res['sssd']}; prompts {res['prompts']} "
+             f"(batch 1: the first ones), {res['max_new_tokens']} new tokens, greedy. Speedup = the variant's tokens/s over "
+             f"plain decoding's in the same round (median over {res['config']['rounds']} interleaved rounds); "
+             "`mixed` = one calibration for every node source, a step priced by forward + drafting only (the planner "
+             "before this benchmark); `per_source` = each source calibrated on its own; `full` = per-source and each "
+             "step's measured overhead priced in (the default).", "",
+             "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in res["rows"]:
+        pl = r["planner_last_round"] or {}
+        skipped = f"{pl.get('skipped_drafting', 0)}/{pl.get('steps', 0)}"
+        oh = pl.get("overhead_ms", {})
+        b = r["batch_size"]
+        ovh = f"{oh.get(f'b{b}_plain', '')} / {oh.get(f'b{b}_drafted', '')}"
+        lines.append(f"| {b} | {r['variant']} | {r['prompts']} | **{r['speedup_median']:.2f}x** | "
+                     f"{', '.join(f'{x:.2f}' for x in r['speedups'])} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                     f"{r['tau']:.3f} | {r['nodes_per_step']:.2f} | {skipped} | {ovh} | {r['greedy_equal']} |")  # fmt: skip
+    lines += ["", "Reproduce (from the repository root, after a training run):", "", "```bash", command, "```", "", analysis, ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from scripts.common import run_bench
+
+    return run_bench(BenchPlannerConfig, bench, markdown, "bench_planner", argv)
+
+
+if __name__ == "__main__":
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)
