@@ -281,6 +281,14 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
         for name, curve in curves.items():
             best = max(curve, key=lambda t: t[2])
             lines.append(f"| {name} | " + " | ".join(at(curve, m) for m in marks) + f" | {best[2]:.3f} ({best[0]}) |")
+        common = sorted(set.intersection(*({t[0] for t in c} for c in curves.values())))  # steps every run evaluated
+        if len(curves) > 1 and common:
+            picks = sorted({common[0], *[x for x in (200, 500, 1000) if x in common], common[-1]})
+            by_step = {n: {t[0]: t for t in c} for n, c in curves.items()}
+            lines += ["", "The same curves at equal steps (8 sequences each; ≈ minutes in brackets):", "",
+                      "| recipe | " + " | ".join(f"step {x}" for x in picks) + " |", "|---|" + "---|" * len(picks)]
+            for name in curves:
+                lines.append(f"| {name} | " + " | ".join(f"{by_step[name][x][2]:.3f} ({by_step[name][x][1]:.1f})" for x in picks) + " |")
     full = [r for r in rows if r.get("full")]
     if full:
         sets = list(FULL_PROMPTS)

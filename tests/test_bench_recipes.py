@@ -101,7 +101,8 @@ def test_report_curve_by_training_minutes(tmp_path):
                                                           "train_seconds": 2400.0, "trainable_params": 1e6,
                                                           "stopped_by_time_budget": True, "train_data_sha": "abc",
                                                           "eval/tau_sim": taus[-1]}))  # fmt: skip
-        (d / "config.json").write_text(json.dumps({"drafter": {"draft_depth": 5}, "trainer": {}}))
+        drafter = {"num_heads": 4} if name == "medusa" else {"draft_depth": 5}
+        (d / "config.json").write_text(json.dumps({"drafter": drafter, "trainer": {}}))
 
     run("eagle", 800, 100, [1.1, 1.2, 1.3, 1.35, 1.4, 1.42, 1.41, 1.40])  # 100 steps = 5 min
     run("eagle3", 80, 10, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.55, 1.6])  # 10 steps = 5 min
@@ -111,3 +112,11 @@ def test_report_curve_by_training_minutes(tmp_path):
     assert "| eagle | 1.100 (100) | 1.200 (200) | 1.350 (400) | 1.420 (600) | 1.400 (800) | 1.420 (600) |" in md
     assert "| eagle3 | 1.000 (10) | 1.100 (20) | 1.300 (40) | 1.500 (60) | 1.600 (80) | 1.600 (80) |" in md
     assert "the same in every run (abc)" in md
+    assert "at equal steps" not in md  # eagle3 stopped at step 80: no evaluated step in common
+
+    run("medusa", 300, 100, [1.2, 1.3, 1.5])  # 100 steps = 13.3 min
+    cmd_report(tmp_path / "runs", tmp_path / "page2", ["eagle", "medusa"])
+    md = (tmp_path / "page2.md").read_text()
+    assert "| recipe | step 100 | step 200 | step 300 |" in md
+    assert "| eagle | 1.100 (5.0) | 1.200 (10.0) | 1.300 (15.0) |" in md
+    assert "| medusa | 1.200 (13.3) | 1.300 (26.7) | 1.500 (40.0) |" in md
