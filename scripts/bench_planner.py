@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafttrain.config import TargetConfig
+
 VARIANTS = {
     "mixed": dict(per_source=False, price_overhead=False),
     "per_source": dict(per_source=True, price_overhead=False),
@@ -39,6 +41,7 @@ class BenchPlannerConfig:
     """Schema of ``python -m scripts.bench_planner`` (key=value overrides, validated before any work)."""
 
     run: str = "outputs/parallelspec-smollm2-135m-instruct"  # a finished training run (drafter/ + config.json)
+    target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
     variants: list[str] = field(default_factory=lambda: ["mixed", "full"])
@@ -81,7 +84,7 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         sssd_d["nodes"] = cfg.nodes
     c = validate(saved)
     se = c.trainer.spec_eval
-    target = load_target(c.target)
+    target = load_target(cfg.target)
     drafter = load_drafter(target, cfg.run)
     train_ds = None
     if se.sssd.source == "data":

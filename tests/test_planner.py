@@ -266,7 +266,9 @@ def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
     from scripts.bench_planner import main
 
     out = tmp_path / "planner"
-    res = main([f"run={checkpoint}", "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=1",
+    tiny = ["target.name=tiny", "target.random_init=true", "target.hidden_size=64", "target.intermediate_size=128",
+            "target.num_hidden_layers=2", "target.num_attention_heads=4", "target.num_key_value_heads=2"]  # conf/target/tiny.yaml
+    res = main([f"run={checkpoint}", *tiny, "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=1",
                 "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full]", f"out={out}"])  # fmt: skip
     got = [(r["batch_size"], r["variant"], r["prompts"]) for r in res["rows"]]
     assert got == [(b, v, n) for b, n in ((1, 1), (2, 3)) for v in ("mixed", "per_source", "full")]
