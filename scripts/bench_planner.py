@@ -47,7 +47,7 @@ class BenchPlannerConfig:
     variants: list[str] = field(default_factory=lambda: ["mixed", "full"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
-    num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts
+    num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
     max_new_tokens: int | None = None  # null = the run's
     rounds: int = 2
     out: str = "docs/benchmarks/planner"
@@ -95,6 +95,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     rows = load_eval_prompts(se.prompts, limit=cfg.num_prompts or se.num_prompts, offset=se.prompt_offset,
                              stride=se.prompt_stride)  # fmt: skip
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+    if not prompts:
+        raise ConfigError(f"no prompts: the run's trainer.spec_eval.num_prompts is {se.num_prompts}; set num_prompts=N")
     max_new = cfg.max_new_tokens or se.max_new_tokens
     stop = target.eos_token_id
 

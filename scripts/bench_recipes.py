@@ -196,7 +196,8 @@ def summarize(out_root: Path, recipe: str) -> dict:
     launch = out / "bench_command.json"
     return {
         "recipe": recipe,
-        "launch": json.loads(launch.read_text()) if launch.is_file() else None,  # argv (extra overrides included)
+        # argv (extra overrides included), paths relative to the repository (the page's commands run from its root)
+        "launch": json.loads(launch.read_text().replace(f"{REPO}/", "")) if launch.is_file() else None,
         "drafter": config["drafter"],
         "steps": final["step"],
         "stopped_by_time_budget": final["stopped_by_time_budget"],
