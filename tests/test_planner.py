@@ -49,8 +49,26 @@ def test_cost_model_interpolates_and_is_optimistic_outside():
     c.observe(1, 9, 3.0)
     assert c.predict(1, 1) == pytest.approx(1.1)  # median
     assert c.predict(1, 5) == pytest.approx(1.1 + 0.5 * 1.9)  # linear between measured sizes
-    assert c.predict(1, 20) == pytest.approx(3.0)  # flat beyond: an untried size is tried once
+    assert c.predict(1, 20) == pytest.approx(3.0 + 11 * 1.9 / 8)  # beyond: the measured per-input slope
     assert c.predict(4, 4) is None  # other batch sizes are measured on their own
+
+
+
+def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
+    """Beyond the largest M measured at b, an extra input costs what it cost at the nearest batch size
+    that measured one (continuous batching changes b whenever a sequence ends); flat only when none has."""
+    c = ForwardCostModel()
+    c.observe(16, 16, 1.0)
+    assert c.predict(16, 100) == pytest.approx(1.0)  # nothing known anywhere: optimistic, tried once
+    c.observe(16, 116, 3.0)  # 100 extra inputs cost 2 s at b = 16: 0.02 s each
+    c.observe(15, 15, 0.9)
+    assert c.predict(15, 65) == pytest.approx(0.9 + 50 * 0.02)
+    c.observe(4, 4, 0.5)
+    c.observe(4, 14, 0.6)  # 0.01 s each at b = 4
+    assert c.predict(5, 15) is None  # b = 5 never measured: no plain reference
+    c.observe(6, 6, 0.55)
+    assert c.predict(6, 16) == pytest.approx(0.55 + 10 * 0.01)  # b = 4 is nearer to 6 than 15 or 16
+    assert c.predict(16, 66) == pytest.approx(2.0)  # measured range: interpolation as before
 
 
 def _chain(scores):

@@ -188,6 +188,8 @@ def test_eagle_tree_children_come_from_their_own_path(varied_target, prompts, sa
             par = tree.parents[i].item()
             pr = _fresh_path_probs(drafter, items_ids, items_feats, path[:-1], sampling)[path[-1]].item()
             values[i] = pr * (values[par] if par >= 0 else 1.0)
+        # the tree carries them as its scores (path confidences: what the planner prices nodes by)
+        torch.testing.assert_close(tree.scores, torch.tensor([values[i] for i in range(tree.n)]), atol=2e-5, rtol=1e-4)
         widths = [3, 2, 2, 2, 2]
         checked = 0
         for i in range(tree.n):  # an expanded node (it kept a child) whose next child was dropped by reranking

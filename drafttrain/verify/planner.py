@@ -20,8 +20,9 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
 - **Cost.** ``t(b, M)``: the measured seconds of one verification forward of b sequences with M inputs in
   total (every verification forward is reported by the engine: :meth:`PlannedProposer.observe_forward`),
   median of the recent measurements per (b, M), linear interpolation between measured M (as SSSD's
-  planner interpolates its table), and *optimistic* (flat) beyond the measured range, so an untried
-  size is tried once and then priced at what it cost; plus the measured drafting time; plus each step's
+  planner interpolates its table), beyond the measured range the per-input slope measured at the
+  nearest batch size (continuous batching changes b each time a sequence ends), and *optimistic*
+  (flat) only where no batch size has measured one, so an untried size is tried once; plus the measured drafting time; plus each step's
   **overhead**, measured too: the wall time of a whole engine step (from one ``draft`` call to the next:
   drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
   drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
@@ -77,9 +78,26 @@ class ForwardCostModel:
         """{M: median seconds} measured at batch size ``batch``."""
         return {m: statistics.median(d) for m, d in sorted(self._obs.get(int(batch), {}).items())}
 
+    def marginal(self, batch: int) -> float | None:
+        """Seconds per extra input beyond the plain forward, from the batch size nearest to ``batch`` that
+        has both t(b', b') and a larger measured size (None when none has)."""
+        best = None
+        for b2, obs in self._obs.items():
+            if b2 in obs and max(obs) > b2:
+                table = self.measured(b2)
+                top = max(table)
+                slope = max(0.0, (table[top] - table[b2]) / (top - b2))
+                key = (abs(b2 - batch), -b2)
+                if best is None or key < best[0]:
+                    best = (key, slope)
+        return None if best is None else best[1]
+
     def predict(self, batch: int, inputs: int) -> float | None:
-        """Seconds for (b, M): the median where measured, linear between measured M, flat (optimistic)
-        outside the measured range; None when nothing was measured at this batch size."""
+        """Seconds for (b, M): the median where measured, linear between measured M; beyond the largest
+        measured M, the per-input slope measured at the nearest batch size (:meth:`marginal`; under
+        continuous batching b changes every time a sequence ends, and each new b would otherwise get
+        one full-tree verification to learn what a neighbour already knows), else flat (optimistic,
+        so an untried size is tried once); None when nothing was measured at this batch size."""
         table = self.measured(batch)
         if not table:
             return None
@@ -90,7 +108,8 @@ class ForwardCostModel:
         if i == 0:
             return table[ms[0]]
         if i == len(ms):
-            return table[ms[-1]]
+            slope = self.marginal(batch)
+            return table[ms[-1]] + (slope or 0.0) * (inputs - ms[-1])
         lo, hi = ms[i - 1], ms[i]
         w = (inputs - lo) / (hi - lo)
         return (1 - w) * table[lo] + w * table[hi]

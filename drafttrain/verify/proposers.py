@@ -709,7 +709,8 @@ class _DynamicTree:
         assert all(self.parents[i] < 0 or self.parents[i] in new_index for i in keep), "reranked tree is not ancestor-closed"
         return DraftTree(torch.tensor([self.toks[i] for i in keep], dtype=torch.long),
                          torch.tensor([new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
-                                      dtype=torch.long))  # fmt: skip
+                                      dtype=torch.long),
+                         scores=torch.tensor([self.values[i] for i in keep], dtype=torch.float32))  # fmt: skip
 
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
