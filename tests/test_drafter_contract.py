@@ -117,6 +117,9 @@ def test_toy_drafter_trains_through_the_loop_and_decodes_greedy_equal(tmp_path, 
         f"data.cache_dir={tmp_path / 'data'}", f"output_dir={out}", "trainer.max_steps=3", "trainer.micro_batch_size=2",
         "trainer.log_every=1", "trainer.progress=false", "trainer.spec_eval.num_prompts=0", "trainer.num_threads=1",
         "logging.wandb=false",
+        # fp32: auto is bf16 on an AVX-512-BF16 CPU, and an Accelerator made earlier in this pytest process
+        # (fp32) cannot be re-made with another precision
+        "trainer.mixed_precision=no",
     ]  # fmt: skip
     c = compose_config(overrides)
     assert c.drafter.name == "toy_two_layer" and c.drafter.num_heads == 2 and c.drafter.init_scale == 0.02
