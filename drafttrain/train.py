@@ -470,6 +470,7 @@ def run(cfg) -> dict[str, Any]:
     drafter, opt, sched = prepare(accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
+    base_lrs = sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs  # (accelerate wraps it)
 
     metrics_lines = None  # fresh run: metrics.jsonl starts empty
     if main and (out_dir / CHECKPOINTS).is_dir():
@@ -479,7 +480,6 @@ def run(cfg) -> dict[str, Any]:
         accelerator.load_state(str(resume_from))
         meta = json.loads((resume_from / "meta.json").read_text())
         metrics_lines = meta.get("metrics_lines")
-        base_lrs = sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs
         set_schedule_lr(opt, base_lrs, state.step, c, state.train_seconds)
         log.info("resumed from %s at step %d (samples %d)", resume_from, state.step, state.samples)
     elif c.resume:
@@ -548,8 +548,7 @@ def run(cfg) -> dict[str, Any]:
         state.samples += per_step
         state.train_seconds = base_seconds + (time.time() - seg_start)
         if c.optim.decay_over == "minutes":  # the cosine follows the clock (LambdaLR counts steps only)
-            set_schedule_lr(opt, sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs,
-                            state.step, c, state.train_seconds)  # fmt: skip
+            set_schedule_lr(opt, base_lrs, state.step, c, state.train_seconds)
         bar.update(1)
 
         if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:

@@ -33,29 +33,20 @@ class BenchHybridConfig:
 
 
 def bench(cfg: BenchHybridConfig) -> dict:
-    from accelerate import Accelerator
-
-    from drafttrain.config import ConfigError, to_dict, upgrade_saved, validate
-    from drafttrain.data.pipeline import prepare_data
-    from drafttrain.drafters import drafter_class, drafter_config
+    from drafttrain.config import ConfigError, to_dict, validate
     from drafttrain.target import load_target
     from drafttrain.train import spec_eval
-    from scripts.common import load_drafter
+    from scripts.common import load_drafter, load_run_config, run_train_data
 
     bad = sorted(set(cfg.sources) - {"none", "input", "data"})
     if bad:
         raise ConfigError(f"sources must be among none|input|data, got {bad}")
-    saved = upgrade_saved(json.loads((Path(cfg.run) / "config.json").read_text()))
-    saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")  # runs made before backends
+    saved = load_run_config(cfg.run)
     saved["output_dir"] = "outputs/bench_hybrid"  # eval_outputs.jsonl of each evaluation
     base = validate(saved)
     target = load_target(base.target)
     drafter = load_drafter(target, cfg.run)
-    train_ds = None
-    if "data" in cfg.sources:
-        layers = drafter_class(base.drafter.name).layers_for(drafter_config(base.drafter.name, to_dict(base)["drafter"]),
-                                                              target.num_hidden_layers)  # fmt: skip
-        train_ds, _ = prepare_data(base, target, Accelerator(cpu=True), layers)
+    train_ds = run_train_data(base, target) if "data" in cfg.sources else None
     rows = []
     for src in cfg.sources:
         d = to_dict(base)

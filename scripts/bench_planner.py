@@ -25,7 +25,6 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from drafttrain.config import TargetConfig
 
@@ -54,20 +53,16 @@ class BenchPlannerConfig:
 
 
 def bench(cfg: BenchPlannerConfig) -> dict:
-    from accelerate import Accelerator
-
-    from drafttrain.config import ConfigError, to_dict, upgrade_saved, validate
-    from drafttrain.data.pipeline import prepare_data
+    from drafttrain.config import ConfigError, validate
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.drafters import drafter_class, drafter_config
     from drafttrain.eval.spec import plain_greedy
     from drafttrain.target import load_target
     from drafttrain.train import sssd_for_eval
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.planner import PlannedProposer, SpeculationPlanner
     from drafttrain.verify.proposers import PlainProposer, proposer_for
-    from scripts.common import load_drafter
+    from scripts.common import load_drafter, load_run_config, run_train_data
 
     if bad := sorted(set(cfg.variants) - set(VARIANTS)):
         raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS)}")
@@ -75,8 +70,7 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         raise ConfigError(f"sssd must be none, input or data, got {cfg.sssd!r}")
     if cfg.rounds < 1 or cfg.b1_prompts < 1 or not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
         raise ConfigError("rounds, b1_prompts and every batch size must be >= 1")
-    saved = upgrade_saved(json.loads((Path(cfg.run) / "config.json").read_text()))
-    saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")  # runs made before backends
+    saved = load_run_config(cfg.run)
     sssd_d = saved.setdefault("trainer", {}).setdefault("spec_eval", {}).setdefault("sssd", {})
     if cfg.sssd is not None:
         sssd_d["source"] = cfg.sssd
@@ -86,12 +80,7 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     se = c.trainer.spec_eval
     target = load_target(cfg.target)
     drafter = load_drafter(target, cfg.run)
-    train_ds = None
-    if se.sssd.source == "data":
-        layers = drafter_class(c.drafter.name).layers_for(drafter_config(c.drafter.name, to_dict(c)["drafter"]),
-                                                           target.num_hidden_layers)  # fmt: skip
-        train_ds, _ = prepare_data(c, target, Accelerator(cpu=True), layers)
-    sssd = sssd_for_eval(c, train_ds)
+    sssd = sssd_for_eval(c, run_train_data(c, target) if se.sssd.source == "data" else None)
     rows = load_eval_prompts(se.prompts, limit=cfg.num_prompts or se.num_prompts, offset=se.prompt_offset,
                              stride=se.prompt_stride)  # fmt: skip
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]

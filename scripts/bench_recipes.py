@@ -111,23 +111,30 @@ def cmd_train(recipe: str, out_root: Path, extra: list[str], budget_minutes: flo
     launch.write_text(json.dumps({"argv": cmd[2:], "wall_seconds": launches[-1]["wall_seconds"], "launches": launches}))
 
 
-def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
-    """Greedy chain speculative decoding of ``num`` prompts of ``prompts`` with the run's saved drafter."""
+def load_run(out: Path):
+    """(validated config, target, saved drafter) of a finished run folder (runs saved before keys moved too),
+    with the run's torch thread count."""
     import torch
 
     from drafttrain.config import upgrade_saved, validate
-    from drafttrain.data.sources import load_eval_prompts
-    from drafttrain.data.template import prompt_ids
     from drafttrain.drafters import Drafter
-    from drafttrain.eval.spec import evaluate_prompts
     from drafttrain.target import load_target
 
-    out = run_dir(out_root, recipe)
-    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))  # runs saved before keys moved too
+    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     target = load_target(c.target)
-    drafter = Drafter.from_pretrained(out / "drafter", target).eval()
+    return c, target, Drafter.from_pretrained(out / "drafter", target).eval()
+
+
+def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
+    """Greedy chain speculative decoding of ``num`` prompts of ``prompts`` with the run's saved drafter."""
+    from drafttrain.data.sources import load_eval_prompts
+    from drafttrain.data.template import prompt_ids
+    from drafttrain.eval.spec import evaluate_prompts
+
+    out = run_dir(out_root, recipe)
+    c, target, drafter = load_run(out)
     rows = load_eval_prompts(prompts, limit=num)
     ids = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     r = evaluate_prompts(target, drafter, ids, c.trainer.spec_eval.max_new_tokens, progress=False)
@@ -150,19 +157,10 @@ def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens:
     planner), no SSSD candidates. Writes ``<run>/eval_full.json`` ({prompt set: spec_eval's metrics})."""
     import dataclasses
 
-    import torch
-
-    from drafttrain.config import upgrade_saved, validate
-    from drafttrain.drafters import Drafter
-    from drafttrain.target import load_target
     from drafttrain.train import spec_eval
 
     out = run_dir(out_root, recipe)
-    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))
-    if c.trainer.num_threads:
-        torch.set_num_threads(c.trainer.num_threads)
-    target = load_target(c.target)
-    drafter = Drafter.from_pretrained(out / "drafter", target).eval()
+    c, target, drafter = load_run(out)
     path = out / "eval_full.json"
     result = json.loads(path.read_text()) if path.is_file() else {}  # resumes per prompt set
     for prompts, extra in FULL_PROMPTS.items():

@@ -96,6 +96,30 @@ def load_sequences(
     return out
 
 
+def load_run_config(run: str | Path) -> dict:
+    """A training run's saved ``config.json`` as a dict, upgraded to the current keys (runs made before
+    generation backends existed are marked ``hf``, the one backend they had); validate it after editing."""
+    from drafttrain.config import upgrade_saved
+
+    saved = upgrade_saved(json.loads((Path(run) / "config.json").read_text()))
+    saved.setdefault("data", {}).setdefault("generation", {}).setdefault("backend", "hf")
+    return saved
+
+
+def run_train_data(c, target):
+    """The training sequences of run config ``c`` with the features its drafter reads (the run's
+    self-distillation cache: the same ``DRAFTTRAIN_CACHE``), e.g. for SSSD's datastore."""
+    from accelerate import Accelerator
+
+    from drafttrain.config import to_dict
+    from drafttrain.data.pipeline import prepare_data
+    from drafttrain.drafters import drafter_class, drafter_config
+
+    layers = drafter_class(c.drafter.name).layers_for(drafter_config(c.drafter.name, to_dict(c)["drafter"]),
+                                                       target.num_hidden_layers)  # fmt: skip
+    return prepare_data(c, target, Accelerator(cpu=True), layers)[0]
+
+
 def load_drafter(target, checkpoint: str | None, seed: int = 0):
     """The drafter to benchmark: ``Drafter.from_pretrained`` of ``checkpoint`` (a training run folder with
     ``drafter/``, or the drafter folder itself), or, when None, a fresh ParallelSpec drafter with the
