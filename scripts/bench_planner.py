@@ -10,7 +10,13 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``mixed``: one calibration for every node source, a step priced by its forward and drafting time
   only (the planner as it was before per-source calibration and step overhead);
 - ``per_source``: each node source (drafter, SSSD, both) calibrated on its own;
-- ``full``: per-source calibration and each step's measured overhead in its price (the default).
+- ``full``: per-source calibration and each step's measured overhead in its price, skip runs of
+  1, 2, 4, ... up to 16 steps after a drafted step that did not pay (the planner before priced probes);
+- ``tree``: no planner, the whole tree verified every step (the reference the planner must beat);
+- ``priced``: ``full`` with priced probes: a skip run long enough that the unpaid step's measured loss
+  is at most 3% of the run's plain time, up to 64 steps;
+- ``average``: ``priced``, and a skip run starts only when drafting does not pay on average at this
+  batch size (moving average of the drafted steps' gain), not after every unpaid step (the default).
 
 Runs are interleaved (plain, variants..., then the reverse order in the next round) so that a drifting
 machine hits every variant alike; each speedup is the variant's tokens/s over the plain run's of the
@@ -29,9 +35,11 @@ from dataclasses import dataclass, field
 from drafttrain.config import TargetConfig
 
 VARIANTS = {
-    "mixed": dict(per_source=False, price_overhead=False),
-    "per_source": dict(per_source=True, price_overhead=False),
-    "full": dict(per_source=True, price_overhead=True),
+    "mixed": dict(per_source=False, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False),
+    "per_source": dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False),
+    "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False),
+    "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False),
+    "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True),
 }
 
 
@@ -43,7 +51,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["mixed", "full"])
+    variants: list[str] = field(default_factory=lambda: ["full", "priced", "average"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -64,8 +72,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     from drafttrain.verify.proposers import PlainProposer, proposer_for
     from scripts.common import load_drafter, load_run_config, run_train_data
 
-    if bad := sorted(set(cfg.variants) - set(VARIANTS)):
-        raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS)}")
+    if bad := sorted(set(cfg.variants) - set(VARIANTS) - {"tree"}):
+        raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS) + ['tree']}")
     if cfg.sssd not in (None, "none", "input", "data"):
         raise ConfigError(f"sssd must be none, input or data, got {cfg.sssd!r}")
     if cfg.rounds < 1 or cfg.b1_prompts < 1 or not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
@@ -92,6 +100,9 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     def decode(name: str, bs: int, ps: list[list[int]]):
         if name == "plain":
             prop, planner = PlainProposer(), None
+        elif name == "tree":
+            planner = None
+            prop = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
         else:
             planner = SpeculationPlanner(**VARIANTS[name])
             inner = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
@@ -150,8 +161,12 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              f"(batch 1: the first ones), {res['max_new_tokens']} new tokens, greedy. Speedup = the variant's tokens/s over "
              f"plain decoding's in the same round (median over {res['config']['rounds']} interleaved rounds); "
              "`mixed` = one calibration for every node source, a step priced by forward + drafting only (the planner "
-             "before this benchmark); `per_source` = each source calibrated on its own; `full` = per-source and each "
-             "step's measured overhead priced in (the default).", "",
+             "before per-source calibration); `per_source` = each source calibrated on its own; `full` = per-source and each "
+             "step's measured overhead priced in, skip runs 1, 2, 4, ... up to 16 steps after an unpaid drafted step; "
+             "`priced` = `full` with priced probes: each skip run long enough that the unpaid step's loss is <= 3% of "
+             "the run's plain time, up to 64 steps. The first three keep the doubling skip runs; `tree` = no "
+             "planner, the whole tree verified every step; `average` = `priced`, a skip run only when the moving average "
+             "of the drafted steps' gain at this batch size is below 1 (the default).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:

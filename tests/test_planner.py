@@ -87,9 +87,13 @@ def test_plan_takes_the_nodes_that_pay_best_first_across_the_batch():
     assert all(k == sorted(k) for k in keep)
     p = planner(slope=5.0)  # verification far too dear: plain decoding, and the next step skips drafting
     p.cost.observe(1, 1, 0.0)  # plain decoding measured at batch 1
+    p.observe_draft(1, 0.1)  # drafting spent 0.1 s for nothing: this batch size's average gain 1 / 1.1
     keep, _ = p.plan([_chain([0.9, 0.8])])
     assert keep == [[]]
-    assert not p.should_draft(1) and p.should_draft(1)
+    skipped = 0
+    while not p.should_draft(1):
+        skipped += 1
+    assert skipped == 3  # a priced skip run: the 0.1 s lost is <= 3% of 3 + 1 plain steps: ceil(0.1 / 0.03 - 1)
 
 
 def test_children_never_outrank_parents_and_calibration_learns():
@@ -132,6 +136,7 @@ def test_step_overhead_prices_a_drafted_step():
     the same tree that pays without overhead is not verified with it, and drafting then pauses."""
     tree = _chain([0.9, 0.8])
     p = planner(slope=0.1)  # forward 1.0 s plain, +0.1 s per node
+    p.skip_on_average = False  # the unpaid step alone starts a skip run
     del p.observe_overhead  # the real method: overheads given by hand below
     p.cost.observe(1, 1, 0.0)
     assert p.plan([tree])[0] == [[0, 1]]
@@ -306,3 +311,90 @@ def test_bench_planner_rejects_unknown_variant(checkpoint):
 
     with pytest.raises(ConfigError, match="variants"):
         main([f"run={checkpoint}", "variants=[fancy]"])
+
+
+def test_priced_probes_set_the_skip_run_from_the_measured_loss():
+    """An unpaid drafted step that lost L seconds is followed by a skip run of ceil(L / (budget * t_plain) - 1)
+    steps (at least the doubling run, at most max_skip); without a budget, the doubling runs alone."""
+
+    def skip_run(p):
+        n = 0
+        while not p.should_draft(1):
+            n += 1
+        return n
+
+    def priced(budget, max_skip=64):
+        p = SpeculationPlanner(max_skip=max_skip, probe_budget=budget)
+        p.cost = FixedCost(5.0)  # plain forward 1 s, +5 s per node: a node never pays
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.35)  # drafting lost 0.35 s
+        assert p.plan([_chain([0.9])])[0] == [[]]
+        return p
+
+    p = priced(0.1)
+    assert p.last_loss == pytest.approx(0.35)
+    assert skip_run(p) == 3  # ceil(0.35 / 0.1 - 1)
+    p = priced(0.01, max_skip=20)
+    assert skip_run(p) == 20  # ceil(34) capped
+    p = priced(None)
+    assert skip_run(p) == 1
+    p.plan([_chain([0.9])])  # the probe verifies the best node (6 s), an unpaid step again: the run doubles
+    assert skip_run(p) == 2
+    with pytest.raises(ValueError, match="probe_budget"):
+        SpeculationPlanner(probe_budget=1.5)
+    with pytest.raises(ValueError, match="max_skip"):
+        SpeculationPlanner(max_skip=0)
+
+
+@pytest.mark.parametrize("budget", [0.03, 0.1])
+def test_priced_probes_bound_what_a_drafter_that_never_pays_costs(budget):
+    """A drafter whose drafting and probe nodes never pay, over a long run: the time lost against plain
+    decoding (drafting + the probe's node) stays within the budget, where skip runs that are not priced
+    (capped at one step here) lose several times more."""
+
+    def lost_fraction(p, steps=600):
+        lost = 0.0
+        for _ in range(steps):
+            if p.should_draft(1):
+                p.plan([_chain([0.3, 0.2])])
+                lost += p.last_loss
+        return lost / steps  # a plain step costs 1 s
+
+    def make(**kw):
+        p = SpeculationPlanner(**kw)
+        p.cost = FixedCost(0.5)
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.35)
+        return p
+
+    priced = lost_fraction(make(probe_budget=budget))
+    doubling = lost_fraction(make(probe_budget=None, max_skip=1))
+    assert 0 < priced <= 1.05 * budget
+    assert doubling > 2 * priced
+
+
+def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
+    """With skip_on_average, a step whose own best choice does not pay starts no skip run while the
+    drafted steps' moving gain at this batch size is >= 1; once that average falls below 1, it does."""
+
+    def make(**kw):
+        p = SpeculationPlanner(probe_budget=None, **kw)
+        p.cost = FixedCost(0.1)  # plain forward 1 s, +0.1 s per node
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.2)  # drafting costs 0.2 s
+        return p
+
+    good, bad = _chain([0.9, 0.8]), _chain([0.01])
+    for kw, expect_skip in ((dict(skip_on_average=False), True), (dict(skip_on_average=True), False)):
+        p = make(**kw)
+        for _ in range(3):
+            assert p.plan([good])[0] == [[0, 1]]  # gain (1 + 1.7) / 1.4 = 1.93
+        assert p.plan([bad])[0] == [[]]  # this step's best is plain decoding
+        assert p.should_draft(1) is not expect_skip
+    p = make(skip_on_average=True)
+    p.plan([good])
+    unpaid = 0
+    while p.should_draft(1) and unpaid < 50:  # unpaid steps (gain 1 / 1.2) pull the average down:
+        p.plan([bad])  # 1.93 -> 1.60, 1.37, 1.21, 1.10, 1.02, 0.96: the sixth starts a skip run
+        unpaid += 1
+    assert unpaid == 6

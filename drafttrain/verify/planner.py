@@ -33,10 +33,18 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   b sequences and a tree size summed over the batch; ``o_tree`` the measured overhead of a step that
   verifies a tree, ``o_plain`` of one that does not); K = 0 is plain decoding,
   ``b / (t_draft + t(b, b) + o_plain(b))``. When even the best K does not beat plain decoding
-  (``b / (t(b, b) + o_plain(b))``, no drafting), the next steps skip drafting altogether (1, 2, 4, ...
-  up to ``max_skip`` steps, then draft again to re-measure): a drafter that does not pay costs at most
-  one drafting every ``max_skip`` steps. That next drafting is a probe: each sequence's best node is
-  verified whatever its estimate, so an under-confident drafter's calibration still gets evidence.
+  (``b / (t(b, b) + o_plain(b))``, no drafting), the next steps skip drafting altogether, then draft
+  again to re-measure. That next drafting is a probe: each sequence's best node is verified whatever
+  its estimate, so an under-confident drafter's calibration still gets evidence.
+- **Priced probes.** A step that drafts and does not pay loses ``L = T - E / r_plain`` seconds against
+  plain decoding (T its predicted time: drafting, the forward of the nodes it verifies, its overhead;
+  E its expected tokens; r_plain plain decoding's tokens per second at this batch size). The skip run
+  after it is long enough that this loss is at most ``probe_budget`` of the run's plain time,
+  ``n >= L / (probe_budget * t_plain_step) - 1`` steps, and at least the doubling run (1, 2, 4, ...)
+  of consecutive unpaid steps; at most ``max_skip``. So a cheap drafter at batch 1 (one drafter pass
+  beside a ~100 ms forward) is re-tried every few steps, while at batch 16 on a compute-bound CPU,
+  where drafting 16 sequences and verifying 16 probe nodes costs about a whole plain step, probes
+  come tens of steps apart: a drafter that never pays costs about ``probe_budget`` of plain speed.
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
@@ -49,6 +57,7 @@ Shape letters: b sequences in the step, n tree nodes, M verification inputs of t
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 from collections import deque
@@ -120,6 +129,17 @@ class SpeculationPlanner:
 
     Args:
         max_skip: longest run of steps without drafting after a step where drafting did not pay.
+        probe_budget: the fraction of plain decoding's time a step that drafted and did not pay may cost
+            (module doc, "Priced probes"): its loss sets the length of the next skip run; None = the
+            doubling runs alone (1, 2, 4, ... up to ``max_skip``: the planner before priced probes).
+        skip_on_average: start a skip run only when drafting does not pay *on average* at this batch
+            size (the moving average of the drafted steps' gain, weight 0.3 on the newest, below
+            ``min_gain``), not at every step whose own best choice did not pay; a batch size without
+            that average yet uses the step's own gain. False = the step's own gain (the planner before
+            this option; ``scripts.bench_planner`` variants ``full`` and ``priced``).
+
+    Raises:
+        ValueError: ``max_skip`` < 1 or ``probe_budget`` outside (0, 1).
         calibration_decay: discount of old evidence in the per-depth calibration (per observed step).
         min_gain: drafting must promise at least this factor over plain decoding (1.0 = any gain).
         per_source: calibrate each node source (:attr:`DraftTree.sources`) on its own bins; False = one
@@ -133,9 +153,17 @@ class SpeculationPlanner:
     #: upper edges of the confidence bins of the calibration
     BINS = (0.001, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
-    def __init__(self, max_skip: int = 16, calibration_decay: float = 0.99, min_gain: float = 1.0,
-                 per_source: bool = True, price_overhead: bool = True):  # fmt: skip
+    def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
+                 per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
+                 skip_on_average: bool = True):  # fmt: skip
+        if max_skip < 1:
+            raise ValueError(f"max_skip must be >= 1, got {max_skip}")
+        if probe_budget is not None and not 0.0 < probe_budget < 1.0:
+            raise ValueError(f"probe_budget must be in (0, 1) or None, got {probe_budget}")
         self.cost = ForwardCostModel()
+        self.probe_budget = None if probe_budget is None else float(probe_budget)
+        self.skip_on_average = bool(skip_on_average)
+        self.gain_average: dict[int, float] = {}  # b -> moving average of the drafted steps' best gain
         self.per_source = bool(per_source)
         self.price_overhead = bool(price_overhead)
         self.max_skip = int(max_skip)
@@ -148,6 +176,7 @@ class SpeculationPlanner:
         self._skip_left = 0
         self._skip_next = 1
         self._probe = False
+        self.last_loss = 0.0  # seconds the last unpaid drafted step lost against plain decoding (priced probes)
         # counters (reported by the harness / tests)
         self.steps = self.skipped_steps = self.plain_steps = self.nodes_offered = self.nodes_verified = 0
 
@@ -263,21 +292,35 @@ class SpeculationPlanner:
                     best_k, best_rate = k, rate
             gain = best_rate / plain_rate
         keep: list[list[int]] = [[] for _ in trees]
-        for _, _, i, j in cands[:best_k]:
+        gained = 0.0  # expected accepted nodes of what is verified
+        for neg_v, _, i, j in cands[:best_k]:
             keep[i].append(j)
+            gained -= neg_v
         if self._probe:  # first drafting after a skip run: verify each sequence's best node regardless
             self._probe = False
-            for _, _, i, j in cands:
+            for neg_v, _, i, j in cands:
                 if not keep[i] and trees[i].parents[j] < 0:
                     keep[i].append(j)
                     best_k += 1
+                    gained -= neg_v
         for k in keep:
             k.sort()
         self.nodes_verified += best_k
         if best_k == 0:
             self.plain_steps += 1
-        if gain is not None and (best_k == 0 or gain < self.min_gain):  # drafting did not pay: skip the next steps' drafting
-            self._skip_left = self._skip_next
+        unpaid = gain is not None and (best_k == 0 or gain < self.min_gain)
+        if gain is not None:
+            avg = self.gain_average.get(b)
+            self.gain_average[b] = gain if avg is None else 0.7 * avg + 0.3 * gain
+            if unpaid and self.skip_on_average:  # one unpaid step does not stop drafting that pays on average
+                unpaid = self.gain_average[b] < self.min_gain
+        if unpaid:  # drafting did not pay: skip the next steps' drafting
+            t_step = t_draft + self.cost.predict(b, b + best_k) + (o_spec if best_k else o_plain)
+            self.last_loss = max(0.0, t_step - (b + gained) / plain_rate)
+            run = self._skip_next
+            if self.probe_budget is not None:  # long enough that this step's loss is <= probe_budget of the run
+                run = max(run, math.ceil(self.last_loss / (self.probe_budget * max(t_plain + o_plain, 1e-9)) - 1.0))
+            self._skip_left = min(run, self.max_skip)
             self._skip_next = min(2 * self._skip_next, self.max_skip)
             self._probe = True
         else:
@@ -286,6 +329,7 @@ class SpeculationPlanner:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
+                "drafted_steps": self.steps - self.skipped_steps,
                 "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
                 "overhead_ms": {f"b{b}_{'drafted' if d else 'plain'}": round(1e3 * v, 2)
                                 for (b, d), v in sorted(self.overhead_seconds.items())},
