@@ -19,7 +19,10 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
   batch size (moving average of the drafted steps' gain), not after every unpaid step (the default).
 
 Runs are interleaved (plain, variants..., then the reverse order in the next round) so that a drifting
-machine hits every variant alike; each speedup is the variant's tokens/s over the plain run's of the
+machine hits every variant alike; at batch 1 (``interleave=prompt``) finer still: every prompt is decoded
+by plain and each variant in turn, the order rotating from prompt to prompt, each variant's planner
+carried on from one prompt to the next (this host's speed moves by 10-15% within a minute, so whole
+runs minutes apart compare badly); each speedup is the variant's tokens/s over the plain run's of the
 same round, and the table reports the median over ``rounds``. Every output is compared token for token
 with plain decoding (a difference is re-checked against single-sequence greedy decoding, as the
 training evaluation does).
@@ -57,6 +60,7 @@ class BenchPlannerConfig:
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
     max_new_tokens: int | None = None  # null = the run's
     rounds: int = 2
+    interleave: str = "prompt"  # prompt: at batch 1, plain and every variant decode each prompt in turn | run: one engine run each
     out: str = "docs/benchmarks/planner"
 
 
@@ -74,6 +78,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
 
     if bad := sorted(set(cfg.variants) - set(VARIANTS) - {"tree"}):
         raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS) + ['tree']}")
+    if cfg.interleave not in ("prompt", "run"):
+        raise ConfigError(f"interleave must be prompt or run, got {cfg.interleave!r}")
     if cfg.sssd not in (None, "none", "input", "data"):
         raise ConfigError(f"sssd must be none, input or data, got {cfg.sssd!r}")
     if cfg.rounds < 1 or cfg.b1_prompts < 1 or not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
@@ -97,14 +103,14 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     max_new = cfg.max_new_tokens or se.max_new_tokens
     stop = target.eos_token_id
 
-    def decode(name: str, bs: int, ps: list[list[int]]):
+    def decode(name: str, bs: int, ps: list[list[int]], planner=None):
         if name == "plain":
             prop, planner = PlainProposer(), None
         elif name == "tree":
             planner = None
             prop = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
         else:
-            planner = SpeculationPlanner(**VARIANTS[name])
+            planner = planner or SpeculationPlanner(**VARIANTS[name])
             inner = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
             prop = PlannedProposer(inner, planner)
         eng = SpecEngine(target, prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
@@ -119,16 +125,30 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         per = {n: [] for n in names}
         reference = None
         for r in range(cfg.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                run, secs, planner = decode(name, bs, ps)
-                toks = [x.tokens for x in run.results]
+            order = names if r % 2 == 0 else names[::-1]
+            # per prompt (batch 1): each prompt decoded by every run in turn, the order rotating from prompt to
+            # prompt, each variant's planner carried on from one prompt to the next; else one engine run each
+            chunks = [[p] for p in ps] if bs == 1 and cfg.interleave == "prompt" else [ps]
+            planners = {n: SpeculationPlanner(**VARIANTS[n]) for n in names if n in VARIANTS}
+            agg = {n: {"generated": 0, "seconds": 0.0, "emitted": 0, "seq_steps": 0, "tree_nodes": 0, "outputs": []} for n in names}
+            for i, chunk in enumerate(chunks):
+                k = i % len(order)
+                for name in order[k:] + order[:k]:
+                    run, secs, _ = decode(name, bs, chunk, planners.get(name))
+                    a, st = agg[name], run.stats
+                    for key in ("generated", "seconds", "emitted", "seq_steps", "tree_nodes"):
+                        a[key] += getattr(st, key)
+                    a["outputs"] += [x.tokens for x in run.results]
+            for name in order:
+                a = agg[name]
                 if name == "plain" and reference is None:
-                    reference = toks
-                per[name].append({"tokens_per_s": run.stats.tokens_per_s, "seconds": round(secs, 2), "tau": run.stats.tau,
-                                  "nodes_per_step": run.stats.tree_nodes / max(run.stats.seq_steps, 1), "outputs": toks,
-                                  "planner": planner.summary() if planner else None})  # fmt: skip
-                print(json.dumps({"batch": bs, "round": r, "run": name, "tokens_per_s": round(run.stats.tokens_per_s, 2),
-                                  "tau": round(run.stats.tau, 3)}), flush=True)  # fmt: skip
+                    reference = a["outputs"]
+                rec = {"tokens_per_s": a["generated"] / a["seconds"], "seconds": round(a["seconds"], 2),
+                       "tau": a["emitted"] / max(a["seq_steps"], 1), "nodes_per_step": a["tree_nodes"] / max(a["seq_steps"], 1),
+                       "outputs": a["outputs"], "planner": planners[name].summary() if name in planners else None}  # fmt: skip
+                per[name].append(rec)
+                print(json.dumps({"batch": bs, "round": r, "run": name, "tokens_per_s": round(rec["tokens_per_s"], 2),
+                                  "tau": round(rec["tau"], 3)}), flush=True)  # fmt: skip
         for name in cfg.variants:
             mism = set()
             for rec in per[name]:

@@ -291,12 +291,14 @@ def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
     out = tmp_path / "planner"
     tiny = ["target.name=tiny", "target.random_init=true", "target.hidden_size=64", "target.intermediate_size=128",
             "target.num_hidden_layers=2", "target.num_attention_heads=4", "target.num_key_value_heads=2"]  # conf/target/tiny.yaml
-    res = main([f"run={checkpoint}", *tiny, "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=1",
-                "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full]", f"out={out}"])  # fmt: skip
+    res = main([f"run={checkpoint}", *tiny, "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=2",
+                "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full,tree,average]", f"out={out}"])  # fmt: skip
+    variants = ("mixed", "per_source", "full", "tree", "average")
     got = [(r["batch_size"], r["variant"], r["prompts"]) for r in res["rows"]]
-    assert got == [(b, v, n) for b, n in ((1, 1), (2, 3)) for v in ("mixed", "per_source", "full")]
+    assert got == [(b, v, n) for b, n in ((1, 2), (2, 3)) for v in variants]  # batch 1: 2 prompts, interleaved per prompt
     for r in res["rows"]:
         assert r["greedy_equal"] is True and len(r["speedups"]) == 2 and r["speedup_median"] > 0
+        assert (r["planner_last_round"] is None) == (r["variant"] == "tree")  # the whole tree: no planner
         assert r["plain_tokens_per_s"] > 0 and r["tau"] >= 1.0
     full = next(r for r in res["rows"] if r["variant"] == "full" and r["batch_size"] == 2)["planner_last_round"]
     assert full["overhead_ms"]  # the full variant measured step overheads
