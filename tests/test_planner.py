@@ -400,3 +400,23 @@ def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
         p.plan([bad])  # 1.93 -> 1.60, 1.37, 1.21, 1.10, 1.02, 0.96: the sixth starts a skip run
         unpaid += 1
     assert unpaid == 6
+
+
+def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter):
+    """interleave=True decodes prompt by prompt through every run in turn: the same outputs and counters
+    (tau, generated tokens) as whole runs, one result per prompt in prompt order."""
+    from drafttrain.eval.spec import evaluate_prompts_batched
+
+    drafter = make_drafter(seed=3)
+    drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 11, 7)]
+    kw = dict(batch_size=1, progress=False, tree_widths=[2, 1, 1], tree_budget=4)
+    whole = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, **kw)
+    inter = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=True, **kw)
+    assert inter["greedy_equal"] and whole["greedy_equal"]
+    assert [o["tokens"] for o in inter["outputs"]] == [o["tokens"] for o in whole["outputs"]]
+    assert inter["tau"] == pytest.approx(whole["tau"]) and inter["tau"] > 1.0
+    assert inter["generated_tokens"] == whole["generated_tokens"] == 30
+    planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=True, plan=True, full_tree=False, **kw)
+    assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0

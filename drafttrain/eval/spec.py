@@ -167,6 +167,7 @@ def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
     also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = 8,
+    interleave: bool = False,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -195,6 +196,13 @@ def evaluate_prompts_batched(
     candidates into every tree (:class:`~drafttrain.verify.hybrid.HybridProposer`) in the tree, chain
     and planned runs alike.
 
+    Timing: the runs go in the order full tree, chain, plain, planned, so that plain decoding and the
+    speedup's speculative run (the planned one, else the tree) are measured next to each other.
+    ``interleave`` decodes the prompts one at a time through every run in turn (the order reversed
+    from one prompt to the next), each run keeping its engine, proposer and planner across prompts:
+    the ratios then hold on a host whose speed drifts by 10-15% within a minute (meant for batch 1,
+    where a run is one prompt at a time anyway).
+
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
     (batched and single matmuls may round differently at a near tie).
@@ -211,22 +219,31 @@ def evaluate_prompts_batched(
         return SpecEngine(target, proposer, batch_size=batch_size, max_new_tokens=max_new_tokens, mode=mode,
                           stop_token_ids=stop)  # fmt: skip
 
-    plain = engine(PlainProposer()).run(prompts, progress=progress and f"spec-eval plain b={batch_size}")
     tree = tree_widths is not None or tree_budget is not None
     if not full_tree and not plan:
         raise ValueError("full_tree=False needs plan=True (there would be no speculative run)")
-    chain = planned = spec = None
+    engines = {}  # in timing order: plain next to the speedup's run
     if full_tree:
-        proposer = proposer_for(drafter, widths=tree_widths, budget=tree_budget, sssd=sssd, sssd_nodes=sssd_nodes)
-        spec = engine(proposer).run(prompts, progress=progress and f"spec-eval {'tree' if tree else 'chain'} b={batch_size}")
+        engines["tree" if tree else "chain"] = engine(proposer_for(drafter, widths=tree_widths, budget=tree_budget, sssd=sssd,
+                                                                   sssd_nodes=sssd_nodes))  # fmt: skip
     if tree and also_chain:
-        chain = engine(proposer_for(drafter, sssd=sssd, sssd_nodes=sssd_nodes)).run(prompts, progress=progress and f"spec-eval chain b={batch_size}")
+        engines["chain"] = engine(proposer_for(drafter, sssd=sssd, sssd_nodes=sssd_nodes))
+    engines["plain"] = engine(PlainProposer())
     if plan:
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
                                     sssd_nodes=sssd_nodes)  # fmt: skip
-        planned = engine(planned_prop).run(prompts, progress=progress and f"spec-eval planned b={batch_size}")
-        if spec is None:
-            spec = planned
+        engines["planned"] = engine(planned_prop)
+    order, runs = list(engines), {}
+    if interleave:
+        for i, p in enumerate(tqdm(prompts, desc=f"spec-eval {'/'.join(order)} b={batch_size}", disable=not progress, leave=False)):
+            for name in order if i % 2 == 0 else order[::-1]:
+                runs[name] = engines[name].run([p])  # results and counters accumulate in each engine
+    else:
+        for name in order:
+            runs[name] = engines[name].run(prompts, progress=progress and f"spec-eval {name} b={batch_size}")
+    plain, planned = runs["plain"], runs.get("planned")
+    spec = runs.get("tree", runs.get("chain") if full_tree else planned)
+    chain = runs.get("chain") if tree and also_chain else None
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
         outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned) if x is not None]
