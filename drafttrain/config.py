@@ -206,7 +206,7 @@ class SpecEvalConfig:
 class TrainerConfig:
     """The loop's settings (conf/trainer/default.yaml mirrors these defaults, tested)."""
 
-    max_steps: int = 850
+    max_steps: int = 800
     max_minutes: float | None = 15.0  # stop (checkpoint, evaluate) once this much training time has passed; null = none
     micro_batch_size: int = 8  # sequences per process per forward
     grad_accum_steps: int = 1
