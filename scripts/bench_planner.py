@@ -16,7 +16,9 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``priced``: ``full`` with priced probes: a skip run long enough that the unpaid step's measured loss
   is at most 3% of the run's plain time, up to 64 steps;
 - ``average``: ``priced``, and a skip run starts only when drafting does not pay on average at this
-  batch size (moving average of the drafted steps' gain), not after every unpaid step (the default).
+  batch size (moving average of the drafted steps' gain), not after every unpaid step (the default);
+- ``average_flat``: ``average`` with the cost model's old guess beyond what was measured (flat however
+  far, where the default is flat up to double the measured size, then the average cost per input).
 
 Runs are interleaved (plain, variants..., then the reverse order in the next round) so that a drifting
 machine hits every variant alike; at batch 1 (``interleave=prompt``) finer still: every prompt is decoded
@@ -43,6 +45,8 @@ VARIANTS = {
     "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False),
     "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False),
     "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True),
+    "average_flat": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
+                         explore="flat"),
 }
 
 
@@ -186,7 +190,8 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "`priced` = `full` with priced probes: each skip run long enough that the unpaid step's loss is <= 3% of "
              "the run's plain time, up to 64 steps. The first three keep the doubling skip runs; `tree` = no "
              "planner, the whole tree verified every step; `average` = `priced`, a skip run only when the moving average "
-             "of the drafted steps' gain at this batch size is below 1 (the default).", "",
+             "of the drafted steps' gain at this batch size is below 1 (the default); `average_flat` = `average` with the "
+             "cost model flat beyond what was measured (the default: flat up to double, then the average cost per input).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:

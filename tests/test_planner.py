@@ -59,7 +59,13 @@ def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
     that measured one (continuous batching changes b whenever a sequence ends); flat only when none has."""
     c = ForwardCostModel()
     c.observe(16, 16, 1.0)
-    assert c.predict(16, 100) == pytest.approx(1.0)  # nothing known anywhere: optimistic, tried once
+    assert c.predict(16, 32) == pytest.approx(1.0)  # nothing known anywhere: optimistic up to double, tried once
+    assert c.predict(16, 100) == pytest.approx(1.0 + 68 / 16)  # beyond: each input at the average cost per input
+    flat = ForwardCostModel(explore="flat")  # the model before: flat however far
+    flat.observe(16, 16, 1.0)
+    assert flat.predict(16, 100) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="explore"):
+        ForwardCostModel(explore="steep")
     c.observe(16, 116, 3.0)  # 100 extra inputs cost 2 s at b = 16: 0.02 s each
     c.observe(15, 15, 0.9)
     assert c.predict(15, 65) == pytest.approx(0.9 + 50 * 0.02)

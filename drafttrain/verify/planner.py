@@ -21,8 +21,11 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   total (every verification forward is reported by the engine: :meth:`PlannedProposer.observe_forward`),
   median of the recent measurements per (b, M), linear interpolation between measured M (as SSSD's
   planner interpolates its table), beyond the measured range the per-input slope measured at the
-  nearest batch size (continuous batching changes b each time a sequence ends), and *optimistic*
-  (flat) only where no batch size has measured one, so an untried size is tried once; plus the measured drafting time; plus each step's
+  nearest batch size (continuous batching changes b each time a sequence ends), and where no batch
+  size has measured one *optimistic* (flat) up to twice the largest measured M, so a size up to
+  double is tried once and gives the slope, then each further input at the largest measured forward's
+  average cost per input (a first step at batch 16 would otherwise verify ~200 nodes at ~5x a plain
+  step); plus the measured drafting time; plus each step's
   **overhead**, measured too: the wall time of a whole engine step (from one ``draft`` call to the next:
   drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
   drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
@@ -74,10 +77,15 @@ class ForwardCostModel:
 
     Args:
         window: recent measurements kept per (b, M) (their median is the estimate).
+        explore: "double" (flat up to twice the largest measured M, then the average cost per input, where
+            no slope is known: :meth:`predict`) or "flat" (flat however far: the model before "double").
     """
 
-    def __init__(self, window: int = 5):
+    def __init__(self, window: int = 5, explore: str = "double"):
+        if explore not in ("double", "flat"):
+            raise ValueError(f"explore must be double or flat, got {explore!r}")
         self.window = int(window)
+        self.explore = explore
         self._obs: dict[int, dict[int, deque]] = {}  # b -> M -> recent seconds
 
     def observe(self, batch: int, inputs: int, seconds: float) -> None:
@@ -105,8 +113,12 @@ class ForwardCostModel:
         """Seconds for (b, M): the median where measured, linear between measured M; beyond the largest
         measured M, the per-input slope measured at the nearest batch size (:meth:`marginal`; under
         continuous batching b changes every time a sequence ends, and each new b would otherwise get
-        one full-tree verification to learn what a neighbour already knows), else flat (optimistic,
-        so an untried size is tried once); None when nothing was measured at this batch size."""
+        one full-tree verification to learn what a neighbour already knows); where no batch size has
+        a slope yet, flat up to twice the largest measured M (optimistic, so a size up to double is
+        tried once and gives the slope) and beyond that each further input at the largest forward's
+        average cost per input (compute-bound: at batch 16 a first full-tree verification of ~200
+        inputs would cost ~5 plain steps to learn what 16 extra inputs show); None when nothing was
+        measured at this batch size."""
         table = self.measured(batch)
         if not table:
             return None
@@ -117,8 +129,13 @@ class ForwardCostModel:
         if i == 0:
             return table[ms[0]]
         if i == len(ms):
+            top = ms[-1]
             slope = self.marginal(batch)
-            return table[ms[-1]] + (slope or 0.0) * (inputs - ms[-1])
+            if slope is not None:
+                return table[top] + slope * (inputs - top)
+            if self.explore == "flat":
+                return table[top]
+            return table[top] + max(0, inputs - 2 * top) * table[top] / top
         lo, hi = ms[i - 1], ms[i]
         w = (inputs - lo) / (hi - lo)
         return (1 - w) * table[lo] + w * table[hi]
@@ -137,6 +154,7 @@ class SpeculationPlanner:
             ``min_gain``), not at every step whose own best choice did not pay; a batch size without
             that average yet uses the step's own gain. False = the step's own gain (the planner before
             this option; ``scripts.bench_planner`` variants ``full`` and ``priced``).
+        explore: the cost model's guess beyond what was measured (:class:`ForwardCostModel`).
 
     Raises:
         ValueError: ``max_skip`` < 1 or ``probe_budget`` outside (0, 1).
@@ -155,12 +173,12 @@ class SpeculationPlanner:
 
     def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
-                 skip_on_average: bool = True):  # fmt: skip
+                 skip_on_average: bool = True, explore: str = "double"):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
             raise ValueError(f"probe_budget must be in (0, 1) or None, got {probe_budget}")
-        self.cost = ForwardCostModel()
+        self.cost = ForwardCostModel(explore=explore)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
         self.gain_average: dict[int, float] = {}  # b -> moving average of the drafted steps' best gain
