@@ -155,15 +155,15 @@ class SpeculationPlanner:
             that average yet uses the step's own gain. False = the step's own gain (the planner before
             this option; ``scripts.bench_planner`` variants ``full`` and ``priced``).
         explore: the cost model's guess beyond what was measured (:class:`ForwardCostModel`).
-
-    Raises:
-        ValueError: ``max_skip`` < 1 or ``probe_budget`` outside (0, 1).
         calibration_decay: discount of old evidence in the per-depth calibration (per observed step).
         min_gain: drafting must promise at least this factor over plain decoding (1.0 = any gain).
         per_source: calibrate each node source (:attr:`DraftTree.sources`) on its own bins; False = one
             set of bins for all (the planner before per-source calibration; ``scripts.bench_planner``).
         price_overhead: add each step's measured overhead to its price; False = forward + drafting
             time only (measured and reported all the same).
+
+    Raises:
+        ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), or an unknown ``explore``.
     """
 
     #: names of the node sources other than the drafter (:attr:`DraftTree.sources`) in :meth:`summary`
