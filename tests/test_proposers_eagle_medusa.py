@@ -287,7 +287,7 @@ def test_harness_evaluates_eagle_and_medusa_checkpoints(tiny_target, tmp_path, n
     methods = "[parallelspec,mtad]" if name == "eagle" else "[drafter,mcsd,mtad]"
     res = evaluate(compose_dict("evaluate", [
         f"checkpoint={run}", "target=tiny", "num_prompts=3", "max_new_tokens=10", "batch_sizes=[2]", "modes=[unpadded]",
-        f"methods={methods}", *tree, "mcsd.ks=[2,1,1]", "mcsd.target_roots=[1]", f"output_dir={tmp_path / 'eval'}", "progress=false", "plots=false", "warmup=false",
+        f"methods={methods}", *tree, "tree.plan=false", "mcsd.ks=[2,1,1]", "mcsd.target_roots=[1]", f"output_dir={tmp_path / 'eval'}", "progress=false", "plots=false", "warmup=false",
     ]))  # fmt: skip
     spec = {r["method"]: r for r in res["runs"] if r["method"] != "plain"}
     assert set(spec) == ({"eagle", "mtad"} if name == "eagle" else {"medusa", "mcsd_w1", "mtad"})
