@@ -73,7 +73,7 @@ class TargetOutput:
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
-    past_key_values: object | None = None
+    cache: object | None = None
     features: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -144,7 +144,7 @@ class Target:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         with_logits: bool = True,
         use_cache: bool = False,
         feature_layers: Sequence[int] | None = None,
@@ -156,7 +156,7 @@ class Target:
             input_ids: [b, s] int64.
             attention_mask: [b, s] 0/1 padding mask, or a [b, 1, s, kv] additive float mask.
             position_ids: [b, s] int64 (explicit positions for tree/packed inputs).
-            past_key_values: a transformers Cache object (updated in place) or None.
+            cache: a transformers Cache object (updated in place) or None.
             with_logits: also apply the LM head (costs d*v per token).
             use_cache: return/extend a KV cache.
             feature_layers: layer ids of ``features`` (module docstring); None = the final state only.
@@ -176,7 +176,7 @@ class Target:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             output_hidden_states=extra,
             **model_kwargs,
@@ -184,7 +184,7 @@ class Target:
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden).float() if with_logits else None
         feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if extra else hidden
-        return TargetOutput(hidden=hidden, logits=logits, past_key_values=out.past_key_values, features=feats)
+        return TargetOutput(hidden=hidden, logits=logits, cache=out.cache, features=feats)
 
     def features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, feature_layers: Sequence[int] | None = None
@@ -282,7 +282,7 @@ class Target:
         else:
             cache = DynamicCache(config=self.config)
         layers = feature_layers if return_features else None
-        out = self.forward(ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
+        out = self.forward(ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                            with_logits=False, feature_layers=layers)  # fmt: skip
         feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
         if return_features:
@@ -321,7 +321,7 @@ class Target:
             attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
             cur_pos = cur_pos + 1
             out = self.forward(
-                next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], past_key_values=cache,
+                next_tok[:, None], attention_mask=attn, position_ids=cur_pos[:, None], cache=cache,
                 use_cache=True, with_logits=False, feature_layers=layers,
             )
             if return_features:

@@ -227,7 +227,7 @@ def _eagle_items_cache(dr, batch):
     cache = DynamicCache()
     pos, mask = L.inference_layout(t, 0, torch.float32)
     h = dr.decode(dr.items(ids[:, 1:], feats[:, :t]), mask.expand(ids.shape[0], -1, -1, -1),
-                  pos.expand(ids.shape[0], -1), past_key_values=cache, use_cache=True)  # fmt: skip
+                  pos.expand(ids.shape[0], -1), cache=cache, use_cache=True)  # fmt: skip
     return dr.predict_features(h), cache
 
 

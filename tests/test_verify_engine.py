@@ -201,7 +201,7 @@ def _assert_cache_matches_fresh_forward(engine, target):
 
     for ls in engine.live():
         ref = DynamicCache()
-        target.forward(torch.tensor([ls.committed]), past_key_values=ref, use_cache=True, with_logits=False)
+        target.forward(torch.tensor([ls.committed]), cache=ref, use_cache=True, with_logits=False)
         assert int(engine.cache.lengths[ls.row]) == len(ls.committed)
         for layer in range(target.config.num_hidden_layers):
             k, v = engine.cache.row_kv(ls.row, layer)

@@ -103,7 +103,7 @@ class EagleDrafter(FeatureLayerDrafter):
         pos, mask = L.inference_layout(t, 0, dtype=u.dtype)  # causal; right padding never seen by real items
         cache = DynamicCache()  # keeps the items' keys/values for the metric rollout
         h = self.decode(u, mask.to(u.device).expand(b, -1, -1, -1), pos.to(u.device).expand(b, -1),
-                        past_key_values=cache, use_cache=True)  # fmt: skip
+                        cache=cache, use_cache=True)  # fmt: skip
         fhat = self.predict_features(h)  # [b, t, d]
         valid = labels != L.IGNORE_INDEX
         draft = self.target_to_draft(labels)

@@ -268,7 +268,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         d = self.hidden_size
         return features[..., self._final_slot * d : (self._final_slot + 1) * d]
 
-    def decode(self, x, attention_mask, position_ids, past_key_values=None, use_cache=False) -> torch.Tensor:
+    def decode(self, x, attention_mask, position_ids, cache=None, use_cache=False) -> torch.Tensor:
         """The EAGLE-3 decoder layer over inputs x = cat(e, g) [b, q, 2d], additive mask [b, 1, q, kv],
         positions [b, q]; with a cache its q new keys/values are appended (kv = cached + q).
 
@@ -280,7 +280,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         pos_emb = self.rotary(g, position_ids)
         a = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)  # [b, q, 2d]
         attn, _ = layer.self_attn(hidden_states=a, position_embeddings=pos_emb, attention_mask=attention_mask,
-                                  past_key_values=past_key_values)  # fmt: skip
+                                  cache=cache)  # fmt: skip
         h = g + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -326,7 +326,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
                 x = self.items(tok, out[-1])
             pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype)
             h = self.decode(x, mask.to(device).expand(b, -1, -1, -1), pos.to(device).expand(b, -1),
-                            past_key_values=cache, use_cache=True)  # fmt: skip
+                            cache=cache, use_cache=True)  # fmt: skip
             out.append(h)
         return out
 

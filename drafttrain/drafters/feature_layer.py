@@ -103,10 +103,10 @@ class FeatureLayerDrafter(Drafter):
         u = torch.rand(features.shape, generator=generator, dtype=torch.float32)  # CPU draw: reproducible
         return features + ((u * 2 - 1) * a).to(device=features.device, dtype=features.dtype)
 
-    def decode(self, x, attention_mask, position_ids, past_key_values=None, use_cache=False) -> torch.Tensor:
+    def decode(self, x, attention_mask, position_ids, cache=None, use_cache=False) -> torch.Tensor:
         """The decoder layer over inputs x [b, q, d] with an additive mask [b, 1, q, kv] and positions [b, q].
 
-        With a transformers ``Cache`` in ``past_key_values`` and ``use_cache``, the q new keys/values are
+        With a transformers ``Cache`` in ``cache`` and ``use_cache``, the q new keys/values are
         appended to it (kv = cached + q). Returns the layer's hidden states [b, q, d] (pre-norm).
         """
         pos_emb = self.rotary(x, position_ids)
@@ -114,7 +114,7 @@ class FeatureLayerDrafter(Drafter):
             x,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=pos_emb,
         )
@@ -144,7 +144,7 @@ class FeatureLayerDrafter(Drafter):
             (logits [b, q, N] float32 over the draft vocabulary (map ids with ``draft_token_ids`` or
             :meth:`full_vocab_logits`), predicted features f^ [b, q, d]).
         """
-        h = self.decode(x, attention_mask, position_ids, past_key_values=cache, use_cache=cache is not None)
+        h = self.decode(x, attention_mask, position_ids, cache=cache, use_cache=cache is not None)
         f = self.predict_features(h)
         return self.vocab_logits(f), f
 

@@ -201,6 +201,6 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
         u = self.items(next_ids, features)  # [1, n, d]
         x = torch.cat([u, self.mask_embed[None].to(u.dtype)], dim=1)  # [1, n + k, d]
         pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=u.dtype, past=past)
-        h = self.decode(x, mask.to(u.device), pos.to(u.device), past_key_values=cache, use_cache=True)
+        h = self.decode(x, mask.to(u.device), pos.to(u.device), cache=cache, use_cache=True)
         cache.crop(-self.num_mask_tokens)  # transformers 5: negative = tokens to remove
         return self.full_vocab_logits(self.logits(h[:, n - 1 :]))

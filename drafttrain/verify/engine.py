@@ -620,7 +620,7 @@ class SpecEngine:
             with attention_implementation(self.target.model, RAGGED_ATTENTION):
                 hidden, feats = self._target_forward(
                     torch.cat(toks)[None], attention_mask=mask, position_ids=torch.cat(pos)[None],
-                    past_key_values=cache, ragged_segments=segs,
+                    cache=cache, ragged_segments=segs,
                 )  # fmt: skip
         finally:
             cache.set_plan(None)
@@ -634,7 +634,7 @@ class SpecEngine:
         self.cache.set_plan(lay.plan)
         try:
             hidden, feats = self._target_forward(lay.scatter(toks), attention_mask=lay.mask,
-                                                 position_ids=lay.scatter(pos), past_key_values=self.cache)  # fmt: skip
+                                                 position_ids=lay.scatter(pos), cache=self.cache)  # fmt: skip
         finally:
             self.cache.set_plan(None)
         h = lay.gather(hidden)

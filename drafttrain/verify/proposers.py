@@ -185,7 +185,7 @@ def _ragged_decode(drafter, cache, rows, xs, pos, masks, slot_ids, extra=None) -
                 lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long)] = 0.0
     cache.set_plan(lay.plan)
     try:
-        h = drafter.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), past_key_values=cache, use_cache=True)
+        h = drafter.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), cache=cache, use_cache=True)
     finally:
         cache.set_plan(None)
     return lay.gather(h)
