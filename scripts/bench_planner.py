@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 
 from drafttrain.config import TargetConfig
@@ -72,7 +71,7 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     from drafttrain.config import ConfigError, validate
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.eval.spec import plain_greedy
+    from drafttrain.eval.spec import plain_greedy, run_interleaved
     from drafttrain.target import load_target
     from drafttrain.train import sssd_for_eval
     from drafttrain.verify.engine import SpecEngine
@@ -107,20 +106,14 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     max_new = cfg.max_new_tokens or se.max_new_tokens
     stop = target.eos_token_id
 
-    def decode(name: str, bs: int, ps: list[list[int]], planner=None):
+    def engine(name: str, bs: int) -> SpecEngine:
         if name == "plain":
-            prop, planner = PlainProposer(), None
-        elif name == "tree":
-            planner = None
-            prop = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
+            prop = PlainProposer()
         else:
-            planner = planner or SpeculationPlanner(**VARIANTS[name])
-            inner = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
-            prop = PlannedProposer(inner, planner)
-        eng = SpecEngine(target, prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
-        t0 = time.perf_counter()
-        run = eng.run(ps)
-        return run, time.perf_counter() - t0, planner
+            prop = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
+            if name != "tree":
+                prop = PlannedProposer(prop, SpeculationPlanner(**VARIANTS[name]))
+        return SpecEngine(target, prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
 
     results = []
     for bs in cfg.batch_sizes:
@@ -130,26 +123,19 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         reference = None
         for r in range(cfg.rounds):
             order = names if r % 2 == 0 else names[::-1]
-            # per prompt (batch 1): each prompt decoded by every run in turn, the order rotating from prompt to
-            # prompt, each variant's planner carried on from one prompt to the next; else one engine run each
-            chunks = [[p] for p in ps] if bs == 1 and cfg.interleave == "prompt" else [ps]
-            planners = {n: SpeculationPlanner(**VARIANTS[n]) for n in names if n in VARIANTS}
-            agg = {n: {"generated": 0, "seconds": 0.0, "emitted": 0, "seq_steps": 0, "tree_nodes": 0, "outputs": []} for n in names}
-            for i, chunk in enumerate(chunks):
-                k = i % len(order)
-                for name in order[k:] + order[:k]:
-                    run, secs, _ = decode(name, bs, chunk, planners.get(name))
-                    a, st = agg[name], run.stats
-                    for key in ("generated", "seconds", "emitted", "seq_steps", "tree_nodes"):
-                        a[key] += getattr(st, key)
-                    a["outputs"] += [x.tokens for x in run.results]
+            # a fresh engine (proposer, planner) per run and round; at batch 1 (interleave=prompt) each prompt
+            # is decoded by every run in turn, the order rotating from prompt to prompt
+            engines = {name: engine(name, bs) for name in order}
+            runs = run_interleaved(engines, ps, per_prompt=bs == 1 and cfg.interleave == "prompt", rotate=True)
             for name in order:
-                a = agg[name]
+                run, st = runs[name], runs[name].stats
+                outputs = [x.tokens for x in run.results]
                 if name == "plain" and reference is None:
-                    reference = a["outputs"]
-                rec = {"tokens_per_s": a["generated"] / a["seconds"], "seconds": round(a["seconds"], 2),
-                       "tau": a["emitted"] / max(a["seq_steps"], 1), "nodes_per_step": a["tree_nodes"] / max(a["seq_steps"], 1),
-                       "outputs": a["outputs"], "planner": planners[name].summary() if name in planners else None}  # fmt: skip
+                    reference = outputs
+                prop = engines[name].proposer
+                rec = {"tokens_per_s": st.tokens_per_s, "seconds": round(st.seconds, 2), "tau": st.tau,
+                       "nodes_per_step": st.tree_nodes / max(st.seq_steps, 1), "outputs": outputs,
+                       "planner": prop.planner.summary() if isinstance(prop, PlannedProposer) else None}  # fmt: skip
                 per[name].append(rec)
                 print(json.dumps({"batch": bs, "round": r, "run": name, "tokens_per_s": round(rec["tokens_per_s"], 2),
                                   "tau": round(rec["tau"], 3)}), flush=True)  # fmt: skip

@@ -426,3 +426,31 @@ def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, mak
     assert inter["generated_tokens"] == whole["generated_tokens"] == 30
     planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=True, plan=True, full_tree=False, **kw)
     assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0
+
+
+def test_run_interleaved_orders():
+    """run_interleaved: whole runs in dict order; per prompt, the order reversed every other prompt
+    (neighbours stay neighbours) or rotated by one (every engine takes every position)."""
+    from drafttrain.eval.spec import run_interleaved
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.seen = name, []
+
+        def run(self, prompts, progress=False):
+            calls.append((self.name, [p[0] for p in prompts]))
+            self.seen += prompts
+            return list(self.seen)  # stands in for an EngineRun holding every prompt so far
+
+    def go(**kw):
+        calls.clear()
+        runs = run_interleaved({n: Fake(n) for n in "abc"}, [[0], [1], [2]], **kw)
+        assert all(r == [[0], [1], [2]] for r in runs.values())  # each engine saw every prompt, in order
+        return [n for n, _ in calls]
+
+    assert go(per_prompt=False) == ["a", "b", "c"] and calls[0] == ("a", [0, 1, 2])
+    assert go(per_prompt=True) == list("abc" "cba" "abc")
+    assert go(per_prompt=True, rotate=True) == list("abc" "bca" "cab")
+

@@ -71,7 +71,7 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
     layers = drafter.feature_layers  # the declared target layers (drafters/base.py)
     keep = -1 if drafter.spec.step_input == "last" else 0  # "last": only the last item's feature is handed over
     ids = torch.tensor([prompt], device=device)
-    out = target.forward(ids, past_key_values=tcache, use_cache=True, feature_layers=layers)
+    out = target.forward(ids, cache=tcache, use_cache=True, feature_layers=layers)
     last = int(out.logits[0, -1].argmax())
     generated = [last]
     # drafter items for the prompt: (x_{i+1}, f_i), i = 0..n-1, with x_n = the first generated token
@@ -84,7 +84,7 @@ def speculative_greedy(target, drafter, prompt: list[int], max_new_tokens: int, 
         cache_len = tcache.get_seq_length()
         verify = torch.cat([torch.tensor([last], device=device), draft])[None]  # [1, depth + 1]
         pos = torch.arange(cache_len, cache_len + k1 + 1, device=device)[None]
-        tout = target.forward(verify, position_ids=pos, past_key_values=tcache, use_cache=True, feature_layers=layers)
+        tout = target.forward(verify, position_ids=pos, cache=tcache, use_cache=True, feature_layers=layers)
         preds = tout.logits[0].argmax(-1)  # [depth + 1] target's next token after each verify input
         match = (draft == preds[:k1]).long()
         m = int(torch.cumprod(match, 0).sum())  # accepted drafts
@@ -163,6 +163,42 @@ def evaluate_prompts(
 
 
 @torch.no_grad()
+def run_interleaved(engines: dict, prompts: list[list[int]], per_prompt: bool, rotate: bool = False,
+                    progress: bool | str = False) -> dict:
+    """Decode ``prompts`` through every engine, side by side, for timings that hold on a drifting host.
+
+    ``per_prompt=False``: one :meth:`~drafttrain.verify.engine.SpecEngine.run` per engine, in the dict's
+    order. ``per_prompt=True``: the prompts one at a time through every engine in turn; each engine keeps
+    its proposer (and planner) from one prompt to the next, and its results and counters accumulate over
+    the calls, so the returned run holds all prompts. The order changes from prompt to prompt: reversed
+    every other prompt (``rotate=False``: two neighbours in the dict stay neighbours), or rotated by one
+    (``rotate=True``: every engine takes every position, for comparing many variants).
+
+    Args:
+        engines: name -> :class:`~drafttrain.verify.engine.SpecEngine` (fresh: no prompts run yet).
+        prompts: token ids, one list per prompt.
+        per_prompt: interleave prompt by prompt (meant for batch 1) instead of run by run.
+        rotate: with ``per_prompt``, rotate the order instead of reversing it.
+        progress: a tqdm description (``True``: a default one), or ``False`` for none.
+
+    Returns:
+        name -> :class:`~drafttrain.verify.engine.EngineRun` covering all ``prompts`` in their order.
+    """
+    order, runs = list(engines), {}
+    desc = progress if isinstance(progress, str) else f"decode {'/'.join(order)}"
+    if not per_prompt:
+        for name in order:
+            runs[name] = engines[name].run(prompts, progress=progress and f"{desc}: {name}")
+        return runs
+    for i, p in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):
+        k = i % len(order)
+        turn = order[k:] + order[:k] if rotate else (order if i % 2 == 0 else order[::-1])
+        for name in turn:
+            runs[name] = engines[name].run([p])  # results and counters accumulate in each engine
+    return runs
+
+
+@torch.no_grad()
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
@@ -233,14 +269,8 @@ def evaluate_prompts_batched(
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
                                     sssd_nodes=sssd_nodes)  # fmt: skip
         engines["planned"] = engine(planned_prop)
-    order, runs = list(engines), {}
-    if interleave:
-        for i, p in enumerate(tqdm(prompts, desc=f"spec-eval {'/'.join(order)} b={batch_size}", disable=not progress, leave=False)):
-            for name in order if i % 2 == 0 else order[::-1]:
-                runs[name] = engines[name].run([p])  # results and counters accumulate in each engine
-    else:
-        for name in order:
-            runs[name] = engines[name].run(prompts, progress=progress and f"spec-eval {name} b={batch_size}")
+    runs = run_interleaved(engines, prompts, per_prompt=interleave,
+                           progress=progress and f"spec-eval {'/'.join(engines)} b={batch_size}")  # fmt: skip
     plain, planned = runs["plain"], runs.get("planned")
     spec = runs.get("tree", runs.get("chain") if full_tree else planned)
     chain = runs.get("chain") if tree and also_chain else None
