@@ -666,7 +666,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
     speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
     ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from the first prompts decoded one at a time (the
-    latency a single user sees; plain and speculative decoding take turns prompt by prompt). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
+    latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
+    in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
     ``sssd.source`` != none merges SSSD's training-free candidates into every tree
     (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``).
@@ -687,11 +688,12 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
             r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
-                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.plan, **tree)  # fmt: skip
+                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.plan,
+                                         interleave="step", **tree)  # fmt: skip
             if se.latency_prompts > 0:
                 lat = evaluate_prompts_batched(target, drafter, prompts[: se.latency_prompts], se.max_new_tokens,
                                                batch_size=1, progress=c.trainer.progress, plan=se.plan,
-                                               full_tree=not se.plan, interleave=True, **tree)  # fmt: skip
+                                               full_tree=not se.plan, interleave="step", **tree)  # fmt: skip
         else:
             r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:

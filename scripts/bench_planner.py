@@ -20,11 +20,12 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``average_flat``: ``average`` with the cost model's old guess beyond what was measured (flat however
   far, where the default is flat up to double the measured size, then the average cost per input).
 
-Runs are interleaved (plain, variants..., then the reverse order in the next round) so that a drifting
-machine hits every variant alike; at batch 1 (``interleave=prompt``) finer still: every prompt is decoded
-by plain and each variant in turn, the order rotating from prompt to prompt, each variant's planner
-carried on from one prompt to the next (this host's speed moves by 10-15% within a minute, so whole
-runs minutes apart compare badly); each speedup is the variant's tokens/s over the plain run's of the
+Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
+10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
+plain decoding and every variant advance in lock-step, one decoding step each in turn, the order
+rotating from step to step (:func:`drafttrain.eval.spec.run_interleaved`); ``interleave=prompt``
+decodes each prompt by every run in turn at batch 1 (whole runs at larger batches), ``run`` one run
+after the other (plain, variants..., the reverse order in the next round); each speedup is the variant's tokens/s over the plain run's of the
 same round, and the table reports the median over ``rounds``. Every output is compared token for token
 with plain decoding (a difference is re-checked against single-sequence greedy decoding, as the
 training evaluation does).
@@ -63,7 +64,7 @@ class BenchPlannerConfig:
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
     max_new_tokens: int | None = None  # null = the run's
     rounds: int = 2
-    interleave: str = "prompt"  # prompt: at batch 1, plain and every variant decode each prompt in turn | run: one engine run each
+    interleave: str = "step"  # step: plain and every variant advance in lock-step | prompt: at batch 1, each prompt in turn | run: one engine run each
     out: str = "docs/benchmarks/planner"
 
 
@@ -81,8 +82,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
 
     if bad := sorted(set(cfg.variants) - set(VARIANTS) - {"tree"}):
         raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS) + ['tree']}")
-    if cfg.interleave not in ("prompt", "run"):
-        raise ConfigError(f"interleave must be prompt or run, got {cfg.interleave!r}")
+    if cfg.interleave not in ("step", "prompt", "run"):
+        raise ConfigError(f"interleave must be step, prompt or run, got {cfg.interleave!r}")
     if cfg.sssd not in (None, "none", "input", "data"):
         raise ConfigError(f"sssd must be none, input or data, got {cfg.sssd!r}")
     if cfg.rounds < 1 or cfg.b1_prompts < 1 or not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
@@ -123,10 +124,10 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         reference = None
         for r in range(cfg.rounds):
             order = names if r % 2 == 0 else names[::-1]
-            # a fresh engine (proposer, planner) per run and round; at batch 1 (interleave=prompt) each prompt
-            # is decoded by every run in turn, the order rotating from prompt to prompt
+            # a fresh engine (proposer, planner) per run and round, interleaved by step, prompt or run
             engines = {name: engine(name, bs) for name in order}
-            runs = run_interleaved(engines, ps, per_prompt=bs == 1 and cfg.interleave == "prompt", rotate=True)
+            unit = "run" if cfg.interleave == "prompt" and bs > 1 else cfg.interleave
+            runs = run_interleaved(engines, ps, unit=unit, rotate=True)
             for name in order:
                 run, st = runs[name], runs[name].stats
                 outputs = [x.tokens for x in run.results]

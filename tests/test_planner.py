@@ -154,8 +154,9 @@ def test_step_overhead_prices_a_drafted_step():
 
 
 def test_planned_proposer_measures_step_overhead(tiny_target, make_drafter):
-    """PlannedProposer times whole engine steps (draft call to draft call) and reports what is neither
-    drafting nor the verification forward, apart for drafted and plain steps; prefills are left out."""
+    """PlannedProposer times whole engine steps (its draft call to the engine's step_done) and reports
+    what is neither drafting nor the verification forward, apart for drafted and plain steps; the
+    prefills between steps are left out."""
     drafter = make_drafter(seed=3)
     pl = SpeculationPlanner()
     prop = PlannedProposer(ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3), pl)
@@ -168,9 +169,7 @@ def test_planned_proposer_measures_step_overhead(tiny_target, make_drafter):
     eng.run(prompts)
     assert seen and all(s >= 0 for _, _, s in seen)
     assert {b for b, _, _ in seen} <= {1, 2} and any(d for _, d, _ in seen)
-    # every step but the last one before each prefill (3 prompts, batch 2: 2 prefills) and the run's last
-    drafted_or_plain = pl.steps
-    assert len(seen) <= drafted_or_plain - 1
+    assert len(seen) == pl.steps  # every step, also the last before a prefill and the run's last
     assert (2, True) in pl.overhead_seconds
 
 
@@ -409,8 +408,9 @@ def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
 
 
 def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter):
-    """interleave=True decodes prompt by prompt through every run in turn: the same outputs and counters
-    (tau, generated tokens) as whole runs, one result per prompt in prompt order."""
+    """interleave="prompt" (prompt by prompt through every run in turn) and "step" (the engines in
+    lock-step): the same outputs and counters (tau, generated tokens) as whole runs, one result per
+    prompt in prompt order."""
     from drafttrain.eval.spec import evaluate_prompts_batched
 
     drafter = make_drafter(seed=3)
@@ -419,13 +419,19 @@ def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, mak
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 11, 7)]
     kw = dict(batch_size=1, progress=False, tree_widths=[2, 1, 1], tree_budget=4)
     whole = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, **kw)
-    inter = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=True, **kw)
-    assert inter["greedy_equal"] and whole["greedy_equal"]
-    assert [o["tokens"] for o in inter["outputs"]] == [o["tokens"] for o in whole["outputs"]]
-    assert inter["tau"] == pytest.approx(whole["tau"]) and inter["tau"] > 1.0
-    assert inter["generated_tokens"] == whole["generated_tokens"] == 30
-    planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=True, plan=True, full_tree=False, **kw)
-    assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0
+    for unit in ("prompt", "step"):
+        inter = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=unit, **kw)
+        assert inter["greedy_equal"] and whole["greedy_equal"]
+        assert [o["tokens"] for o in inter["outputs"]] == [o["tokens"] for o in whole["outputs"]]
+        assert inter["tau"] == pytest.approx(whole["tau"]) and inter["tau"] > 1.0
+        assert inter["generated_tokens"] == whole["generated_tokens"] == 30
+        planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=unit, plan=True, full_tree=False, **kw)
+        assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0
+    kw["batch_size"] = 2  # lock-step at batch 2: continuous batching in both engines
+    two = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="step", plan=True, **kw)
+    assert two["greedy_equal"] and two["tau"] > 1.0 and two["planner"]["steps"] > 0
+    with pytest.raises(ValueError, match="unit"):
+        evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="sometimes", **kw)
 
 
 def test_run_interleaved_orders():
@@ -450,7 +456,41 @@ def test_run_interleaved_orders():
         assert all(r == [[0], [1], [2]] for r in runs.values())  # each engine saw every prompt, in order
         return [n for n, _ in calls]
 
-    assert go(per_prompt=False) == ["a", "b", "c"] and calls[0] == ("a", [0, 1, 2])
-    assert go(per_prompt=True) == list("abc" "cba" "abc")
-    assert go(per_prompt=True, rotate=True) == list("abc" "bca" "cab")
+    assert go(unit="run") == ["a", "b", "c"] and calls[0] == ("a", [0, 1, 2])
+    assert go(unit="prompt") == list("abc" "cba" "abc")
+    assert go(unit="prompt", rotate=True) == list("abc" "bca" "cab")
 
+
+
+def test_run_interleaved_lock_step():
+    """unit="step": the engines advance one step each in turn (reversed every other turn); an engine
+    that is done sits out; each returns its own result."""
+    from drafttrain.eval.spec import run_interleaved
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name, steps):
+            self.name, self.left, self.got = name, steps, None
+
+        def submit(self, prompts):
+            self.got = prompts
+
+        @property
+        def done(self):
+            return self.left == 0
+
+        def advance(self):
+            calls.append(self.name)
+            self.left -= 1
+
+        def result(self):
+            return (self.name, self.got)
+
+        results = {}
+
+    runs = run_interleaved({"a": Fake("a", 3), "b": Fake("b", 1)}, [[7]], unit="step")
+    assert calls == ["a", "b", "a", "a"]  # turn 0: a b; turn 1: (b done) a; turn 2: a
+    assert runs == {"a": ("a", [[7]]), "b": ("b", [[7]])}
+    with pytest.raises(ValueError, match="unit"):
+        run_interleaved({}, [], unit="batch")

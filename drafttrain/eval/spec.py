@@ -163,38 +163,61 @@ def evaluate_prompts(
 
 
 @torch.no_grad()
-def run_interleaved(engines: dict, prompts: list[list[int]], per_prompt: bool, rotate: bool = False,
+def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", rotate: bool = False,
                     progress: bool | str = False) -> dict:
     """Decode ``prompts`` through every engine, side by side, for timings that hold on a drifting host.
 
-    ``per_prompt=False``: one :meth:`~drafttrain.verify.engine.SpecEngine.run` per engine, in the dict's
-    order. ``per_prompt=True``: the prompts one at a time through every engine in turn; each engine keeps
-    its proposer (and planner) from one prompt to the next, and its results and counters accumulate over
-    the calls, so the returned run holds all prompts. The order changes from prompt to prompt: reversed
-    every other prompt (``rotate=False``: two neighbours in the dict stay neighbours), or rotated by one
+    ``unit="run"``: one :meth:`~drafttrain.verify.engine.SpecEngine.run` per engine, in the dict's order.
+    ``unit="prompt"``: the prompts one at a time through every engine in turn. ``unit="step"``: every
+    engine holds all prompts at once and the engines advance in lock-step, one decoding step each in
+    turn (:meth:`~drafttrain.verify.engine.SpecEngine.advance`; each engine times its own steps), so
+    two runs compared are never more than a step apart, at any batch size. Each engine keeps its
+    proposer (and planner) throughout and its results and counters accumulate, so the returned run
+    holds all prompts. The turn order changes from one prompt (or step) to the next: reversed every
+    other time (``rotate=False``: two neighbours in the dict stay neighbours), or rotated by one
     (``rotate=True``: every engine takes every position, for comparing many variants).
 
     Args:
         engines: name -> :class:`~drafttrain.verify.engine.SpecEngine` (fresh: no prompts run yet).
         prompts: token ids, one list per prompt.
-        per_prompt: interleave prompt by prompt (meant for batch 1) instead of run by run.
-        rotate: with ``per_prompt``, rotate the order instead of reversing it.
+        unit: run | prompt | step.
+        rotate: with ``unit`` prompt or step, rotate the order instead of reversing it.
         progress: a tqdm description (``True``: a default one), or ``False`` for none.
 
     Returns:
         name -> :class:`~drafttrain.verify.engine.EngineRun` covering all ``prompts`` in their order.
+
+    Raises:
+        ValueError: an unknown ``unit``.
     """
+    if unit not in ("run", "prompt", "step"):
+        raise ValueError(f"unit must be run, prompt or step, got {unit!r}")
     order, runs = list(engines), {}
     desc = progress if isinstance(progress, str) else f"decode {'/'.join(order)}"
-    if not per_prompt:
+
+    def turn(i: int) -> list[str]:
+        k = i % len(order)
+        return order[k:] + order[:k] if rotate else (order if i % 2 == 0 else order[::-1])
+
+    if unit == "run":
         for name in order:
             runs[name] = engines[name].run(prompts, progress=progress and f"{desc}: {name}")
-        return runs
-    for i, p in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):
-        k = i % len(order)
-        turn = order[k:] + order[:k] if rotate else (order if i % 2 == 0 else order[::-1])
-        for name in turn:
-            runs[name] = engines[name].run([p])  # results and counters accumulate in each engine
+    elif unit == "prompt":
+        for i, p in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):
+            for name in turn(i):
+                runs[name] = engines[name].run([p])  # results and counters accumulate in each engine
+    else:
+        for e in engines.values():
+            e.submit(prompts)
+        with tqdm(total=len(prompts) * len(order), desc=desc, disable=not progress, leave=False) as bar:
+            i = 0
+            while not all(e.done for e in engines.values()):
+                for name in turn(i):
+                    if not engines[name].done:
+                        engines[name].advance()
+                bar.update(sum(len(e.results) for e in engines.values()) - bar.n)
+                i += 1
+        runs = {name: e.result() for name, e in engines.items()}
     return runs
 
 
@@ -203,7 +226,7 @@ def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
     also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = 8,
-    interleave: bool = False,
+    interleave: str = "run",
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -232,12 +255,13 @@ def evaluate_prompts_batched(
     candidates into every tree (:class:`~drafttrain.verify.hybrid.HybridProposer`) in the tree, chain
     and planned runs alike.
 
-    Timing: the runs go in the order full tree, chain, plain, planned, so that plain decoding and the
-    speedup's speculative run (the planned one, else the tree) are measured next to each other.
-    ``interleave`` decodes the prompts one at a time through every run in turn (the order reversed
-    from one prompt to the next), each run keeping its engine, proposer and planner across prompts:
-    the ratios then hold on a host whose speed drifts by 10-15% within a minute (meant for batch 1,
-    where a run is one prompt at a time anyway).
+    Timing (:func:`run_interleaved`): the runs go in the order full tree, chain, plain, planned, so that
+    plain decoding and the speedup's speculative run (the planned one, else the tree) are next to each
+    other. ``interleave="run"`` runs them one after the other; ``"prompt"`` decodes the prompts one at a
+    time through every run in turn; ``"step"`` advances the runs' engines in lock-step, one decoding
+    step each in turn (the order reversed every other step), each run keeping its engine, proposer and
+    planner throughout: the ratios then hold on a host whose speed drifts by 10-15% within a minute
+    (whole batch-16 runs of plain decoding ~20 s apart differed by up to 20%).
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
@@ -269,7 +293,7 @@ def evaluate_prompts_batched(
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
                                     sssd_nodes=sssd_nodes)  # fmt: skip
         engines["planned"] = engine(planned_prop)
-    runs = run_interleaved(engines, prompts, per_prompt=interleave,
+    runs = run_interleaved(engines, prompts, unit=interleave,
                            progress=progress and f"spec-eval {'/'.join(engines)} b={batch_size}")  # fmt: skip
     plain, planned = runs["plain"], runs.get("planned")
     spec = runs.get("tree", runs.get("chain") if full_tree else planned)

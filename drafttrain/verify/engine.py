@@ -313,15 +313,26 @@ class SpecEngine:
         """
         self.submit(prompts, max_new_tokens)
         desc = progress if isinstance(progress, str) else f"{self.proposer.name}/{self.mode}/b{self.batch_size}"
-        t0 = time.perf_counter()
         with tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False) as bar:
             self._progress = bar
             while not self.done:
-                self.admit()
-                if any(s is not None for s in self.rows):
-                    self.step()
+                self.advance()
             self._progress = None
+        return self.result()
+
+    def advance(self) -> None:
+        """One turn of the decoding loop: admit waiting prompts (continuous batching: one prefill per
+        wave), then one verification step of the live batch; its wall time is added to
+        ``stats.seconds``. :meth:`run` is ``submit`` + ``advance`` until ``done``; two engines advanced in
+        turn (:func:`drafttrain.eval.spec.run_interleaved`, ``unit="step"``) are timed side by side."""
+        t0 = time.perf_counter()
+        self.admit()
+        if any(s is not None for s in self.rows):
+            self.step()
         self.stats.seconds += time.perf_counter() - t0
+
+    def result(self) -> EngineRun:
+        """Every finished prompt's result (in submission order) and the counters so far."""
         return EngineRun([self.results[i] for i in sorted(self.results)], self.stats)
 
     def live(self) -> list[LiveSequence]:
@@ -449,6 +460,9 @@ class SpecEngine:
             raise RuntimeError(f"proposer returned {len(trees)} trees for {len(seqs)} sequences")
         logits, hidden = self.forward_trees(trees, rows=live)
         self._commit(live, seqs, trees, logits, hidden)
+        done = getattr(self.proposer, "step_done", None)  # the planner's step time ends here (verify/planner.py)
+        if done is not None:
+            done()
 
     def forward_trees(self, trees: list[DraftTree], rows: list[int] | None = None):
         """Run the verification forward of one tree per live row; writes K/V but commits nothing.

@@ -26,7 +26,8 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   double is tried once and gives the slope, then each further input at the largest measured forward's
   average cost per input (a first step at batch 16 would otherwise verify ~200 nodes at ~5x a plain
   step); plus the measured drafting time; plus each step's
-  **overhead**, measured too: the wall time of a whole engine step (from one ``draft`` call to the next:
+  **overhead**, measured too: the wall time of a whole engine step (from its ``draft`` call to the
+  engine's ``step_done``, else to the next ``draft``:
   drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
   drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
   A tree step's bookkeeping grows with the batch, so at batch 16 the forward time alone
@@ -426,9 +427,14 @@ class PlannedProposer:
             start, b, drafted, t_draft, t_fwd = st
             self.planner.observe_overhead(b, drafted, max(0.0, now - start - t_draft - t_fwd))
 
+    def step_done(self) -> None:
+        """The engine finished this step (committed every sequence): its overhead is measured up to
+        here, so that steps of other engines run in between (lock-step timing) do not count."""
+        self._close_step(time.perf_counter())
+
     def draft(self, slots, sampling=GREEDY, generator=None) -> list[DraftTree]:
         t0 = time.perf_counter()
-        self._close_step(t0)
+        self._close_step(t0)  # an engine that does not call step_done: the step ends at the next draft
         slots = list(slots)
         b = len(slots)
         self._verified.clear()
