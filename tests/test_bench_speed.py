@@ -26,8 +26,9 @@ def test_bench_draft_cost_writes_page(tmp_path, tiny_target):
     res = main(["target.random_init=true", "batch_sizes=[1,3]", "steps=2", "threads=1", "tree_widths=[2,1]",
                 "tree_budget=3", f"out={out}"])  # fmt: skip
     assert [r["batch"] for r in res["rows"]] == [1, 3]
-    assert all(r["same_state"] and r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
-    assert "python -m scripts.bench_draft_cost" in out.with_suffix(".md").read_text()
+    assert all(r["same_state"] and r["before_ms"] > 0 and r["after_ms"] > 0 and r["packed_ms"] > 0 for r in res["rows"])
+    md = out.with_suffix(".md").read_text()
+    assert "python -m scripts.bench_draft_cost" in md and "| packed (ms/step) |" in md
 
 
 def test_bench_peers_writes_page(tmp_path, tiny_target):

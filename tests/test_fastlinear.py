@@ -146,3 +146,31 @@ def test_config_rejects_bad_fast_linear():
     d = compose_dict("train", ["target=tiny", "target.fast_linear=maybe"])
     with pytest.raises(ConfigError, match="fast_linear"):
         validate(d)
+
+
+def test_proposer_packs_the_drafter_and_its_draft_head(tiny_target, make_drafter):
+    """On a packed target, proposer_for packs the drafter's own linears, and its draft-vocabulary head runs
+    packed too:
+    the same logits up to float reassociation, the same state_dict, and training still gets gradients
+    (the packed layers fall back to F.linear under autograd)."""
+    from drafttrain.verify.proposers import proposer_for
+
+    assert fastlinear.is_packed(tiny_target.model)
+    drafter = make_drafter(seed=5, draft_vocab_size=300)
+    drafter.set_draft_vocab(torch.arange(7, 307))
+    keys = sorted(drafter.state_dict())
+    feats = torch.randn(2, 5, int(tiny_target.model.config.hidden_size))
+    w, b = drafter.draft_head_rows()
+    before = torch.nn.functional.linear(feats, w, b).float()  # the draft head on F.linear
+    with torch.no_grad():
+        assert torch.equal(drafter.vocab_logits(feats), before)  # not packed yet: F.linear
+    assert not fastlinear.is_packed(drafter)
+    proposer_for(drafter, widths=[2, 1])
+    assert fastlinear.is_packed(drafter) and sorted(drafter.state_dict()) == keys
+    with torch.no_grad():
+        after = drafter.vocab_logits(feats)
+    assert isinstance(drafter.__dict__["_head_rows_packed"][1], fastlinear.PackedLinear)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    x = feats.clone().requires_grad_(True)
+    drafter.vocab_logits(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

@@ -73,6 +73,8 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
+from drafttrain import fastlinear
+
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_CONFIG = "drafter_config.json"
 
@@ -290,7 +292,30 @@ class Drafter(nn.Module):
         if not self.restricted_vocab:
             return head(features).float()
         w, b = self.draft_head_rows()
+        if self.__dict__.get("_packed_inference") and features.dtype == w.dtype:  # :meth:`pack_for_inference`
+            packed = self.__dict__.get("_head_rows_packed")
+            if packed is None or packed[0] is not w:
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+                lin.weight = nn.Parameter(w, requires_grad=False)
+                lin.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+                packed = (w, fastlinear.PackedLinear.from_linear(lin))  # falls back to F.linear under autograd
+                self.__dict__["_head_rows_packed"] = packed
+            return packed[1](features).float()
         return torch.nn.functional.linear(features, w.to(features.dtype), None if b is None else b.to(features.dtype)).float()
+
+    def pack_for_inference(self) -> int:
+        """Run the drafter's own linear layers and its draft-vocabulary head on oneDNN prepacked weights
+        (:mod:`drafttrain.fastlinear`), for inference only: under autograd they fall back to ``F.linear``,
+        parameters and ``state_dict`` are unchanged. A drafting step at batch 1 spends much of its time in
+        these small-M matmuls (docs/benchmarks/draft_cost.md). Idempotent.
+
+        Returns:
+            the number of layers packed now (0 when oneDNN is not available).
+        """
+        if not fastlinear.available():
+            return 0
+        self.__dict__["_packed_inference"] = True
+        return fastlinear.pack_linears(self)
 
     def draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head's rows (and bias) of the draft vocabulary: ([N, d], [N] or None).
