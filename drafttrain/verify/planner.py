@@ -31,7 +31,8 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
   drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
   A tree step's bookkeeping grows with the batch, so at batch 16 the forward time alone
-  under-prices a drafted step; steps with a prefill between them (continuous batching) are not used.
+  under-prices a drafted step; a prefill between two steps (continuous batching) is never counted
+  (with ``step_done`` the step has ended before it; without, that step is dropped).
 - **Choice.** With the batch's nodes sorted by value v_(1) >= v_(2) >= ..., the step verifies the K
   best, K maximising ``(b + sum_{k<=K} v_(k)) / (t_draft + t(b, b + K) + o_tree(b))`` (SSSD's ratio with
   b sequences and a tree size summed over the batch; ``o_tree`` the measured overhead of a step that
