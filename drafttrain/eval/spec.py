@@ -261,7 +261,7 @@ def evaluate_prompts_batched(
     time through every run in turn; ``"step"`` advances the runs' engines in lock-step, one decoding
     step each in turn (the order reversed every other step), each run keeping its engine, proposer and
     planner throughout: the ratios then hold on a host whose speed drifts by 10-15% within a minute
-    (whole batch-16 runs of plain decoding ~20 s apart differed by up to 20%).
+    (whole batch-16 runs ~20 s apart, both plain decoding on all but 2-3 steps, differed by up to 20%).
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
