@@ -612,6 +612,7 @@ def run(cfg) -> dict[str, Any]:
     if main:
         atomic_save_pretrained(model, out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
+            model.pack_for_inference()  # training is over (never mid-run: DeepSpeed updates param.data)
             final.update(spec_eval(c, target, model, train_ds))
         final["wall_seconds"] = round(time.time() - t_start, 1)
         log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)

@@ -52,9 +52,8 @@ def bench(cfg: BenchDraftCostConfig) -> dict:
 
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target)
-    drafter = load_drafter(target, cfg.drafter, cfg.seed)
+    drafter = load_drafter(target, cfg.drafter, cfg.seed, pack=False)
     packed = load_drafter(target, cfg.drafter, cfg.seed)  # the same weights, its linears and head prepacked
-    packed.pack_for_inference()
     rows_in = load_eval_prompts(cfg.prompts, limit=max(cfg.batch_sizes))
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows_in]
     variants = {"before": (drafter, False), "after": (drafter, True), "packed": (packed, True)}
@@ -112,7 +111,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         "scatter, per-sequence softmax and top-k, templates rebuilt and validated every step); **after** = the default "
         "(one draft-vocabulary top-k for the batch, memoized templates, trusted trees); **packed** = the default with "
         "the drafter's linear layers and draft-vocabulary head on oneDNN prepacked weights (`Drafter.pack_for_inference`, "
-        "what `proposer_for` does when the target runs packed). All include the drafter's forward; the three engines "
+        "what the evaluation entry points do when the target runs packed). All include the drafter's forward; the three engines "
         "advance one step each in turn.",
         "",
         "| batch | drafting before (ms/step) | after (ms/step) | packed (ms/step) | packed / before | verification forward (ms) "

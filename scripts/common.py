@@ -120,11 +120,12 @@ def run_train_data(c, target):
     return prepare_data(c, target, Accelerator(cpu=True), layers)[0]
 
 
-def load_drafter(target, checkpoint: str | None, seed: int = 0):
+def load_drafter(target, checkpoint: str | None, seed: int = 0, pack: bool = True):
     """The drafter to benchmark: ``Drafter.from_pretrained`` of ``checkpoint`` (a training run folder with
     ``drafter/``, or the drafter folder itself), or, when None, a fresh ParallelSpec drafter with the
     shipped drafter config (``conf/drafter/parallelspec.yaml``: its cost is a trained one's, its
-    acceptance is not).
+    acceptance is not). ``pack``: on prepacked weights when the target is
+    (:meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`).
 
     Raises:
         FileNotFoundError: no drafter in ``checkpoint``.
@@ -136,11 +137,15 @@ def load_drafter(target, checkpoint: str | None, seed: int = 0):
     from drafttrain.eval.harness import _drafter_dir
 
     if checkpoint:
-        return Drafter.from_pretrained(_drafter_dir(Path(checkpoint).expanduser()), target).eval()
-    torch.manual_seed(seed)
-    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
-    cfg.pop("name", None)
-    return build_drafter("parallelspec", cfg, target).eval()
+        drafter = Drafter.from_pretrained(_drafter_dir(Path(checkpoint).expanduser()), target).eval()
+    else:
+        torch.manual_seed(seed)
+        cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
+        cfg.pop("name", None)
+        drafter = build_drafter("parallelspec", cfg, target).eval()
+    if pack:
+        drafter.pack_for_inference()
+    return drafter
 
 
 # ==================================================================================================

@@ -148,12 +148,13 @@ def test_config_rejects_bad_fast_linear():
         validate(d)
 
 
-def test_proposer_packs_the_drafter_and_its_draft_head(tiny_target, make_drafter):
-    """On a packed target, proposer_for packs the drafter's own linears, and its draft-vocabulary head runs
-    packed too:
-    the same logits up to float reassociation, the same state_dict, and training still gets gradients
-    (the packed layers fall back to F.linear under autograd)."""
-    from drafttrain.verify.proposers import proposer_for
+def test_pack_for_inference_packs_the_drafter_and_its_draft_head(tiny_target, make_drafter):
+    """On a packed target, Drafter.pack_for_inference packs the drafter's own linears and runs its
+    draft-vocabulary head packed: the same logits up to float reassociation, the same state_dict, and
+    training still gets gradients (the packed layers fall back to F.linear under autograd); on a target
+    left unpacked (fast_linear=off) it does nothing."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.target import load_target
 
     assert fastlinear.is_packed(tiny_target.model)
     drafter = make_drafter(seed=5, draft_vocab_size=300)
@@ -165,7 +166,7 @@ def test_proposer_packs_the_drafter_and_its_draft_head(tiny_target, make_drafter
     with torch.no_grad():
         assert torch.equal(drafter.vocab_logits(feats), before)  # not packed yet: F.linear
     assert not fastlinear.is_packed(drafter)
-    proposer_for(drafter, widths=[2, 1])
+    assert drafter.pack_for_inference() > 0
     assert fastlinear.is_packed(drafter) and sorted(drafter.state_dict()) == keys
     with torch.no_grad():
         after = drafter.vocab_logits(feats)
@@ -174,3 +175,6 @@ def test_proposer_packs_the_drafter_and_its_draft_head(tiny_target, make_drafter
     x = feats.clone().requires_grad_(True)
     drafter.vocab_logits(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+    off = load_target(TargetConfig(random_init=True, fast_linear="off"))
+    plain = build_drafter("parallelspec", {"num_mask_tokens": 2}, off)
+    assert plain.pack_for_inference() == 0 and not fastlinear.is_packed(plain)

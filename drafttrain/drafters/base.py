@@ -305,14 +305,17 @@ class Drafter(nn.Module):
 
     def pack_for_inference(self) -> int:
         """Run the drafter's own linear layers and its draft-vocabulary head on oneDNN prepacked weights
-        (:mod:`drafttrain.fastlinear`), for inference only: under autograd they fall back to ``F.linear``,
-        parameters and ``state_dict`` are unchanged. A drafting step at batch 1 spends much of its time in
-        these small-M matmuls (docs/benchmarks/draft_cost.md). Idempotent.
+        (:mod:`drafttrain.fastlinear`) when the target's are (``target.fast_linear``). A drafting step at
+        batch 1 spends much of its time in these small-M matmuls (docs/benchmarks/draft_cost.md).
+        Parameters and ``state_dict`` are unchanged and autograd falls back to ``F.linear``, but the
+        packed copies only follow in-place updates that bump a parameter's version (DeepSpeed writes
+        ``param.data``): call it on a drafter that is done training (the evaluation entry points and the
+        final evaluation of a run do), never in the middle of a run. Idempotent.
 
         Returns:
-            the number of layers packed now (0 when oneDNN is not available).
+            the number of layers packed now (0 when the target is not packed or oneDNN is not available).
         """
-        if not fastlinear.available():
+        if not (fastlinear.available() and isinstance(self.shared.lm_head, fastlinear.PackedLinear)):
             return 0
         self.__dict__["_packed_inference"] = True
         return fastlinear.pack_linears(self)

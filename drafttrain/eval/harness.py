@@ -97,13 +97,17 @@ def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 def load_drafter(c: EvalConfig, ddir: Path | None, target):
     """The checkpoint's drafter in eval mode, or (no checkpoint, ``untrained_drafter``) a fresh
-    ParallelSpec drafter with the default drafter config, seeded by ``c.seed``."""
+    ParallelSpec drafter with the default drafter config, seeded by ``c.seed``; on prepacked weights
+    when the target is (:meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`)."""
     from drafttrain.drafters import Drafter, build_drafter
 
     if ddir is not None:
-        return Drafter.from_pretrained(ddir, target).eval()
-    torch.manual_seed(c.seed)
-    return build_drafter("parallelspec", {}, target).eval()  # its class defaults
+        drafter = Drafter.from_pretrained(ddir, target).eval()
+    else:
+        torch.manual_seed(c.seed)
+        drafter = build_drafter("parallelspec", {}, target).eval()  # its class defaults
+    drafter.pack_for_inference()  # inference only: prepacked like the target (target.fast_linear)
+    return drafter
 
 
 def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:

@@ -736,18 +736,10 @@ def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | Non
     ``sssd_nodes`` per tree) are merged into the drafter's trees under greedy decoding
     (:class:`~drafttrain.verify.hybrid.HybridProposer`; inside the planner when ``plan``).
 
-    When the target's linear layers run on oneDNN prepacked weights (``target.fast_linear``,
-    :mod:`drafttrain.fastlinear`), the drafter's own linear layers are packed too (in place, inference
-    only: :meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`; docs/benchmarks/draft_cost.md).
-
     Returns:
         a :class:`Proposer` whose ``name`` is the drafter's (``+sssd`` with ``sssd``) and whose
         ``feature_layers`` are the drafter's.
     """
-    from drafttrain import fastlinear
-
-    if isinstance(drafter.shared.lm_head, fastlinear.PackedLinear):  # the target runs packed: so does the drafter
-        drafter.pack_for_inference()
     if drafter.spec.drafting == "autoregressive":
         prop = EagleProposer(drafter, choices=choices, budget=budget, widths=widths, batched=batched)
     else:
