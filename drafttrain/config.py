@@ -675,7 +675,7 @@ class EvalConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
     plain_mode: str = "unpadded_kv"  # engine mode of the plain-decoding baseline
-    pack_inputs: str = "auto"  # unpadded mode: auto (pack only when the rows' input counts differ) | always
+    pack_inputs: str = "auto"  # unpadded mode: auto (plain steps batched [B, 1], tree steps packed) | always
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off; else only the k most probable tokens (applied before top_p; MTAD App. F uses 20)

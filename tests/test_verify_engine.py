@@ -415,3 +415,38 @@ def test_batched_drafting_equals_propose_per_sequence(target, prompts, continuat
             for prop in (batched, single):
                 prop.commit(s, toks, hid)
             done[s] += m
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [3, 0, 2]], ids=["contiguous", "gathered"])
+def test_ragged_attention_one_call_equals_per_sequence(rows):
+    """The one-call packed attention (queries gathered to [B, h, q_max, hd], grouped heads) gives the
+    per-sequence loop's output (EMS-SD Algorithm 2 as written) for unequal inputs per sequence,
+    unequal read lengths, a tree mask and grouped-query heads; rows in cache order use a key view,
+    others a gather."""
+    from drafttrain.verify.cache import RaggedSegments, ragged_attention
+
+    g = torch.Generator().manual_seed(0)
+    h, h_kv, hd, cap = 4, 2, 8, 12
+    q = [3, 1, 4]
+    kv = [7, 5, 12]
+    n = sum(q)
+    starts = [0, 3, 4]
+    query = torch.randn(1, h, n, hd, generator=g)
+    key, value = torch.randn(4, h_kv, cap, hd, generator=g), torch.randn(4, h_kv, cap, hd, generator=g)
+    allowed = torch.zeros(n, cap, dtype=torch.bool)
+    for s, k, m in zip(starts, kv, q):
+        allowed[s : s + m, : k - m] = torch.rand(k - m, generator=g) > 0.3  # committed prefix with holes
+        allowed[s : s + m, k - m : k] = torch.ones(m, m, dtype=torch.bool).tril()  # own new slots
+    mask = torch.zeros(1, 1, n, cap).masked_fill_(~allowed[None, None], torch.finfo(torch.float32).min)
+    outs = {}
+    for batched in (False, True):
+        seg = RaggedSegments(starts, [s + m for s, m in zip(starts, q)], rows, kv, batched=batched)
+        outs[batched] = ragged_attention(None, query, key, value, mask, scaling=0.3, ragged_segments=seg)[0]
+        assert outs[batched].shape == (1, n, h, hd)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+    # and the per-sequence loop itself is attention of each sequence against its own row only
+    s, m, r = starts[2], q[2], rows[2]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s : s + m], key[r : r + 1], value[r : r + 1], attn_mask=mask[:, :, s : s + m], scale=0.3,
+        enable_gqa=True)  # fmt: skip
+    torch.testing.assert_close(outs[True][0, s : s + m], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -20,10 +20,11 @@ Three modes of the same engine (``mode``):
 
 - ``"unpadded"`` (EMS-SD): per-row cache offsets ("unpad KV cache") and all sequences' inputs packed
   into one ``[1, N]`` row ("unpad input tokens"), attention per sequence against its own cache row
-  (:func:`~drafttrain.verify.cache.ragged_attention`). No padding anywhere. With ``pack_inputs="auto"``
-  a step whose rows all have the same number of inputs runs as the equivalent ``[B, q]`` tensor (one
-  batched attention call instead of a per-sequence loop; EMS-SD, too, only unpads the KV cache when
-  every sample predicts the same number of tokens).
+  (:func:`~drafttrain.verify.cache.ragged_attention`, one attention call per layer for the whole batch).
+  No padding anywhere. With ``pack_inputs="auto"`` a step with one input per row (plain decoding, or
+  a batch of one) runs as the equivalent ``[B, 1]`` tensor through the model's own attention, measured
+  ~8% faster there at batch 16; every tree step is packed (at batch 16 with 2-5 inputs per row the
+  packed forward was 20-25% faster than the ``[B, q]`` one, ``docs/benchmarks/forward_cost.md``).
 - ``"unpadded_kv"``: per-row cache offsets, inputs batched as ``[B, q_max]`` (right-padded only if
   tree sizes differ), the model's own attention (sdpa). EMS-SD's "unpad KV cache" ablation.
 - ``"padded"`` (EMS-SD's vanilla baseline): every row writes at one common cache offset W; after
@@ -210,9 +211,9 @@ class SpecEngine:
         initial_capacity: cache slots per row to start with (the cache grows, and in padded mode first
             drops common leading padding, when a step needs more).
         pack_inputs: ``"unpadded"`` mode only. ``"always"``: every forward is packed into ``[1, N]``
-            with per-sequence attention. ``"auto"`` (default): when every row has the same number of
-            inputs the packed input is exactly a ``[B, q]`` tensor, so it runs as one (a single
-            batched sdpa call instead of a per-sequence loop; nothing is padded either way).
+            with per-sequence attention. ``"auto"`` (default): a forward with one input per row (plain
+            decoding) or a single row runs as the equivalent ``[B, q]`` tensor through the model's own
+            attention (faster there); tree steps are packed. Nothing is padded either way.
 
     Raises:
         ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
@@ -594,8 +595,9 @@ class SpecEngine:
     def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
         (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs."""
-        same = len({t.numel() for t in toks}) == 1
-        if self.mode == "unpadded" and not (same and self.pack_inputs == "auto"):
+        q = {t.numel() for t in toks}
+        plain_like = q == {1} or len(toks) == 1  # one input per row, or one row: nothing to pack
+        if self.mode == "unpadded" and not (plain_like and self.pack_inputs == "auto"):
             hidden, feats = self._forward_packed(rows, toks, pos, masks, slots)
         else:
             hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
