@@ -16,9 +16,12 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``priced``: ``full`` with priced probes: a skip run long enough that the unpaid step's measured loss
   is at most 3% of the run's plain time, up to 64 steps;
 - ``average``: ``priced``, and a skip run starts only when drafting does not pay on average at this
-  batch size (moving average of the drafted steps' gain), not after every unpaid step (the default);
+  batch size (moving average of the drafted steps' gain), not after every unpaid step;
 - ``average_flat``: ``average`` with the cost model's old guess beyond what was measured (flat however
-  far, where the default is flat up to double the measured size, then the average cost per input).
+  far, where the default is flat up to double the measured size, then the average cost per input);
+- ``row_probes``: ``average`` where, above two sequences, a probe drafts two of them and judges the
+  whole batch from them (the default planner; every variant above probes the whole batch);
+- ``row_probes_1pct``: ``row_probes`` with a probe budget of 1% of plain decoding's time instead of 3%.
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -40,13 +43,22 @@ from dataclasses import dataclass, field
 from drafttrain.config import TargetConfig
 
 VARIANTS = {
-    "mixed": dict(per_source=False, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False),
-    "per_source": dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False),
-    "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False),
-    "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False),
-    "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True),
+    "mixed": dict(per_source=False, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
+                  probe_rows=None),
+    "per_source": dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
+                       probe_rows=None),
+    "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False,
+                 probe_rows=None),
+    "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False,
+                   probe_rows=None),
+    "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
+                    probe_rows=None),
     "average_flat": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                         explore="flat"),
+                         explore="flat", probe_rows=None),
+    "row_probes": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
+                       probe_rows=2),  # the default SpeculationPlanner
+    "row_probes_1pct": dict(per_source=True, price_overhead=True, probe_budget=0.01, max_skip=64,
+                            skip_on_average=True, probe_rows=2),
 }
 
 
@@ -58,7 +70,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["full", "priced", "average"])
+    variants: list[str] = field(default_factory=lambda: ["full", "average", "row_probes"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -177,8 +189,11 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "`priced` = `full` with priced probes: each skip run long enough that the unpaid step's loss is <= 3% of "
              "the run's plain time, up to 64 steps. The first three keep the doubling skip runs; `tree` = no "
              "planner, the whole tree verified every step; `average` = `priced`, a skip run only when the moving average "
-             "of the drafted steps' gain at this batch size is below 1 (the default); `average_flat` = `average` with the "
-             "cost model flat beyond what was measured (the default: flat up to double, then the average cost per input).", "",
+             "of the drafted steps' gain at this batch size is below 1; `average_flat` = `average` with the "
+             "cost model flat beyond what was measured (the default: flat up to double, then the average cost per input); "
+             "`row_probes` = `average` where, above two sequences, a probe drafts two of them and judges the whole batch "
+             "from them (the default planner; the variants before it probe the whole batch); `row_probes_1pct` = "
+             "`row_probes` with a 1% probe budget.", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:

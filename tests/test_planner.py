@@ -494,3 +494,60 @@ def test_run_interleaved_lock_step():
     assert runs == {"a": ("a", [[7]]), "b": ("b", [[7]])}
     with pytest.raises(ValueError, match="unit"):
         run_interleaved({}, [], unit="batch")
+
+
+def test_row_probes_extrapolate_to_the_whole_batch():
+    """At a batch above probe_rows, a probe drafts probe_rows sequences; whether drafting pays is judged
+    for the whole batch (each drafted node standing for b / drafted of them, drafting priced in proportion):
+    where it pays, the next step drafts every sequence; where it does not, a skip run follows and the next
+    probe again drafts probe_rows sequences."""
+    empty = DraftTree.empty()
+
+    def make(slope, draft_s):
+        p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)
+        p.cost = FixedCost(slope)
+        p.cost.observe(8, 8, 0.0)
+        p.observe_draft(2, draft_s)
+        return p
+
+    p = make(slope=0.01, draft_s=0.02)  # a node costs 1% of a forward; 8 sequences' drafting 0.08 s
+    assert p.draft_rows(8) == 2 and p.draft_rows(2) == 2  # first drafting at b = 8: a row probe
+    keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
+    assert keep[:2] == [[0, 1], [0, 1]] and keep[2:] == [[]] * 6
+    assert p.should_draft(8) and p.draft_rows(8) == 8  # (8 + 4 * 1.7) / (1.08 + 0.16) > 8 / 1: draft them all
+    assert p.draft_cost(8) == pytest.approx(0.08)  # not measured at 8: 2 sequences' time x 4
+    assert p.summary()["row_probes"] == 1
+
+    p = make(slope=0.01, draft_s=0.5)  # drafting dear: 2 s for 8 sequences, the probe's own 2 pay nothing either
+    keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
+    assert not p.should_draft(8)  # a skip run
+    while not p.should_draft(8):
+        pass
+    assert p.draft_rows(8) == 2  # the next probe drafts two again
+    with pytest.raises(ValueError, match="probe_rows"):
+        SpeculationPlanner(probe_rows=0)
+
+
+@pytest.mark.parametrize("slope", [0.0, 50.0])
+def test_planned_engine_row_probes_draft_few_sequences(varied, make_drafter, slope):
+    """Through the engine at batch 4: a drafter that never pays is only ever asked to draft probe_rows
+    sequences (its catch-up for the others is never paid); one that pays drafts the whole batch after the
+    probe; either way the output is plain greedy's."""
+    drafter = make_drafter(seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8, 21, 6, 9)]
+    plain = SpecEngine(varied, PlainProposer(), batch_size=4, max_new_tokens=20, stop_token_ids=-1).run(prompts)
+    inner = ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3)
+    sizes = []
+    orig = inner.draft
+    inner.draft = lambda slots, sampling, generator: (sizes.append(len(slots)), orig(slots, sampling, generator))[1]
+    pl = planner(slope)
+    pl.observe_draft = lambda batch, seconds: None  # drafting free: verification's price alone decides
+    prop = PlannedProposer(inner, pl)
+    run = SpecEngine(varied, prop, batch_size=4, max_new_tokens=20, stop_token_ids=-1).run(prompts)
+    assert [a.tokens for a in run.results] == [p.tokens for p in plain.results]
+    assert sizes and pl.row_probes > 0
+    if slope == 50.0:
+        assert max(sizes) <= 2
+    else:
+        assert max(sizes) == 4

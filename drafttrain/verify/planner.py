@@ -50,6 +50,14 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   beside a ~100 ms forward) is re-tried every few steps, while at batch 16 on a compute-bound CPU,
   where drafting 16 sequences and verifying 16 probe nodes costs about a whole plain step, probes
   come tens of steps apart: a drafter that never pays costs about ``probe_budget`` of plain speed.
+- **Row probes.** Above ``probe_rows`` sequences, a probe drafts only ``probe_rows`` of them (those the
+  drafter already follows first, so a probe's catch-up is the tokens since the last one) and returns
+  empty trees for the others. Whether drafting pays is then
+  judged for the whole batch: each drafted node stands for ``b / probe_rows`` of them, and drafting b
+  sequences is priced at the probe's drafting time scaled in proportion; where that pays, the next step
+  drafts every sequence, else a skip run follows. So at batch 16, where drafting rarely pays on a
+  2-core CPU, a probe no longer pays the drafter's catch-up over all 16 prompts (its first drafting
+  runs the drafter over every prompt and builds every SSSD state: ~0.6 s, 2-3% of a 127-step run).
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
@@ -163,9 +171,13 @@ class SpeculationPlanner:
             set of bins for all (the planner before per-source calibration; ``scripts.bench_planner``).
         price_overhead: add each step's measured overhead to its price; False = forward + drafting
             time only (measured and reported all the same).
+        probe_rows: at a batch size above it, a probe (the first drafting at a batch size, and the first
+            after a skip run) drafts only this many sequences, not the whole batch (module doc,
+            "Row probes"); None = every probe drafts the whole batch (the planner before row probes).
 
     Raises:
-        ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), or an unknown ``explore``.
+        ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
+            ``explore``.
     """
 
     #: names of the node sources other than the drafter (:attr:`DraftTree.sources`) in :meth:`summary`
@@ -175,11 +187,14 @@ class SpeculationPlanner:
 
     def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
-                 skip_on_average: bool = True, explore: str = "double"):  # fmt: skip
+                 skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
             raise ValueError(f"probe_budget must be in (0, 1) or None, got {probe_budget}")
+        if probe_rows is not None and probe_rows < 1:
+            raise ValueError(f"probe_rows must be >= 1 or None, got {probe_rows}")
+        self.probe_rows = None if probe_rows is None else int(probe_rows)
         self.cost = ForwardCostModel(explore=explore)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
@@ -191,7 +206,7 @@ class SpeculationPlanner:
         self.min_gain = float(min_gain)
         self._n: dict[int, list[float]] = {}  # source -> discounted verified nodes per confidence bin
         self._acc: dict[int, list[float]] = {}  # source -> discounted accepted nodes per confidence bin
-        self.draft_seconds: dict[int, float] = {}  # b -> EMA of drafting time
+        self.draft_seconds: dict[int, float] = {}  # sequences drafted -> EMA of drafting time
         self.overhead_seconds: dict[tuple[int, bool], float] = {}  # (b, drafted) -> EMA of a step's other time
         self._skip_left = 0
         self._skip_next = 1
@@ -199,6 +214,7 @@ class SpeculationPlanner:
         self.last_loss = 0.0  # seconds the last unpaid drafted step lost against plain decoding (priced probes)
         # counters (reported by the harness / tests)
         self.steps = self.skipped_steps = self.plain_steps = self.nodes_offered = self.nodes_verified = 0
+        self.row_probes = 0  # drafted steps that drafted only probe_rows sequences
 
     # -- calibration -------------------------------------------------------------------------------
     def _bin(self, raw: float) -> int:
@@ -238,8 +254,28 @@ class SpeculationPlanner:
             self._acc[src][i] += 1.0 if j in on_path else 0.0
 
     def observe_draft(self, batch: int, seconds: float) -> None:
+        """One drafting call's wall time (seconds) for ``batch`` sequences drafted."""
         old = self.draft_seconds.get(batch)
         self.draft_seconds[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def draft_cost(self, rows: int) -> float:
+        """Predicted seconds to draft ``rows`` sequences: measured at that count, else the nearest measured
+        count scaled in proportion (linear in the sequences drafted: a fixed per-call part makes this a
+        slight overestimate above the measured count); 0 when nothing was measured."""
+        if rows in self.draft_seconds:
+            return self.draft_seconds[rows]
+        if not self.draft_seconds:
+            return 0.0
+        near = min(self.draft_seconds, key=lambda r: (abs(r - rows), -r))
+        return self.draft_seconds[near] * rows / near
+
+    def draft_rows(self, batch: int) -> int:
+        """How many of the ``batch`` sequences the next drafted step drafts: ``probe_rows`` for a probe
+        (the first drafting at this batch size, or the first after a skip run) when the batch is larger,
+        else all."""
+        if self.probe_rows is not None and batch > self.probe_rows and (self._probe or batch not in self.gain_average):
+            return self.probe_rows
+        return batch
 
     def observe_overhead(self, batch: int, drafted: bool, seconds: float) -> None:
         """One engine step's wall time outside drafting and the verification forward (seconds, >= 0)."""
@@ -274,8 +310,13 @@ class SpeculationPlanner:
             vals.append((1.0 if p < 0 else vals[p]) / len(kids[p + 1]))
         return vals
 
-    def plan(self, trees: Sequence[DraftTree]) -> tuple[list[list[int]], list[list[float]]]:
+    def plan(self, trees: Sequence[DraftTree], drafted: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """Which nodes of each tree to verify this step.
+
+        Args:
+            trees: one per sequence of the step (an empty tree for a sequence that was not drafted).
+            drafted: sequences drafted (default all); fewer is a row probe: what a step drafting every
+                sequence would gain is extrapolated from the drafted ones (module doc, "Row probes").
 
         Returns:
             (keep, raw): per tree, the kept node indices (ascending, ancestor-closed; [] = plain decoding
@@ -297,7 +338,8 @@ class SpeculationPlanner:
         cands.sort()
         self.nodes_offered += len(cands)
         t_plain = self.cost.predict(b, b)
-        t_draft = self.draft_seconds.get(b, 0.0)
+        drafted = b if drafted is None else int(drafted)
+        t_draft = self.draft_cost(drafted)
         o_plain = self.overhead_seconds.get((b, False), 0.0) if self.price_overhead else 0.0  # a plain step's time outside its forward
         o_spec = self.overhead_seconds.get((b, True), o_plain) if self.price_overhead else 0.0  # a step verifying a tree
         best_k, best_rate, gain = len(cands), None, None  # nothing measured yet: verify everything (explore)
@@ -311,6 +353,13 @@ class SpeculationPlanner:
                 if rate > best_rate:
                     best_k, best_rate = k, rate
             gain = best_rate / plain_rate
+            if drafted < b:  # a row probe: would drafting all b sequences pay? each node stands for b / drafted
+                scale, expected, full = b / drafted, float(b), 0.0
+                t_full = self.draft_cost(b) if b in self.draft_seconds else t_draft * scale
+                for k, (neg_v, *_rest) in enumerate(cands, start=1):
+                    expected -= neg_v * scale
+                    full = max(full, expected / (t_full + self.cost.predict(b, b + round(k * scale)) + o_spec))
+                gain = full / plain_rate
         keep: list[list[int]] = [[] for _ in trees]
         gained = 0.0  # expected accepted nodes of what is verified
         for neg_v, _, i, j in cands[:best_k]:
@@ -328,7 +377,8 @@ class SpeculationPlanner:
         self.nodes_verified += best_k
         if best_k == 0:
             self.plain_steps += 1
-        unpaid = gain is not None and (best_k == 0 or gain < self.min_gain)
+        unpaid = gain is not None and ((best_k == 0 and drafted == b) or gain < self.min_gain)
+        self.row_probes += drafted < b
         if gain is not None:
             avg = self.gain_average.get(b)
             self.gain_average[b] = gain if avg is None else 0.7 * avg + 0.3 * gain
@@ -349,7 +399,7 @@ class SpeculationPlanner:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
-                "drafted_steps": self.steps - self.skipped_steps,
+                "drafted_steps": self.steps - self.skipped_steps, "row_probes": self.row_probes,
                 "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
                 "overhead_ms": {f"b{b}_{'drafted' if d else 'plain'}": round(1e3 * v, 2)
                                 for (b, d), v in sorted(self.overhead_seconds.items())},
@@ -444,12 +494,15 @@ class PlannedProposer:
         if not self.planner.should_draft(b):
             self._step = [t0, b, False, 0.0, None]
             return [DraftTree.empty() for _ in slots]
-        self._flush(slots)  # catching the drafter up (after a skip run: several tokens) is drafting time
-        trees = self.inner.draft(slots, sampling, generator)
+        rows = self.planner.draft_rows(b)
+        drafted = slots if rows >= b else self._probe_slots(slots, rows)
+        self._flush(drafted)  # catching the drafter up (after a skip run: several tokens) is drafting time
+        got = dict(zip(drafted, self.inner.draft(drafted, sampling, generator)))
+        trees = [got[s] if s in got else DraftTree.empty() for s in slots]
         t_draft = time.perf_counter() - t0
-        self.planner.observe_draft(b, t_draft)
+        self.planner.observe_draft(len(drafted), t_draft)
         self._step = [t0, b, True, t_draft, None]
-        keep, raws = self.planner.plan(trees)
+        keep, raws = self.planner.plan(trees, drafted=len(drafted))
         self._step[2] = any(keep)  # a tree was verified: the step's overhead is a drafted step's
         out = []
         for s, t, k, raw in zip(slots, trees, keep, raws):
@@ -457,6 +510,11 @@ class PlannedProposer:
             self._verified[s] = (sub, [raw[j] for j in k])
             out.append(sub)
         return out
+
+    def _probe_slots(self, slots: list[int], rows: int) -> list[int]:
+        """``rows`` of ``slots`` for a row probe: sequences the drafter already follows first (their catch-up
+        is the tokens since their last drafting, not the whole prompt), then the lowest slots."""
+        return sorted(sorted(slots, key=lambda s: (s not in self._inner_live, s))[:rows])
 
     def commit(self, slot, tokens, hidden) -> None:
         ver = self._verified.pop(slot, None)
