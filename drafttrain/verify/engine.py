@@ -21,10 +21,11 @@ Three modes of the same engine (``mode``):
 - ``"unpadded"`` (EMS-SD): per-row cache offsets ("unpad KV cache") and all sequences' inputs packed
   into one ``[1, N]`` row ("unpad input tokens"), attention per sequence against its own cache row
   (:func:`~drafttrain.verify.cache.ragged_attention`, one attention call per layer for the whole batch).
-  No padding anywhere. With ``pack_inputs="auto"`` a step with one input per row (plain decoding, or
-  a batch of one) runs as the equivalent ``[B, 1]`` tensor through the model's own attention, measured
-  ~8% faster there at batch 16; every tree step is packed (at batch 16 with 2-5 inputs per row the
-  packed forward was 20-25% faster than the ``[B, q]`` one, ``docs/benchmarks/forward_cost.md``).
+  No padding anywhere. With ``pack_inputs="auto"`` a step with one input per row (plain decoding) runs
+  as the equivalent ``[B, 1]`` tensor through the model's own attention, measured ~8% faster there at
+  batch 16; every tree step is packed: with 2-9 inputs per row the packed forward was 20-25% faster than
+  the ``[B, q]`` one at batch 16 and 3-4% faster at batch 1 (transformers' sdpa repeats the grouped
+  keys/values of every cache row for more than one query; ours does not).
 - ``"unpadded_kv"``: per-row cache offsets, inputs batched as ``[B, q_max]`` (right-padded only if
   tree sizes differ), the model's own attention (sdpa). EMS-SD's "unpad KV cache" ablation.
 - ``"padded"`` (EMS-SD's vanilla baseline): every row writes at one common cache offset W; after
@@ -212,8 +213,8 @@ class SpecEngine:
             drops common leading padding, when a step needs more).
         pack_inputs: ``"unpadded"`` mode only. ``"always"``: every forward is packed into ``[1, N]``
             with per-sequence attention. ``"auto"`` (default): a forward with one input per row (plain
-            decoding) or a single row runs as the equivalent ``[B, q]`` tensor through the model's own
-            attention (faster there); tree steps are packed. Nothing is padded either way.
+            decoding) runs as the equivalent ``[B, 1]`` tensor through the model's own attention (faster
+            there); tree steps are packed. Nothing is padded either way.
 
     Raises:
         ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
@@ -595,9 +596,8 @@ class SpecEngine:
     def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
         (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs."""
-        q = {t.numel() for t in toks}
-        plain_like = q == {1} or len(toks) == 1  # one input per row, or one row: nothing to pack
-        if self.mode == "unpadded" and not (plain_like and self.pack_inputs == "auto"):
+        plain = {t.numel() for t in toks} == {1}  # one input per row: [B, 1] through the model's own attention
+        if self.mode == "unpadded" and not (plain and self.pack_inputs == "auto"):
             hidden, feats = self._forward_packed(rows, toks, pos, masks, slots)
         else:
             hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
