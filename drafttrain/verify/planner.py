@@ -97,27 +97,43 @@ class ForwardCostModel:
         self.window = int(window)
         self.explore = explore
         self._obs: dict[int, dict[int, deque]] = {}  # b -> M -> recent seconds
+        self._tables: dict[int, dict[int, float]] = {}  # b -> measured(b), until the next observation at b
+        self._slopes: dict[int, float | None] = {}  # b -> marginal(b), until the next observation
 
     def observe(self, batch: int, inputs: int, seconds: float) -> None:
         self._obs.setdefault(int(batch), {}).setdefault(int(inputs), deque(maxlen=self.window)).append(float(seconds))
+        self._tables.pop(int(batch), None)
+        self._slopes.clear()
 
     def measured(self, batch: int) -> dict[int, float]:
         """{M: median seconds} measured at batch size ``batch``."""
-        return {m: statistics.median(d) for m, d in sorted(self._obs.get(int(batch), {}).items())}
+        return dict(self._table(batch))
+
+    def _table(self, batch: int) -> dict[int, float]:
+        """measured(batch), cached until the next observation (the planner asks for every candidate tree
+        size of every step)."""
+        table = self._tables.get(int(batch))
+        if table is None:
+            table = {m: statistics.median(d) for m, d in sorted(self._obs.get(int(batch), {}).items())}
+            self._tables[int(batch)] = table
+        return table
 
     def marginal(self, batch: int) -> float | None:
         """Seconds per extra input beyond the plain forward, from the batch size nearest to ``batch`` that
         has both t(b', b') and a larger measured size (None when none has)."""
+        if batch in self._slopes:
+            return self._slopes[batch]
         best = None
         for b2, obs in self._obs.items():
             if b2 in obs and max(obs) > b2:
-                table = self.measured(b2)
+                table = self._table(b2)
                 top = max(table)
                 slope = max(0.0, (table[top] - table[b2]) / (top - b2))
                 key = (abs(b2 - batch), -b2)
                 if best is None or key < best[0]:
                     best = (key, slope)
-        return None if best is None else best[1]
+        self._slopes[batch] = None if best is None else best[1]
+        return self._slopes[batch]
 
     def predict(self, batch: int, inputs: int) -> float | None:
         """Seconds for (b, M): the median where measured, linear between measured M; beyond the largest
@@ -129,7 +145,7 @@ class ForwardCostModel:
         average cost per input (compute-bound: at batch 16 a first full-tree verification of ~200
         inputs would cost ~5 plain steps to learn what 16 extra inputs show); None when nothing was
         measured at this batch size."""
-        table = self.measured(batch)
+        table = self._table(batch)
         if not table:
             return None
         ms = list(table)
