@@ -48,6 +48,8 @@ Shape letters: P prompt length, d hidden, v vocab, K mask tokens, n tree nodes.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -196,21 +198,30 @@ def _new_items_layout(drafter, cache, slots, states):
     ``["feats"]`` [n_i, F]), each followed by the drafter's ``draft_inputs()`` (ParallelSpec's K [MASK]
     inputs; K = 0 for EAGLE), in ParallelSpec's inference layout (:func:`drafttrain.layout.inference_layout`)
     at the row's own offset. Returns (xs, pos, masks, slot_ids, n) for :func:`_ragged_decode`."""
-    from drafttrain.layout import inference_layout
-
     extra = drafter.draft_inputs()  # [K, d]
     num_mask_tokens = extra.shape[0]
     n = [st["ids"].numel() for st in states]
     u = drafter.items(torch.cat([st["ids"] for st in states])[None], torch.cat([st["feats"] for st in states])[None])[0]
     xs, pos, masks, slot_ids = [], [], [], []
-    for slot, ui, ni in zip(slots, torch.split(u, n), n):
-        past = int(cache.lengths[slot])
-        p, m = inference_layout(ni, num_mask_tokens, dtype=torch.float32, past=past)
+    lengths = cache.lengths[list(slots)].tolist()
+    for ui, ni, past in zip(torch.split(u, n), n, lengths):
+        p, m = _own_layout(ni, num_mask_tokens)
         xs.append(torch.cat([ui, extra.to(ui.dtype)]) if num_mask_tokens else ui)  # [n_i + K, d]
-        pos.append(p[0].to(u.device))
-        masks.append(m[0, 0, :, past:] == 0)  # [q_i, q_i] this call's own part
+        pos.append((p + past).to(u.device))
+        masks.append(m.to(u.device))  # [q_i, q_i] this call's own part (read only)
         slot_ids.append(past + torch.arange(ni + num_mask_tokens, device=u.device))
     return xs, pos, masks, slot_ids, n
+
+
+@functools.lru_cache(maxsize=256)
+def _own_layout(num_items: int, num_mask_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`drafttrain.layout.inference_layout` at ``past = 0`` as (positions [q] int64, mask [q, q] bool):
+    the part of a drafting step's layout that does not depend on the cached items (positions shift by
+    ``past``; the cached items are all visible), built once per (items, K). Shared: never modify."""
+    from drafttrain.layout import inference_layout
+
+    p, m = inference_layout(num_items, num_mask_tokens, dtype=torch.float32, past=0)
+    return p[0], m[0, 0] == 0
 
 
 def _commit_new_items(cache, slots, states, n) -> list[int]:
