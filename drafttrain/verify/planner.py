@@ -371,7 +371,7 @@ class SpeculationPlanner:
             gain = best_rate / plain_rate
             if drafted < b:  # a row probe: would drafting all b sequences pay? each node stands for b / drafted
                 scale, expected, full = b / drafted, float(b), 0.0
-                t_full = self.draft_cost(b) if b in self.draft_seconds else t_draft * scale
+                t_full = self.draft_cost(b)  # measured at b, else scaled from the nearest measured count
                 for k, (neg_v, *_rest) in enumerate(cands, start=1):
                     expected -= neg_v * scale
                     full = max(full, expected / (t_full + self.cost.predict(b, b + round(k * scale)) + o_spec))
