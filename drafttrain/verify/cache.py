@@ -74,7 +74,7 @@ class RaggedSegments:
     batched: bool = True
     _plan: dict | None = None  # built on the first layer's call, reused by the others
 
-    def gather_plan(self, attention_mask: torch.Tensor, n_cache_rows: int) -> dict:
+    def gather_plan(self, attention_mask: torch.Tensor) -> dict:
         """Index tensors of the one-call attention (cached for the forward; every layer gets the same mask).
 
         Returns a dict with ``q_idx`` [B, q_max] int64 packed-token index of each (sequence, query slot)
@@ -375,7 +375,8 @@ def ragged_attention(
 
     Without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
     sequence's queries attend to its own cache row only. ``ragged_segments.batched`` (default) runs
-    that as ONE sdpa call: the queries are gathered into ``[B, h, q_max, hd]`` (a sequence with fewer
+    that as ONE attention call per layer (sdpa for one query per sequence, else :func:`_grouped_attention`):
+    the queries are gathered into ``[B, h, q_max, hd]`` (a sequence with fewer
     than q_max inputs repeats its last query; those outputs are dropped) against ``keys[rows, :, :kv_max]``
     with each token's own mask row, so a step of 16 sequences costs one attention call per layer
     instead of 16 (measured at batch 16, one 2-token tree among 1-token rows: 195 -> ~158 ms per
@@ -397,7 +398,7 @@ def ragged_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     seg = ragged_segments
     if seg.batched and len(seg.starts) > 1:  # one call for the whole batch (plan built once per forward)
-        plan = seg.gather_plan(attention_mask, key.shape[0])
+        plan = seg.gather_plan(attention_mask)
         kv, rows = plan["kv_max"], plan["rows"]
         k = key[rows, :, :kv] if isinstance(rows, slice) else key.index_select(0, rows)[:, :, :kv]
         v = value[rows, :, :kv] if isinstance(rows, slice) else value.index_select(0, rows)[:, :, :kv]
