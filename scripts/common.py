@@ -130,22 +130,15 @@ def load_drafter(target, checkpoint: str | None, seed: int = 0, pack: bool = Tru
     Raises:
         FileNotFoundError: no drafter in ``checkpoint``.
     """
-    import torch
     from omegaconf import OmegaConf
 
-    from drafttrain.drafters import Drafter, build_drafter
-    from drafttrain.eval.harness import _drafter_dir
+    from drafttrain.eval.harness import _drafter_dir, inference_drafter
 
     if checkpoint:
-        drafter = Drafter.from_pretrained(_drafter_dir(Path(checkpoint).expanduser()), target).eval()
-    else:
-        torch.manual_seed(seed)
-        cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
-        cfg.pop("name", None)
-        drafter = build_drafter("parallelspec", cfg, target).eval()
-    if pack:
-        drafter.pack_for_inference()
-    return drafter
+        return inference_drafter(target, _drafter_dir(Path(checkpoint).expanduser()), pack=pack)
+    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
+    cfg.pop("name", None)
+    return inference_drafter(target, None, untrained_config=cfg, seed=seed, pack=pack)
 
 
 # ==================================================================================================

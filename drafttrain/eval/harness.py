@@ -97,16 +97,25 @@ def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 def load_drafter(c: EvalConfig, ddir: Path | None, target):
     """The checkpoint's drafter in eval mode, or (no checkpoint, ``untrained_drafter``) a fresh
-    ParallelSpec drafter with the default drafter config, seeded by ``c.seed``; on prepacked weights
-    when the target is (:meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`)."""
+    ParallelSpec drafter with its class defaults, seeded by ``c.seed`` (:func:`inference_drafter`)."""
+    return inference_drafter(target, ddir, untrained_config={}, seed=c.seed)
+
+
+def inference_drafter(target, ddir: Path | None, untrained_config: dict | None = None, seed: int = 0,
+                      pack: bool = True):  # fmt: skip
+    """A drafter ready to draft: ``Drafter.from_pretrained(ddir)`` in eval mode, or (``ddir`` None) a fresh
+    ParallelSpec drafter built from ``untrained_config`` (``{}``: the class defaults) under ``seed``; with
+    ``pack``, on prepacked weights when the target is (:meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`).
+    Shared by the evaluation harness and the benchmark scripts (``scripts.common.load_drafter``)."""
     from drafttrain.drafters import Drafter, build_drafter
 
     if ddir is not None:
         drafter = Drafter.from_pretrained(ddir, target).eval()
     else:
-        torch.manual_seed(c.seed)
-        drafter = build_drafter("parallelspec", {}, target).eval()  # its class defaults
-    drafter.pack_for_inference()  # inference only: prepacked like the target (target.fast_linear)
+        torch.manual_seed(seed)
+        drafter = build_drafter("parallelspec", dict(untrained_config or {}), target).eval()
+    if pack:
+        drafter.pack_for_inference()  # inference only: prepacked like the target (target.fast_linear)
     return drafter
 
 
