@@ -450,3 +450,37 @@ def test_ragged_attention_one_call_equals_per_sequence(rows):
         query[:, :, s : s + m], key[r : r + 1], value[r : r + 1], attn_mask=mask[:, :, s : s + m], scale=0.3,
         enable_gqa=True)  # fmt: skip
     torch.testing.assert_close(outs[True][0, s : s + m], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "tree"])
+def test_ragged_attention_prefill_causal_kernel(causal):
+    """A packed prefill (every sequence's inputs are its whole row) with a plain causal mask runs as
+    sdpa's is_causal kernel and equals the per-sequence loop, although the slots past a shorter
+    sequence's end hold large stale values (finite, as in the zero-initialised cache a refilled row
+    reuses); a non-causal mask of the same shape is not taken for causal."""
+    from drafttrain.verify.cache import RaggedSegments, ragged_attention
+
+    g = torch.Generator().manual_seed(1)
+    h, h_kv, hd, cap = 6, 2, 8, 10
+    q = [5, 2, 7]
+    n, starts = sum(q), [0, 5, 7]
+    query = torch.randn(1, h, n, hd, generator=g)
+    key, value = torch.randn(3, h_kv, cap, hd, generator=g), torch.randn(3, h_kv, cap, hd, generator=g)
+    for r, m in enumerate(q):  # slots past a sequence's inputs: stale values no real query may read
+        key[r, :, m:], value[r, :, m:] = 50.0, 1e4
+    allowed = torch.zeros(n, cap, dtype=torch.bool)
+    for s, m in zip(starts, q):
+        own = torch.ones(m, m, dtype=torch.bool).tril()
+        if not causal:
+            own[m - 1, 0] = False  # a tree-like hole: the last input does not see the first
+        allowed[s : s + m, :m] = own
+    mask = torch.zeros(1, 1, n, cap).masked_fill_(~allowed[None, None], torch.finfo(torch.float32).min)
+    outs = {}
+    for batched in (False, True):
+        seg = RaggedSegments(starts, [s + m for s, m in zip(starts, q)], [0, 1, 2], list(q), batched=batched)
+        outs[batched] = ragged_attention(None, query, key, value, mask, scaling=0.3, ragged_segments=seg)[0]
+        if batched:
+            assert seg.gather_plan(mask)["causal"] is causal
+    assert outs[True].abs().max() < 100
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+

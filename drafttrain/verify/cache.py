@@ -80,9 +80,11 @@ class RaggedSegments:
         Returns a dict with ``q_idx`` [B, q_max] int64 packed-token index of each (sequence, query slot)
         (slots past a sequence's end repeat its last token: their outputs are dropped, and no query row is
         fully masked), ``out_idx`` [N] int64 index of each packed token in the flattened [B * q_max]
-        output, ``mask`` [B, 1, q_max, kv_max] the additive mask rows of those tokens, ``kv_max``, and
+        output, ``mask`` [B, 1, q_max, kv_max] the additive mask rows of those tokens, ``kv_max``,
         ``rows`` (a ``slice`` when the sequences are the cache rows r0, r0 + 1, ... in order: the keys
-        are then a view, else an int64 tensor to gather them with)."""
+        are then a view, else an int64 tensor to gather them with) and ``causal``: True when every
+        sequence's inputs are its whole row (``kv_len`` = its input count, a prefill) and the mask is
+        plain causal over them, so attention can run as sdpa's ``is_causal`` kernel without the mask."""
         if self._plan is not None and self._plan["mask_id"] is attention_mask:
             return self._plan
         dev = attention_mask.device
@@ -96,8 +98,12 @@ class RaggedSegments:
         mask = attention_mask[0, 0, :, :kv_max][q_idx][:, None]  # [B, 1, q_max, kv_max]
         r0 = self.rows[0]
         rows = slice(r0, r0 + b) if self.rows == list(range(r0, r0 + b)) else torch.tensor(self.rows, device=dev)
+        causal = False
+        if q == list(self.kv_lens) and q_max > 1:  # every sequence starts from an empty row: a prefill?
+            real = j[None, :] < (ends - starts)  # [B, q_max] the real queries
+            causal = bool((((mask[:, 0] == 0) == torch.ones(q_max, kv_max, dtype=torch.bool, device=dev).tril()) | ~real[:, :, None]).all())
         self._plan = {"mask_id": attention_mask, "q_idx": q_idx, "out_idx": out_idx, "mask": mask,
-                      "kv_max": kv_max, "rows": rows}  # fmt: skip
+                      "kv_max": kv_max, "rows": rows, "causal": causal}  # fmt: skip
         return self._plan
 
 
@@ -403,7 +409,15 @@ def ragged_attention(
         k = key[rows, :, :kv] if isinstance(rows, slice) else key.index_select(0, rows)[:, :, :kv]
         v = value[rows, :, :kv] if isinstance(rows, slice) else value.index_select(0, rows)[:, :, :kv]
         qb = query[0][:, plan["q_idx"]].transpose(0, 1)  # [h, B, q_max, hd] -> [B, h, q_max, hd]
-        if qb.shape[2] == 1:  # one query per sequence: the fused kernel is as fast as anything
+        if plan["causal"]:  # a packed prefill: sdpa's causal kernel, no mask, no masked-out work
+            # Real query j of a sequence sees its keys 0..j (< its length); the repeated queries past
+            # its end see other slots, and their outputs are dropped. Measured on the 2-core CPU, the
+            # engine prefilling 47 ShareGPT prompts (up to 218 tokens) at once: 12.4 / 11.4 -> 9.1 / 8.5 s
+            # against _grouped_attention with the materialised mask (64 x 200 tokens: 69 vs 177 ms a layer).
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qb, k, v, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+            )
+        elif qb.shape[2] == 1:  # one query per sequence: the fused kernel is as fast as anything
             out = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, attn_mask=plan["mask"], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )  # [B, h, q_max, hd]
