@@ -101,7 +101,8 @@ class RaggedSegments:
         causal = False
         if q == list(self.kv_lens) and q_max > 1:  # every sequence starts from an empty row: a prefill?
             real = j[None, :] < (ends - starts)  # [B, q_max] the real queries
-            causal = bool((((mask[:, 0] == 0) == torch.ones(q_max, kv_max, dtype=torch.bool, device=dev).tril()) | ~real[:, :, None]).all())
+            tril = torch.ones(q_max, kv_max, dtype=torch.bool, device=dev).tril()  # query j sees keys 0..j
+            causal = bool((((mask[:, 0] == 0) == tril) | ~real[:, :, None]).all())
         self._plan = {"mask_id": attention_mask, "q_idx": q_idx, "out_idx": out_idx, "mask": mask,
                       "kv_max": kv_max, "rows": rows, "causal": causal}  # fmt: skip
         return self._plan
