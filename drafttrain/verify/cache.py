@@ -382,7 +382,8 @@ def ragged_attention(
 
     Without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
     sequence's queries attend to its own cache row only. ``ragged_segments.batched`` (default) runs
-    that as ONE attention call per layer (sdpa for one query per sequence, else :func:`_grouped_attention`):
+    that as ONE attention call per layer (sdpa for one query per sequence, sdpa's causal kernel for a
+    packed prefill, else :func:`_grouped_attention`):
     the queries are gathered into ``[B, h, q_max, hd]`` (a sequence with fewer
     than q_max inputs repeats its last query; those outputs are dropped) against ``keys[rows, :, :kv_max]``
     with each token's own mask row, so a step of 16 sequences costs one attention call per layer
