@@ -19,6 +19,37 @@ def test_bench_forward_cost_writes_page(tmp_path, tiny_target):
     assert "python -m scripts.bench_forward_cost" in md and "| 2 | 2 |" in md
 
 
+def test_bench_compile_writes_page(tmp_path, tiny_target):
+    """Every variant on the tiny target at 1 and 2 tokens: timed, each compiled one's first call (its compile) kept,
+    numerics against eager F.linear recorded, a variant that fails to compile reported, not raised; the page
+    names each variant."""
+    from scripts.bench_compile import main
+
+    out = tmp_path / "compile"
+    res = main(["target.random_init=true", "tokens=[1,2]", "context=8", "repeats=2", "threads=1", f"out={out}"])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 2]
+    assert res["variants"] == ["eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed"]
+    for r in rows:
+        for name in ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic"):
+            assert r[name]["ms"] > 0 and r[name]["argmax_equal"], (name, r[name])
+            assert r[name]["max_abs_logit_diff"] < 1e-3
+        assert r["eager_plain"]["max_abs_logit_diff"] == 0.0
+        assert all(r[n]["first_call_s"] > 0 for n in ("compiled_freezing", "compiled_dynamic"))  # compile time kept
+        assert "ms" in r["compiled_packed"] or r["compiled_packed"]["error"]  # timed, or its compile error kept
+    md = out.with_suffix(".md").read_text()
+    assert "python -m scripts.bench_compile" in md and "| 2 |" in md and "compiled_freezing ms" in md
+
+
+def test_bench_compile_rejects_unknown_variant(tmp_path):
+    import pytest
+
+    from scripts.bench_compile import main
+
+    with pytest.raises(ValueError, match="variants"):
+        main(["target.random_init=true", "variants=[eager_plain,compiled_max]", f"out={tmp_path / 'c'}"])
+
+
 def test_bench_draft_cost_writes_page(tmp_path, tiny_target):
     from scripts.bench_draft_cost import main
 

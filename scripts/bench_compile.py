@@ -1,0 +1,214 @@
+"""Does ``torch.compile`` make the target's forward cheaper on this CPU? Eager vs compiled, side by side.
+
+    python -m scripts.bench_compile
+
+Issue 16 item 1 asks for a k-token target forward close to a one-token one, "prepacked weights,
+``torch.compile`` with freezing, or better". The engine uses prepacked weights (:mod:`drafttrain.fastlinear`);
+this script measures the other option on the same weights, so the choice rests on numbers.
+
+What is timed: the target's own forward (the Hugging Face model, batch 1, a ``StaticCache`` holding
+``context`` committed tokens, k new tokens under the causal mask, logits at every input: the cost of a
+plain step (k = 1) or of verifying a k - 1 chain) in four variants, interleaved call by call, medians
+of ``repeats`` calls:
+
+- ``eager_plain``: eager, the linear layers as loaded (``F.linear``: MKL sgemm on the CPU wheel);
+- ``eager_packed``: eager on oneDNN prepacked linears (``target.fast_linear=auto``, the engine's default);
+- ``compiled_freezing``: ``torch.compile`` (inductor, static shapes) of the plain model with inductor's
+  ``freezing`` on, the CPU inference mode in which inductor folds the weights as constants and prepacks
+  the linear layers itself (for float32 on x86 with static shapes: MKL's packed sgemm, ``mkl._mkl_linear``);
+- ``compiled_dynamic``: the same with dynamic shapes (``dynamic=True``): one graph for every input length,
+  and with a symbolic row count inductor's freezing packs the linear layers for oneDNN instead
+  (``mkldnn._linear_pointwise``, the op of ``eager_packed``), fused with the pointwise ops around them;
+- ``compiled_packed``: ``torch.compile`` (no freezing) of the model on prepacked linears, so that inductor
+  could only add pointwise fusion around our oneDNN calls.
+
+Each compiled variant's first call per shape is its compile time (a new input length or a new batch
+size is a new graph under static shapes). A variant that fails to compile is reported with its error and
+left out of the timing. Numerics: the largest |logit difference| from ``eager_plain`` and whether the
+argmax agrees at every input.
+
+This is the best case for compilation: static shapes and transformers' own sdpa attention. The engine's
+verification forward adds a ragged cache, per-step tree masks and per-step shapes (input count and cache
+length change every step), which a compiled graph would have to guard on or recompile for.
+
+Writes ``<out>.json`` and ``<out>.md`` (a hand-written section between ``<!-- analysis -->`` markers is kept).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafttrain.config import TargetConfig
+
+VARIANTS = ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed")
+
+
+@dataclass
+class BenchCompileConfig:
+    """Schema of ``python -m scripts.bench_compile`` (key=value overrides, validated before any work)."""
+
+    tokens: list[int] = field(default_factory=lambda: [1, 3, 9])  # new tokens per forward (batch 1); each is a graph
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    context: int = 200  # committed tokens in the cache
+    repeats: int = 10  # timed calls per point and variant (interleaved), after the first (compile / warm-up) call
+    threads: int = 2  # torch intra-op threads
+    seed: int = 0
+    out: str = "docs/benchmarks/compile"
+    target: TargetConfig = field(default_factory=TargetConfig)  # the target (fast_linear is set per variant)
+
+
+class _Variant:
+    """One way of running the forward: a model, its own prefilled ``StaticCache``, and the callable."""
+
+    def __init__(self, name: str, model, context: int, prompt: torch.Tensor):
+        from transformers import StaticCache
+
+        self.name, self.model, self.context = name, model, context
+        self.cache = StaticCache(config=model.config, max_cache_len=context + 128)
+        with torch.no_grad():
+            model(input_ids=prompt, cache=self.cache, use_cache=True)
+        self.fn = model
+        self.freezing = False
+        if name.startswith("compiled"):
+            # two compiled models x several shapes share transformers' wrapper code objects: dynamo's default of
+            # 8 graphs per code object would fall back to eager (or recompile) mid-measurement
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.fn = torch.compile(model, dynamic=name == "compiled_dynamic")
+            self.freezing = name in ("compiled_freezing", "compiled_dynamic")
+        self.error: str | None = None
+        self.compile_s: dict[int, float] = {}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [1, k, v] of the k tokens ``ids`` [1, k] after the cached context (the same slots every call:
+        the cache is cropped back to ``context`` tokens after each forward)."""
+        import torch._inductor.config as inductor_config
+
+        k = ids.shape[1]
+        pos = torch.arange(self.context, self.context + k)[None]
+        with torch.no_grad(), inductor_config.patch(freezing=self.freezing):
+            logits = self.fn(input_ids=ids, cache=self.cache, position_ids=pos, use_cache=True).logits
+        self.cache.crop(-k)  # back to the committed context: the next call overwrites the same slots
+        return logits
+
+
+def bench(cfg: BenchCompileConfig) -> dict:
+    from drafttrain.target import load_target
+
+    unknown = sorted(set(cfg.variants) - set(VARIANTS))
+    if unknown or not cfg.variants:
+        raise ValueError(f"variants must be a non-empty subset of {list(VARIANTS)}, got {cfg.variants}")
+    if not cfg.tokens or min(cfg.tokens) < 1 or max(cfg.tokens) > 128:
+        raise ValueError(f"tokens must be in 1..128, got {cfg.tokens}")
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    def model(name: str):  # each variant its own copy of the weights: two compiled wrappers of one module
+        # would share dynamo's per-code-object cache entries (a graph compiled for one could serve the other)
+        fl = "auto" if "packed" in name else "off"
+        return load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": fl})).model.eval()
+
+    names = ["eager_plain"] + [v for v in cfg.variants if v != "eager_plain"]  # the numerics' reference first
+    models = {v: model(v) for v in names}
+    vocab = models["eager_plain"].config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(3, vocab - 1, (1, cfg.context), generator=g)
+    variants = [_Variant(v, models[v], cfg.context, prompt) for v in names]
+    rows = []
+    for k in cfg.tokens:
+        ids = torch.randint(3, vocab - 1, (1, k), generator=g)
+        logits = {}
+        for v in variants:  # first call: the compile (or warm-up) of this shape
+            if v.error:
+                continue
+            t = time.perf_counter()
+            try:
+                logits[v.name] = v(ids).float()
+            except Exception as e:  # noqa: BLE001 - a variant that cannot compile is a result, not a crash
+                msg = " ".join(ln.strip() for ln in str(e).strip().splitlines()[:3] if ln.strip())
+                v.error = f"{type(e).__name__}: {msg[:300]}"
+                torch._dynamo.reset()
+                print(f"{v.name}: failed to compile: {v.error}", flush=True)
+                continue
+            v.compile_s[k] = time.perf_counter() - t
+        ref = logits["eager_plain"]
+        times = {v.name: [] for v in variants if not v.error}
+        live = [v for v in variants if not v.error]
+        for rep in range(cfg.repeats):
+            for v in live if rep % 2 == 0 else live[::-1]:  # alternate who goes first
+                t = time.perf_counter()
+                v(ids)
+                times[v.name].append(1000 * (time.perf_counter() - t))
+        row = {"tokens": k}
+        for v in variants:
+            if v.name in times:
+                row[v.name] = {"ms": statistics.median(times[v.name]), "first_call_s": v.compile_s.get(k),
+                               "max_abs_logit_diff": float((logits[v.name] - ref).abs().max()),
+                               "argmax_equal": bool((logits[v.name].argmax(-1) == ref.argmax(-1)).all())}  # fmt: skip
+            else:
+                row[v.name] = {"error": v.error}
+        rows.append(row)
+        print(f"tokens {k:3d}: " + "  ".join(f"{n} {r['ms']:7.1f} ms" for n, r in row.items() if isinstance(r, dict) and "ms" in r),
+              flush=True)  # fmt: skip
+    return {"rows": rows, "variants": names, "errors": {v.name: v.error for v in variants if v.error},
+            "target": cfg.target.__dict__}  # fmt: skip
+
+
+def markdown(res: dict, command: str, analysis: str) -> str:
+    m, rows, names = res["machine"], res["rows"], res["variants"]
+    shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
+    lines = [
+        "# `torch.compile` vs eager for the target's forward (CPU)",
+        "",
+        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
+        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        + (" and the machine was **shared with other jobs** (times inflated and noisy)." if shared else "."),
+        "",
+        f"Target: {res['target'].get('name')}; batch 1, {res['config']['context']} committed tokens in a `StaticCache`, "
+        "k new tokens, logits at every input (k = 1: a plain decoding step; k = 9: verifying 8 drafts). "
+        "**eager_plain** = `F.linear` as loaded; **eager_packed** = oneDNN prepacked linears (`target.fast_linear=auto`, "
+        "the engine's default); **compiled_freezing** = `torch.compile` (inductor, static shapes) of the plain model "
+        "with `freezing` on (MKL packed sgemm); **compiled_dynamic** = the same with dynamic shapes (one graph for every length; the linears then on oneDNN); **compiled_packed** = `torch.compile` of the prepacked model. Interleaved call by call, "
+        f"median of {res['config']['repeats']} calls; \"first call\" = the compile of that shape (eager: warm-up).",
+        "",
+        "| tokens | " + " | ".join(f"{n} ms" for n in names) + " | first call s (" + ", ".join(names) + ") | max abs logit diff vs eager_plain | argmax equal |",
+        "|---|" + "---|" * (len(names) + 3),
+    ]  # fmt: skip
+    for r in rows:
+        ms, first, diff, eq = [], [], [], []
+        for n in names:
+            c = r[n]
+            if "error" in c:
+                ms.append("failed")
+                first.append("-")
+                continue
+            ms.append(f"{c['ms']:.1f}")
+            first.append(f"{c['first_call_s']:.1f}")
+            if n != "eager_plain":
+                diff.append(f"{n}: {c['max_abs_logit_diff']:.1e}")
+                eq.append(f"{n}: {'yes' if c['argmax_equal'] else 'no'}")
+        lines.append(f"| {r['tokens']} | " + " | ".join(ms) + f" | {', '.join(first)} | {'; '.join(diff)} | {'; '.join(eq)} |")
+    by_k = {r["tokens"]: r for r in rows}
+    if 1 in by_k and len(by_k) > 1:
+        top = max(by_k)
+        ratios = [f"{n} {by_k[top][n]['ms'] / by_k[1][n]['ms']:.2f}x" for n in names if "ms" in by_k[1][n] and "ms" in by_k[top][n]]
+        lines += ["", f"{top}-token forward over the same variant's 1-token forward: " + ", ".join(ratios) + "."]
+    for n, err in res["errors"].items():
+        lines += ["", f"**{n} did not compile:** `{err}`"]
+    lines += ["", "Reproduce (from the repository root; each compiled shape takes minutes on a 2-core machine):", "",
+              "```bash", command, "```", "", analysis, ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from scripts.common import run_bench
+
+    return run_bench(BenchCompileConfig, bench, markdown, "bench_compile", argv)
+
+
+if __name__ == "__main__":
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)
