@@ -199,6 +199,9 @@ class SpecEvalConfig:
     # batch-1 latency: the first N prompts also go through the engine one sequence at a time, plain vs
     # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)
     latency_prompts: int = 4
+    # the batch-1 latency runs' target forward under torch.compile (SpecEngine(compile_target=True)): ~6.5 min of
+    # compilation on 2 cores before the timed runs, so off in the 30-minute main job
+    compile_target: bool = False
     sssd: SpecSSSDConfig = field(default_factory=SpecSSSDConfig)  # hybrid trees: the drafter's + SSSD's candidates
 
 
@@ -524,6 +527,9 @@ def _check_values(c: TrainConfig) -> None:
                         "evaluation decodes a chain); set them to null")
     if tw is not None and not tw:
         problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
+    if se.compile_target and (se.batch_size == 1 or se.latency_prompts == 0):
+        problems.append("trainer.spec_eval.compile_target applies to the batch-1 latency runs: it needs "
+                        "trainer.spec_eval.batch_size > 1 and latency_prompts > 0")
     if se.sssd.source not in ("none", "input", "data"):
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
@@ -676,6 +682,7 @@ class EvalConfig:
     modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
     plain_mode: str = "unpadded_kv"  # engine mode of the plain-decoding baseline
     pack_inputs: str = "auto"  # unpadded mode: auto (plain steps batched [B, 1], tree steps packed) | always
+    compile_target: bool = False  # batch-1 runs (plain and speculative): the target forward under torch.compile
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off; else only the k most probable tokens (applied before top_p; MTAD App. F uses 20)

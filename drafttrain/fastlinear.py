@@ -100,7 +100,9 @@ class PackedLinear(nn.Linear):
         return not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._usable(x) or x.numel() == 0:
+        # Inside torch.compile the opaque packed weight cannot be lowered (inductor raises LoweringException);
+        # F.linear there lets inductor's freezing pass pack the weight itself (docs/benchmarks/compile.md).
+        if torch.compiler.is_compiling() or not self._usable(x) or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         b = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), b, "none", [], "")

@@ -670,7 +670,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
     in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
-    ``sssd.source`` != none merges SSSD's training-free candidates into every tree
+    ``compile_target`` runs the batch-1 latency runs on the compiled target forward (compiled first, untimed;
+    ``eval/compile_seconds_b1``). ``sssd.source`` != none merges SSSD's training-free candidates into every tree
     (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``).
     """
     from drafttrain.data.sources import load_eval_prompts
@@ -694,7 +695,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
             if se.latency_prompts > 0:
                 lat = evaluate_prompts_batched(target, drafter, prompts[: se.latency_prompts], se.max_new_tokens,
                                                batch_size=1, progress=c.trainer.progress, plan=se.plan,
-                                               full_tree=not se.plan, interleave="step", **tree)  # fmt: skip
+                                               full_tree=not se.plan, interleave="step",
+                                               compile_target=se.compile_target, **tree)  # fmt: skip
         else:
             r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)
     if not r["greedy_equal"]:
@@ -720,6 +722,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
         **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
             "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"])} if lat is not None else {}),
+        **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),

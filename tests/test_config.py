@@ -146,6 +146,16 @@ def test_spec_eval_sssd_values_are_checked(overrides, message):
         validate(d)
 
 
+@pytest.mark.parametrize("overrides", [{"latency_prompts": 0}, {"batch_size": 1, "tree": {"widths": None, "budget": None}}])
+def test_spec_eval_compile_target_needs_the_latency_runs(overrides):
+    d = compose_dict(["+recipe=parallelspec"])
+    d["trainer"]["spec_eval"].update(compile_target=True, **overrides)
+    with pytest.raises(ConfigError, match="compile_target applies to the batch-1 latency runs"):
+        validate(d)
+    d["trainer"]["spec_eval"].update(compile_target=False)
+    validate(d)
+
+
 def test_validate_ignores_hydra_node():
     d = compose_dict(["+recipe=parallelspec"])
     d["hydra"] = {"run": {"dir": "x"}}

@@ -105,6 +105,28 @@ def test_harness_end_to_end(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
+def test_harness_compile_target_at_batch_one(checkpoint, tmp_path):
+    """compile_target=true: the batch-1 runs go through the compiled backbone (compiled before timing, the time
+    recorded), their outputs equal the eager batch-2 runs' token for token, and speculative equals plain."""
+    from drafttrain.eval.harness import evaluate
+
+    torch.set_num_threads(1)
+    out = tmp_path / "eval"
+    res = evaluate(compose_eval([
+        f"checkpoint={checkpoint}", "target=tiny", "num_prompts=3", "max_new_tokens=10", "batch_sizes=[1,2]",
+        "modes=[unpadded]", "compile_target=true", "tree.widths=[2,1,1]", "tree.budget=4", f"output_dir={out}",
+        "progress=false", "warmup=false", "plots=false",
+    ]))  # fmt: skip
+    assert res["greedy_equal"] is True
+    assert res["compile_seconds"] > 0
+    runs = {}
+    for line in (out / "outputs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        runs.setdefault(row["run"], []).append(row["tokens"])
+    assert set(runs) == {"plain/b1", "parallelspec/unpadded/b1", "plain/b2", "parallelspec/unpadded/b2"}
+    assert runs["plain/b1"] == runs["plain/b2"] == runs["parallelspec/unpadded/b1"]  # compiled (b1) == eager (b2)
+
+
 def test_cli_typo_fails_before_loading(tmp_path):
     """The real entry point: a typo'd key exits with an error naming it, before any model loads."""
     proc = subprocess.run(

@@ -228,7 +228,16 @@ def evaluate(cfg) -> dict[str, Any]:
 
     def engine(proposer, bs, mode, max_new_tokens=c.max_new_tokens):
         return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
-                          sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs)  # fmt: skip
+                          sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs,
+                          compile_target=c.compile_target and bs == 1)  # fmt: skip
+
+    compile_seconds = 0.0
+    if c.compile_target and 1 in c.batch_sizes:  # compile before any timed run (one graph set per feature-layer set)
+        for layers in {None, tuple(getattr(drafter, "feature_layers", None) or ()) or None}:
+            prop = PlainProposer()
+            prop.feature_layers = layers
+            compile_seconds += engine(prop, 1, c.plain_mode).warm_up_compiled()
+        log.info("compiled the target forward for batch 1 in %.0f s", compile_seconds)
 
     ctx = MethodContext(config=c, target=target, drafter=drafter, prompts=prompts)
     variants = [v for spec in specs for v in spec.build(ctx)]  # every speculative run of a batch size
@@ -310,6 +319,7 @@ def evaluate(cfg) -> dict[str, Any]:
         "greedy_equal": all(r.get("greedy_equal", True) for r in runs if r["lossless"]) if sampling.greedy else None,
         "runs": runs,
         "total_seconds": total_seconds,
+        "compile_seconds": compile_seconds,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     with (out_dir / "outputs.jsonl").open("w") as f:

@@ -226,7 +226,7 @@ def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
     also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = 8,
-    interleave: str = "run",
+    interleave: str = "run", compile_target: bool = False,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
 
@@ -267,17 +267,25 @@ def evaluate_prompts_batched(
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
     (batched and single matmuls may round differently at a near tie).
 
+    ``compile_target`` (batch 1 only) runs every engine's target forward through the compiled backbone
+    (``SpecEngine(compile_target=True)``), compiled before the timed runs; ``compile_seconds`` says how long.
+
     Returns:
-        the keys of :func:`evaluate_prompts` plus ``batch_size`` and ``mode``.
+        the keys of :func:`evaluate_prompts` plus ``batch_size``, ``mode`` and ``compile_seconds``.
+
+    Raises:
+        ValueError: ``compile_target`` with ``batch_size`` > 1, or ``full_tree=False`` without ``plan``.
     """
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.proposers import PlainProposer, proposer_for
 
     stop = target.eos_token_id
+    if compile_target and batch_size != 1:
+        raise ValueError(f"compile_target needs batch_size=1, got {batch_size}")
 
     def engine(proposer):
         return SpecEngine(target, proposer, batch_size=batch_size, max_new_tokens=max_new_tokens, mode=mode,
-                          stop_token_ids=stop)  # fmt: skip
+                          stop_token_ids=stop, compile_target=compile_target)  # fmt: skip
 
     tree = tree_widths is not None or tree_budget is not None
     if not full_tree and not plan:
@@ -293,6 +301,13 @@ def evaluate_prompts_batched(
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
                                     sssd_nodes=sssd_nodes)  # fmt: skip
         engines["planned"] = engine(planned_prop)
+    compile_seconds = 0.0
+    if compile_target:  # before any timed step; one set of graphs per set of feature layers the proposers read
+        seen = set()
+        for eng in engines.values():
+            if eng.feature_layers not in seen:
+                seen.add(eng.feature_layers)
+                compile_seconds += eng.warm_up_compiled()
     runs = run_interleaved(engines, prompts, unit=interleave,
                            progress=progress and f"spec-eval {'/'.join(engines)} b={batch_size}")  # fmt: skip
     plain, planned = runs["plain"], runs.get("planned")
@@ -328,6 +343,7 @@ def evaluate_prompts_batched(
         "generated_tokens": sum(len(r.tokens) for r in plain.results),
         "outputs": outputs,
         "batch_size": batch_size,
+        "compile_seconds": compile_seconds,
         "mode": mode,
         "tree_nodes_per_step": st.tree_nodes / max(st.seq_steps, 1),
         **extra,

@@ -215,9 +215,15 @@ class SpecEngine:
             with per-sequence attention. ``"auto"`` (default): a forward with one input per row (plain
             decoding) runs as the equivalent ``[B, 1]`` tensor through the model's own attention (faster
             there); tree steps are packed. Nothing is padded either way.
+        compile_target: run every target forward through :meth:`Target.compiled_backbone`
+            (``torch.compile`` with freezing and dynamic shapes, one graph, no graph break): batch 1 only.
+            The forward reads the whole cache row through the model's own sdpa attention with an additive
+            mask (committed slots + the tree), so one compiled graph serves every input length and cache
+            size. Costs minutes of compilation once per process (:meth:`warm_up_compiled`); measured
+            ``docs/benchmarks/peers.md``. Outputs equal the eager engine's up to float reassociation.
 
     Raises:
-        ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1.
+        ValueError: unknown mode, batch_size < 1 or max_new_tokens < 1, ``compile_target`` with batch_size > 1.
     """
 
     def __init__(
@@ -233,12 +239,16 @@ class SpecEngine:
         replacement: bool = False,
         initial_capacity: int = 256,
         pack_inputs: str = "auto",
+        compile_target: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
         if pack_inputs not in ("auto", "always"):
             raise ValueError(f"pack_inputs must be 'auto' or 'always', got {pack_inputs!r}")
         self.pack_inputs = pack_inputs
+        if compile_target and batch_size != 1:
+            raise ValueError(f"compile_target needs batch_size=1 (one cache row per forward), got {batch_size}")
+        self.compile_target = bool(compile_target)
         if batch_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
         self.target = target
@@ -597,7 +607,9 @@ class SpecEngine:
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
         (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs."""
         plain = {t.numel() for t in toks} == {1}  # one input per row: [B, 1] through the model's own attention
-        if self.mode == "unpadded" and not (plain and self.pack_inputs == "auto"):
+        if self.compile_target:
+            hidden, feats = self._forward_compiled(rows, toks, pos, masks, slots)
+        elif self.mode == "unpadded" and not (plain and self.pack_inputs == "auto"):
             hidden, feats = self._forward_packed(rows, toks, pos, masks, slots)
         else:
             hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
@@ -642,6 +654,66 @@ class SpecEngine:
             cache.set_plan(None)
         h = list(torch.split(hidden[0], q))  # [q_i, d] each
         return h, (h if feats is hidden else list(torch.split(feats[0], q)))  # features [q_i, F] each
+
+    def _forward_compiled(self, rows, toks, pos, masks, slots):
+        """One row through the compiled backbone: inputs [1, q], additive mask [1, 1, q, cap] over the whole
+        cache row (committed slots + the inputs' own tree/causal mask), keys/values written at ``slots``.
+
+        Every tensor the graph sees has a shape of (q, cap) only, both dynamic, so one graph serves every
+        step (plus one for q = 1, which dynamo specialises): no plan value reaches the graph as a Python int.
+        """
+        if len(rows) != 1 or self.cache.batch_size != 1:
+            raise RuntimeError("compile_target: a forward of one cache row was expected")
+        cache = self.cache
+        row, s = rows[0], slots[0]
+        q, cap = s.numel(), cache.capacity
+        allowed = cache.valid[row][None].expand(q, cap).clone()  # [q, cap] the committed prefix
+        allowed[:, s] = masks[0]  # the inputs' own part
+        mask = torch.zeros(1, 1, q, cap, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed[None, None], self._neg())
+        for layer in cache.layers:  # any capacity reuses the graph (no recompile when the cache grows)
+            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        cache.set_plan(WritePlan(torch.full((1, q), row, dtype=torch.long, device=self.device), s[None], None, 0,
+                                 cap, packed=True))  # fmt: skip
+        layers = self.feature_layers
+        extra = layers != (self.target.num_hidden_layers,)
+        try:
+            with torch.no_grad(), attention_implementation(self.target.model, "sdpa"):
+                out = self.target.compiled_backbone()(
+                    input_ids=toks[0][None], attention_mask=mask, position_ids=pos[0][None], cache=cache,
+                    use_cache=True, output_hidden_states=extra,
+                )  # fmt: skip
+        finally:
+            cache.set_plan(None)
+        hidden = out.last_hidden_state[0]  # [q, d]
+        feats = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1) if extra else hidden
+        return [hidden], [feats]
+
+    def warm_up_compiled(self) -> float:
+        """Compile the backbone's graphs (a 2-token and a 1-token forward on a scratch cache) before any timed
+        work, so that no decoding step (and no planner cost observation) pays for compilation.
+
+        Returns:
+            seconds spent (minutes on the 2-core CPU the first time in a process; ~0 once compiled).
+
+        Raises:
+            RuntimeError: the engine was built without ``compile_target``.
+        """
+        if not self.compile_target:
+            raise RuntimeError("warm_up_compiled needs compile_target=True")
+        t0 = time.perf_counter()
+        saved = self.cache
+        self.cache = RaggedKVCache(self.target.config, 1, 16, self.dtype, self.device)
+        try:
+            for q in (2, 1):
+                tri = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+                ar = torch.arange(q, device=self.device)
+                self._forward_compiled([0], [torch.zeros(q, dtype=torch.long, device=self.device)], [ar], [tri], [ar])
+        finally:
+            self.cache = saved
+        return time.perf_counter() - t0
 
     def _forward_batched(self, rows, toks, pos, masks, slots, left_pad: bool):
         """[B, q_max] inputs; padding continues each row's slots on the padding side (padded mode counts it)."""
