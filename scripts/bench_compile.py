@@ -20,16 +20,22 @@ of ``repeats`` calls:
   and with a symbolic row count inductor's freezing packs the linear layers for oneDNN instead
   (``mkldnn._linear_pointwise``, the op of ``eager_packed``), fused with the pointwise ops around them;
 - ``compiled_packed``: ``torch.compile`` (no freezing) of the model on prepacked linears, so that inductor
-  could only add pointwise fusion around our oneDNN calls.
+  could only add pointwise fusion around our oneDNN calls;
+- ``engine_packed``: the verifier's own forward (``SpecEngine.forward_trees`` at batch 1 on the prepacked
+  target, the same prompt prefilled: the root token and a chain of k - 1 drafts, i.e. the same k tokens at
+  the same positions), eager, with its ragged cache and tree mask;
+- ``engine_compiled``: the same engine with ``compile_target=True`` (the backbone under ``torch.compile`` with
+  freezing and dynamic shapes, one graph for every k and cache size; compiled before timing, the time
+  recorded as ``warm_up_s``).
 
 Each compiled variant's first call per shape is its compile time (a new input length or a new batch
 size is a new graph under static shapes). A variant that fails to compile is reported with its error and
 left out of the timing. Numerics: the largest |logit difference| from ``eager_plain`` and whether the
 argmax agrees at every input.
 
-This is the best case for compilation: one plain ``StaticCache`` and transformers' own sdpa attention. The engine's
-verification forward adds a ragged cache, per-step tree masks and per-step shapes (input count and cache
-length change every step), which a compiled graph would have to guard on or recompile for.
+The ``StaticCache`` variants are the best case for compilation: one plain cache and transformers' own sdpa
+attention. The engine variants add what decoding really runs: a ragged cache, a per-step tree mask and
+per-step shapes (input count and cache length change every step).
 
 Writes ``<out>.json`` and ``<out>.md`` (a hand-written section between ``<!-- analysis -->`` markers is kept).
 """
@@ -44,7 +50,8 @@ import torch
 
 from drafttrain.config import TargetConfig
 
-VARIANTS = ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed")
+VARIANTS = ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed", "engine_packed",
+            "engine_compiled")
 
 
 @dataclass
@@ -95,6 +102,33 @@ class _Variant:
         return logits
 
 
+class _EngineVariant:
+    """The verifier's forward at batch 1: ``SpecEngine.forward_trees`` of the root + a chain, the prompt prefilled."""
+
+    def __init__(self, name: str, target, prompt: torch.Tensor):
+        from drafttrain.verify import PlainProposer, SpecEngine
+
+        self.name, self.error, self.compile_s = name, None, {}
+        compiled = name == "engine_compiled"
+        self.engine = SpecEngine(target, PlainProposer(), batch_size=1, max_new_tokens=1_000_000, stop_token_ids=-1,
+                                 initial_capacity=prompt.shape[1] + 160, compile_target=compiled)  # fmt: skip
+        self.warm_up_s = self.engine.warm_up_compiled() if compiled else 0.0
+        with torch.no_grad():
+            self.engine.submit([prompt[0].tolist()])
+            self.engine.admit()  # prefill: `context` committed tokens, like the StaticCache variants
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [1, k, v] of ids [1, k] at positions context .. context + k - 1 (ids[0, 0] as the root, the rest a
+        chain of drafts); nothing is committed, so every call writes the same slots."""
+        from drafttrain.verify import DraftTree
+
+        seq = next(s for s in self.engine.rows if s is not None)
+        seq.pending = int(ids[0, 0])
+        with torch.no_grad():
+            logits, _ = self.engine.forward_trees([DraftTree.chain(ids[0, 1:])])
+        return logits[0][None]
+
+
 def bench(cfg: BenchCompileConfig) -> dict:
     from drafttrain.target import load_target
 
@@ -106,17 +140,18 @@ def bench(cfg: BenchCompileConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
 
-    def model(name: str):  # each variant its own copy of the weights: two compiled wrappers of one module
+    def target(name: str):  # each variant its own copy of the weights: two compiled wrappers of one module
         # would share dynamo's per-code-object cache entries (a graph compiled for one could serve the other)
-        fl = "auto" if "packed" in name else "off"
-        return load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": fl})).model.eval()
+        fl = "auto" if "packed" in name or name.startswith("engine") else "off"
+        return load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": fl}))
 
     names = ["eager_plain"] + [v for v in cfg.variants if v != "eager_plain"]  # the numerics' reference first
-    models = {v: model(v) for v in names}
-    vocab = models["eager_plain"].config.vocab_size
+    targets = {v: target(v) for v in names}
+    vocab = targets["eager_plain"].config.vocab_size
     g = torch.Generator().manual_seed(cfg.seed)
     prompt = torch.randint(3, vocab - 1, (1, cfg.context), generator=g)
-    variants = [_Variant(v, models[v], cfg.context, prompt) for v in names]
+    variants = [_EngineVariant(v, targets[v], prompt) if v.startswith("engine") else
+                _Variant(v, targets[v].model.eval(), cfg.context, prompt) for v in names]  # fmt: skip
     rows = []
     for k in cfg.tokens:
         ids = torch.randint(3, vocab - 1, (1, k), generator=g)
@@ -153,6 +188,7 @@ def bench(cfg: BenchCompileConfig) -> dict:
         print(f"tokens {k:3d}: " + "  ".join(f"{n} {r['ms']:7.1f} ms" for n, r in row.items() if isinstance(r, dict) and "ms" in r),
               flush=True)  # fmt: skip
     return {"rows": rows, "variants": names, "errors": {v.name: v.error for v in variants if v.error},
+            "warm_up_s": {v.name: v.warm_up_s for v in variants if getattr(v, "warm_up_s", 0.0)},
             "target": cfg.target.__dict__}  # fmt: skip
 
 
@@ -170,7 +206,10 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         "k new tokens, logits at every input (k = 1: a plain decoding step; k = 9: verifying 8 drafts). "
         "**eager_plain** = `F.linear` as loaded; **eager_packed** = oneDNN prepacked linears (`target.fast_linear=auto`, "
         "the engine's default); **compiled_freezing** = `torch.compile` (inductor, static shapes) of the plain model "
-        "with `freezing` on (MKL packed sgemm); **compiled_dynamic** = the same with dynamic shapes (one graph for every length; the linears then on oneDNN); **compiled_packed** = `torch.compile` of the prepacked model. Interleaved call by call, "
+        "with `freezing` on (MKL packed sgemm); **compiled_dynamic** = the same with dynamic shapes (one graph for every length; the linears then on oneDNN); **compiled_packed** = `torch.compile` of the prepacked model; "
+        "**engine_packed** = the verifier's own forward (`SpecEngine.forward_trees`, root + a chain of k - 1 drafts, "
+        "ragged cache, tree mask), eager prepacked (the default); **engine_compiled** = the same with "
+        "`compile_target=True`. Interleaved call by call, "
         f"median of {res['config']['repeats']} calls; \"first call\" = the compile of that shape (eager: warm-up).",
         "",
         "| tokens | " + " | ".join(f"{n} ms" for n in names) + " | first call s (" + ", ".join(names) + ") | max abs logit diff vs eager_plain | argmax equal |",
@@ -195,6 +234,8 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         top = max(by_k)
         ratios = [f"{n} {by_k[top][n]['ms'] / by_k[1][n]['ms']:.2f}x" for n in names if "ms" in by_k[1][n] and "ms" in by_k[top][n]]
         lines += ["", f"{top}-token forward over the same variant's 1-token forward: " + ", ".join(ratios) + "."]
+    for n, sec in res.get("warm_up_s", {}).items():
+        lines += ["", f"**{n}** compiled its graphs before timing (`warm_up_compiled`): {sec:.0f} s."]
     for n, err in res["errors"].items():
         lines += ["", f"**{n} did not compile:** `{err}`"]
     lines += ["", "Reproduce (from the repository root; each compiled shape takes minutes on a 2-core machine):", "",

@@ -16,6 +16,12 @@ method decodes it once, in a rotating order, in the same process:
 - ``engine_hybrid``: the same with SSSD's n-gram candidates from the prompt and the output so far merged
   into every tree (:mod:`drafttrain.verify.hybrid`, ``trainer.spec_eval.sssd.source=input``; the
   main job's ``data`` source also needs its training data, so it is not run here).
+- ``engine_plain_compiled``, ``engine_spec_compiled``, ``engine_hybrid_compiled``: the same three on a copy of
+  the target whose forward runs through ``torch.compile`` with freezing and dynamic shapes
+  (``SpecEngine(compile_target=True)``, :meth:`drafttrain.target.Target.compiled_backbone`). The graphs
+  are compiled once before the timed prompts (``compile_seconds`` in the JSON), not inside any method's
+  time. Each compiled method has its own proposer (the planner learns each engine's forward costs).
+  Hugging Face ``generate`` is only measured eager here.
 
 tokens/s = generated tokens / wall time summed over the prompts; every output is compared with
 ``hf_generate``'s token for token. ``drafter``: a training run folder (or its ``drafter/``); null = a
@@ -32,7 +38,8 @@ import torch
 from drafttrain.config import TargetConfig
 from drafttrain.verify.methods.drafter import TreeConfig
 
-METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid")
+METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid",
+           "engine_plain_compiled", "engine_spec_compiled", "engine_hybrid_compiled")
 
 
 @dataclass
@@ -68,19 +75,34 @@ def bench(cfg: BenchPeersConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     target = load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"}))
     switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
-    drafter = load_drafter(target, cfg.drafter) if {"engine_spec", "engine_hybrid"} & set(cfg.methods) else None
+    drafted = {"engine_spec", "engine_hybrid", "engine_spec_compiled", "engine_hybrid_compiled"}
+    drafter = load_drafter(target, cfg.drafter) if drafted & set(cfg.methods) else None
+    compiled = [m for m in cfg.methods if m.endswith("_compiled")]
+    ctarget = None
+    if compiled:  # its own copy: the module swaps of `switch` on the shared model would invalidate the graphs
+        import copy
+
+        from drafttrain.target import Target
+
+        from drafttrain import fastlinear
+
+        ctarget = Target(copy.deepcopy(target.model), target.tokenizer, target.source_dir)
+        if fastlinear.available():  # the LM head runs eager (logits only where needed): prepacked, as by default
+            fastlinear.pack_linears(ctarget.model)
     rows_in = load_eval_prompts(cfg.prompts, limit=cfg.num_prompts, stride=cfg.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows_in]
     stops = sorted(end_of_turn_ids(target.tokenizer))
-    spec_prop = hybrid_prop = None
+    props = {}
     if drafter is not None:
         from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
 
-        hybrid_prop = proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
-                                   batched=cfg.tree.batched_drafting, plan=cfg.tree.plan,
-                                   sssd=SSSDDrafter(SSSDConfig()), sssd_nodes=cfg.sssd_nodes)  # fmt: skip
-        spec_prop = proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
-                                 batched=cfg.tree.batched_drafting, plan=cfg.tree.plan)  # fmt: skip
+        def make(hybrid: bool):
+            extra = {"sssd": SSSDDrafter(SSSDConfig()), "sssd_nodes": cfg.sssd_nodes} if hybrid else {}
+            return proposer_for(drafter, widths=cfg.tree.widths, budget=cfg.tree.budget, choices=cfg.tree.choices,
+                                batched=cfg.tree.batched_drafting, plan=cfg.tree.plan, **extra)  # fmt: skip
+
+        props = {m: make("hybrid" in m) for m in drafted}  # one per method: a planner learns its engine's costs
+    spec_prop = props.get("engine_spec")
 
     def hf(p: list[int], lookup: bool) -> list[int]:
         ids = torch.tensor([p])
@@ -90,8 +112,9 @@ def bench(cfg: BenchPeersConfig) -> dict:
                                     **extra)  # fmt: skip
         return out[0, len(p):].tolist()
 
-    def engine(p: list[int], prop) -> tuple[list[int], object]:
-        run = SpecEngine(target, prop, batch_size=1, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops).run([p])
+    def engine(p: list[int], prop, compiled: bool = False) -> tuple[list[int], object]:
+        run = SpecEngine(ctarget if compiled else target, prop, batch_size=1, max_new_tokens=cfg.max_new_tokens,
+                         stop_token_ids=stops, compile_target=compiled).run([p])  # fmt: skip
         return run.results[0].tokens, run.stats
 
     calls = {
@@ -99,11 +122,22 @@ def bench(cfg: BenchPeersConfig) -> dict:
         "hf_prompt_lookup": (False, lambda p: (hf(p, True), None)),
         "hf_generate_packed": (True, lambda p: (hf(p, False), None)),
         "engine_plain": (True, lambda p: engine(p, PlainProposer())),
-        "engine_spec": (True, lambda p: engine(p, spec_prop)),
-        "engine_hybrid": (True, lambda p: engine(p, hybrid_prop)),
+        "engine_spec": (True, lambda p: engine(p, props["engine_spec"])),
+        "engine_hybrid": (True, lambda p: engine(p, props["engine_hybrid"])),
+        "engine_plain_compiled": (True, lambda p: engine(p, PlainProposer(), True)),
+        "engine_spec_compiled": (True, lambda p: engine(p, props["engine_spec_compiled"], True)),
+        "engine_hybrid_compiled": (True, lambda p: engine(p, props["engine_hybrid_compiled"], True)),
     }
     methods = [m for m in METHODS if m in cfg.methods]
     totals = {m: {"seconds": 0.0, "tokens": 0, "equal": 0, "steps": 0, "emitted": 0} for m in methods}
+    compile_seconds = {}
+    for m in compiled:  # one set of graphs per set of target layers the proposers read
+        warm = SpecEngine(ctarget, props.get(m) or PlainProposer(), batch_size=1, stop_token_ids=stops,
+                          compile_target=True)  # fmt: skip
+        key = str(list(warm.feature_layers))
+        if key not in compile_seconds:
+            compile_seconds[key] = warm.warm_up_compiled()
+            print(f"compiled the target forward (feature layers {key}): {compile_seconds[key]:.0f} s", flush=True)
     calls[methods[0]][1](prompts[0][:8])  # warm-up (allocator, oneDNN primitives), untimed
     per_prompt = []
     for i, p in enumerate(prompts):
@@ -138,6 +172,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
                      "tokens": t["tokens"], "seconds": t["seconds"]})  # fmt: skip
     planner = getattr(spec_prop, "planner", None)
     return {"rows": rows, "per_prompt": per_prompt, "planner": planner.summary() if planner is not None else None,
+            "compile_seconds": compile_seconds,
             "drafter": cfg.drafter or "fresh parallelspec (untrained: timing only)"}  # fmt: skip
 
 
@@ -165,6 +200,10 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else ""
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['vs_first']:.2f}x | {tau} | "
                      f"{r['equal_outputs']}/{r['prompts']} |")  # fmt: skip
+    if res.get("compile_seconds"):
+        lines += ["", "The `*_compiled` rows: compiled once before the timed prompts, "
+                  + ", ".join(f"{v:.0f} s (feature layers {k})" for k, v in res["compile_seconds"].items())
+                  + "; not in any method's time."]
     if res.get("planner"):
         lines += ["", f"Planner (engine_spec): {res['planner']}"]
     lines += ["", "Reproduce (from the repository root):", "", "```bash", command, "```", "", analysis, ""]

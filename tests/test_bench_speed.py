@@ -29,9 +29,12 @@ def test_bench_compile_writes_page(tmp_path, tiny_target):
     res = main(["target.random_init=true", "tokens=[1,2]", "context=8", "repeats=2", "threads=1", f"out={out}"])
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 2]
-    assert res["variants"] == ["eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed"]
-    for r in rows:
-        for name in ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic"):
+    assert res["variants"] == ["eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "compiled_packed",
+                               "engine_packed", "engine_compiled"]
+    assert res["warm_up_s"]["engine_compiled"] > 0  # the engine's graphs compiled before timing, the time kept
+    for r in rows:  # the engine's forward (ragged cache, tree mask; compiled or not) gives the target's own logits
+        for name in ("eager_plain", "eager_packed", "compiled_freezing", "compiled_dynamic", "engine_packed",
+                     "engine_compiled"):
             assert r[name]["ms"] > 0 and r[name]["argmax_equal"], (name, r[name])
             assert r[name]["max_abs_logit_diff"] < 1e-3
         assert r["eager_plain"]["max_abs_logit_diff"] == 0.0
@@ -69,8 +72,9 @@ def test_bench_peers_writes_page(tmp_path, tiny_target):
     res = main(["target.random_init=true", "num_prompts=2", "max_new_tokens=6", "threads=1", f"out={out}"])
     rows = {r["method"]: r for r in res["rows"]}
     assert list(rows) == ["hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec",
-                          "engine_hybrid"]
+                          "engine_hybrid", "engine_plain_compiled", "engine_spec_compiled", "engine_hybrid_compiled"]
     assert all(r["equal_outputs"] == 2 for r in rows.values())  # every method reproduces HF generate
+    assert res["compile_seconds"] and all(v > 0 for v in res["compile_seconds"].values())  # compiled before timing
     assert "python -m scripts.bench_peers" in out.with_suffix(".md").read_text()
 
 
