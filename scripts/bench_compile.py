@@ -8,7 +8,7 @@ this script measures the other option on the same weights, so the choice rests o
 
 What is timed: the target's own forward (the Hugging Face model, batch 1, a ``StaticCache`` holding
 ``context`` committed tokens, k new tokens under the causal mask, logits at every input: the cost of a
-plain step (k = 1) or of verifying a k - 1 chain) in five variants, interleaved call by call, medians
+plain step (k = 1) or of verifying a k - 1 chain) in seven variants, interleaved call by call, medians
 of ``repeats`` calls:
 
 - ``eager_plain``: eager, the linear layers as loaded (``F.linear``: MKL sgemm on the CPU wheel);
