@@ -149,6 +149,7 @@ class Target:
         with_logits: bool = True,
         use_cache: bool = False,
         feature_layers: Sequence[int] | None = None,
+        compiled: bool = False,
         **model_kwargs,
     ) -> TargetOutput:
         """Run the target's public forward.
@@ -161,6 +162,8 @@ class Target:
             with_logits: also apply the LM head (costs d*v per token).
             use_cache: return/extend a KV cache.
             feature_layers: layer ids of ``features`` (module docstring); None = the final state only.
+            compiled: run the backbone through :meth:`compiled_backbone` (the caller keeps every shape the
+                graph sees dynamic: the verifier's ``compile_target``); default the eager backbone.
             **model_kwargs: passed on to the backbone's forward, which hands them to the attention
                 function (e.g. the verifier's packed-sequence metadata, :mod:`drafttrain.verify.cache`).
 
@@ -173,7 +176,8 @@ class Target:
         """
         layers = resolve_feature_layers(feature_layers, self.num_hidden_layers)
         extra = layers != (self.num_hidden_layers,)  # other states than the final one: keep them all
-        out = self.model.model(
+        backbone = self.compiled_backbone() if compiled else self.model.model
+        out = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,

@@ -233,10 +233,9 @@ def evaluate(cfg) -> dict[str, Any]:
 
     compile_seconds = 0.0
     if c.compile_target and 1 in c.batch_sizes:  # compile before any timed run (one graph set per feature-layer set)
+        warm = engine(PlainProposer(), 1, c.plain_mode)
         for layers in {None, tuple(getattr(drafter, "feature_layers", None) or ()) or None}:
-            prop = PlainProposer()
-            prop.feature_layers = layers
-            compile_seconds += engine(prop, 1, c.plain_mode).warm_up_compiled()
+            compile_seconds += warm.warm_up_compiled(feature_layers=layers)
         log.info("compiled the target forward for batch 1 in %.0f s", compile_seconds)
 
     ctx = MethodContext(config=c, target=target, drafter=drafter, prompts=prompts)

@@ -626,21 +626,30 @@ class SpecEngine:
     def _neg(self) -> float:
         return torch.finfo(self.dtype).min
 
+    def _packed_mask(self, rows, slots, masks, width: int) -> torch.Tensor:
+        """Additive mask [1, 1, N, width] (N = the rows' inputs concatenated) over the first ``width`` cache slots
+        of each input's own row: the row's committed slots (``cache.valid``) plus the inputs' own tree/causal
+        mask ``masks[i]`` [q_i, q_i] over their slots ``slots[i]`` [q_i]; 0 where attended, dtype min elsewhere."""
+        n = sum(s.numel() for s in slots)
+        allowed = torch.zeros(n, width, dtype=torch.bool, device=self.device)  # [N, kv] in each token's own row
+        a = 0
+        for r, s, m in zip(rows, slots, masks):
+            b = a + s.numel()
+            allowed[a:b] = self.cache.valid[r, :width]  # committed prefix
+            allowed[a:b, s] = m  # tree / causal part over the new slots
+            a = b
+        mask = torch.zeros(1, 1, n, width, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed[None, None], self._neg())
+
     def _forward_packed(self, rows, toks, pos, masks, slots):
         """EMS-SD unpad input tokens: concatenate all inputs (Appendix D, Algorithm 1) and attend per sequence."""
         cache = self.cache
         q = [t.numel() for t in toks]
-        n = sum(q)
         hi = max(int(s[-1]) + 1 for s in slots)
-        allowed = torch.zeros(n, hi, dtype=torch.bool, device=self.device)  # [N, kv] in each token's own row
+        mask = self._packed_mask(rows, slots, masks, hi)
         starts = [0]
-        for r, s, m in zip(rows, slots, masks):
-            a, b = starts[-1], starts[-1] + s.numel()
-            allowed[a:b] = cache.valid[r, :hi]  # committed prefix
-            allowed[a:b, s] = m  # tree / causal part over the new slots
-            starts.append(b)
-        mask = torch.zeros(1, 1, n, hi, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed[None, None], self._neg())
+        for k in q:
+            starts.append(starts[-1] + k)
         segs = RaggedSegments(starts[:-1], starts[1:], list(rows), [int(s[-1]) + 1 for s in slots])
         row_ids = torch.cat([torch.full((k,), r, dtype=torch.long, device=self.device) for r, k in zip(rows, q)])
         cache.set_plan(WritePlan(row_ids[None], torch.cat(slots)[None], None, 0, hi, packed=True))
@@ -667,44 +676,45 @@ class SpecEngine:
         cache = self.cache
         row, s = rows[0], slots[0]
         q, cap = s.numel(), cache.capacity
-        allowed = cache.valid[row][None].expand(q, cap).clone()  # [q, cap] the committed prefix
-        allowed[:, s] = masks[0]  # the inputs' own part
-        mask = torch.zeros(1, 1, q, cap, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed[None, None], self._neg())
+        mask = self._packed_mask(rows, slots, masks, cap)  # [1, 1, q, cap] over the whole cache row
         for layer in cache.layers:  # any capacity reuses the graph (no recompile when the cache grows)
             torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
             torch._dynamo.maybe_mark_dynamic(layer.values, 2)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
         cache.set_plan(WritePlan(torch.full((1, q), row, dtype=torch.long, device=self.device), s[None], None, 0,
                                  cap, packed=True))  # fmt: skip
-        layers = self.feature_layers
-        extra = layers != (self.target.num_hidden_layers,)
         try:
-            with torch.no_grad(), attention_implementation(self.target.model, "sdpa"):
-                out = self.target.compiled_backbone()(
-                    input_ids=toks[0][None], attention_mask=mask, position_ids=pos[0][None], cache=cache,
-                    use_cache=True, output_hidden_states=extra,
-                )  # fmt: skip
+            with attention_implementation(self.target.model, "sdpa"):
+                hidden, feats = self._target_forward(toks[0][None], attention_mask=mask, position_ids=pos[0][None],
+                                                     cache=cache, compiled=True)  # fmt: skip
         finally:
             cache.set_plan(None)
-        hidden = out.last_hidden_state[0]  # [q, d]
-        feats = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1) if extra else hidden
-        return [hidden], [feats]
+        return [hidden[0]], [feats[0]]  # [q, d], [q, F]
 
-    def warm_up_compiled(self) -> float:
+    def warm_up_compiled(self, feature_layers: Sequence[int] | None = None) -> float:
         """Compile the backbone's graphs (a 2-token and a 1-token forward on a scratch cache) before any timed
         work, so that no decoding step (and no planner cost observation) pays for compilation.
+
+        Args:
+            feature_layers: the target layers whose states the graphs return (their set decides the graph:
+                the final state alone, or every hidden state); default the engine's own proposer's. Lets one
+                engine compile for another proposer's layers (the harness compiles before it builds them).
 
         Returns:
             seconds spent (minutes on the 2-core CPU the first time in a process; ~0 once compiled).
 
         Raises:
             RuntimeError: the engine was built without ``compile_target``.
+            ValueError: a layer id outside the target.
         """
+        from drafttrain.target import resolve_feature_layers
+
         if not self.compile_target:
             raise RuntimeError("warm_up_compiled needs compile_target=True")
         t0 = time.perf_counter()
-        saved = self.cache
+        saved, saved_layers = self.cache, self.feature_layers
+        if feature_layers is not None:
+            self.feature_layers = resolve_feature_layers(feature_layers, self.target.num_hidden_layers)
         self.cache = RaggedKVCache(self.target.config, 1, 16, self.dtype, self.device)
         try:
             for q in (2, 1):
@@ -712,7 +722,7 @@ class SpecEngine:
                 ar = torch.arange(q, device=self.device)
                 self._forward_compiled([0], [torch.zeros(q, dtype=torch.long, device=self.device)], [ar], [tri], [ar])
         finally:
-            self.cache = saved
+            self.cache, self.feature_layers = saved, saved_layers
         return time.perf_counter() - t0
 
     def _forward_batched(self, rows, toks, pos, masks, slots, left_pad: bool):
