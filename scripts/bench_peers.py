@@ -21,7 +21,12 @@ method decodes it once, in a rotating order, in the same process:
   (``SpecEngine(compile_target=True)``, :meth:`drafttrain.target.Target.compiled_backbone`). The graphs
   are compiled once before the timed prompts (``compile_seconds`` in the JSON), not inside any method's
   time. Each compiled method has its own proposer (the planner learns each engine's forward costs).
-  Hugging Face ``generate`` is only measured eager here.
+- ``hf_generate_compiled``: Hugging Face ``generate`` with its own compiled decoding
+  (``cache_implementation="static"``, ``compile_config``: ``torch.compile`` of the model's forward with
+  dynamic shapes and fullgraph, under inductor's freezing as our compiled engine), on its own copy of the
+  target as transformers loads it; the static cache is sized once for the longest prompt so that one
+  decoding graph serves every prompt. The fair baseline for the compiled engine rows: what a user gets
+  from transformers' own compile switch. Compiled before the timed prompts, like the engine's.
 
 tokens/s = generated tokens / wall time summed over the prompts; every output is compared with
 ``hf_generate``'s token for token. ``drafter``: a training run folder (or its ``drafter/``); null = a
@@ -39,7 +44,7 @@ from drafttrain.config import TargetConfig
 from drafttrain.verify.methods.drafter import TreeConfig
 
 METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid",
-           "engine_plain_compiled", "engine_spec_compiled", "engine_hybrid_compiled")
+           "hf_generate_compiled", "engine_plain_compiled", "engine_spec_compiled", "engine_hybrid_compiled")
 
 
 @dataclass
@@ -77,7 +82,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
     switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
     drafted = {"engine_spec", "engine_hybrid", "engine_spec_compiled", "engine_hybrid_compiled"}
     drafter = load_drafter(target, cfg.drafter) if drafted & set(cfg.methods) else None
-    compiled = [m for m in cfg.methods if m.endswith("_compiled")]
+    compiled = [m for m in cfg.methods if m.startswith("engine") and m.endswith("_compiled")]
     ctarget = None
     if compiled:  # its own copy: the module swaps of `switch` on the shared model would invalidate the graphs
         import copy
@@ -104,12 +109,28 @@ def bench(cfg: BenchPeersConfig) -> dict:
         props = {m: make("hybrid" in m) for m in drafted}  # one per method: a planner learns its engine's costs
     spec_prop = props.get("engine_spec")
 
-    def hf(p: list[int], lookup: bool) -> list[int]:
+    hf_model = None
+    if "hf_generate_compiled" in cfg.methods:  # its own copy as transformers loads it (F.linear), compiled by generate
+        import copy
+
+        from transformers import CompileConfig
+
+        hf_model = copy.deepcopy(target.model)
+        hf_compile = {"cache_implementation": "static", "max_cache_len": max(map(len, prompts)) + cfg.max_new_tokens + 1,
+                      "compile_config": CompileConfig(fullgraph=True, dynamic=True, mode="default")}  # fmt: skip
+        hf_compile["compile_config"]._compile_all_devices = True  # transformers compiles on CPU only when asked
+
+    def hf(p: list[int], lookup: bool, compiled: bool = False, max_new_tokens: int | None = None) -> list[int]:
+        import torch._inductor.config as inductor_config
+
         ids = torch.tensor([p])
         extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_num_tokens} if lookup else {}
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=cfg.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0],
-                                    **extra)  # fmt: skip
+        extra.update(hf_compile if compiled else {})
+        with inductor_config.patch(freezing=compiled):  # the compiled engine's setting (oneDNN-packed linears)
+            out = (hf_model if compiled else target.model).generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=max_new_tokens or cfg.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0], **extra,
+            )  # fmt: skip
         return out[0, len(p):].tolist()
 
     def engine(p: list[int], prop, compiled: bool = False) -> tuple[list[int], object]:
@@ -124,6 +145,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
         "engine_plain": (True, lambda p: engine(p, PlainProposer())),
         "engine_spec": (True, lambda p: engine(p, props["engine_spec"])),
         "engine_hybrid": (True, lambda p: engine(p, props["engine_hybrid"])),
+        "hf_generate_compiled": (False, lambda p: (hf(p, False, compiled=True), None)),
         "engine_plain_compiled": (True, lambda p: engine(p, PlainProposer(), True)),
         "engine_spec_compiled": (True, lambda p: engine(p, props["engine_spec_compiled"], True)),
         "engine_hybrid_compiled": (True, lambda p: engine(p, props["engine_hybrid_compiled"], True)),
@@ -138,6 +160,11 @@ def bench(cfg: BenchPeersConfig) -> dict:
         if key not in compile_seconds:
             compile_seconds[key] = warm.warm_up_compiled()
             print(f"compiled the target forward (feature layers {key}): {compile_seconds[key]:.0f} s", flush=True)
+    if hf_model is not None:  # the decoding graph (the static cache's size is the same for every prompt)
+        t = time.perf_counter()
+        hf(prompts[0], False, compiled=True, max_new_tokens=4)
+        compile_seconds["hf_generate_compiled"] = time.perf_counter() - t
+        print(f"compiled Hugging Face generate's forward: {compile_seconds['hf_generate_compiled']:.0f} s", flush=True)
     calls[methods[0]][1](prompts[0][:8])  # warm-up (allocator, oneDNN primitives), untimed
     per_prompt = []
     for i, p in enumerate(prompts):
@@ -202,7 +229,8 @@ def markdown(res: dict, command: str, analysis: str) -> str:
                      f"{r['equal_outputs']}/{r['prompts']} |")  # fmt: skip
     if res.get("compile_seconds"):
         lines += ["", "The `*_compiled` rows: compiled once before the timed prompts, "
-                  + ", ".join(f"{v:.0f} s (feature layers {k})" for k, v in res["compile_seconds"].items())
+                  + ", ".join(f"{v:.0f} s ({k if k.startswith('hf') else 'engine, feature layers ' + k})"
+                              for k, v in res["compile_seconds"].items())
                   + "; not in any method's time."]
     if res.get("planner"):
         lines += ["", f"Planner (engine_spec): {res['planner']}"]
