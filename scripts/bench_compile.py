@@ -6,8 +6,8 @@ Issue 16 item 1 asks for a k-token target forward close to a one-token one, "pre
 ``torch.compile`` with freezing, or better". The engine uses prepacked weights (:mod:`drafttrain.fastlinear`);
 this script measures the other option on the same weights, so the choice rests on numbers.
 
-What is timed: the target's own forward (the Hugging Face model, batch 1, a ``StaticCache`` holding
-``context`` committed tokens, k new tokens under the causal mask, logits at every input: the cost of a
+What is timed: the target's own forward (the Hugging Face model, ``batch`` rows (default 1), a ``StaticCache``
+holding ``context`` committed tokens per row, k new tokens under the causal mask, logits at every input: the cost of a
 plain step (k = 1) or of verifying a k - 1 chain) in seven variants, interleaved call by call, medians
 of ``repeats`` calls:
 
@@ -61,6 +61,7 @@ class BenchCompileConfig:
     tokens: list[int] = field(default_factory=lambda: [1, 3, 9])  # new tokens per forward (batch 1); each is a graph
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     context: int = 200  # committed tokens in the cache
+    batch: int = 1  # rows per forward (the StaticCache variants; the engine variants run at batch 1 only)
     repeats: int = 10  # timed calls per point and variant (interleaved), after the first (compile / warm-up) call
     threads: int = 2  # torch intra-op threads
     seed: int = 0
@@ -90,12 +91,12 @@ class _Variant:
         self.compile_s: dict[int, float] = {}
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [1, k, v] of the k tokens ``ids`` [1, k] after the cached context (the same slots every call:
-        the cache is cropped back to ``context`` tokens after each forward)."""
+        """Logits [b, k, v] of the k tokens per row ``ids`` [b, k] after the cached context (the same slots every
+        call: the cache is cropped back to ``context`` tokens after each forward)."""
         import torch._inductor.config as inductor_config
 
-        k = ids.shape[1]
-        pos = torch.arange(self.context, self.context + k)[None]
+        b, k = ids.shape
+        pos = torch.arange(self.context, self.context + k)[None].expand(b, k)
         with torch.no_grad(), inductor_config.patch(freezing=self.freezing):
             logits = self.fn(input_ids=ids, cache=self.cache, position_ids=pos, use_cache=True).logits
         self.cache.crop(-k)  # back to the committed context: the next call overwrites the same slots
@@ -137,6 +138,10 @@ def bench(cfg: BenchCompileConfig) -> dict:
         raise ValueError(f"variants must be a non-empty subset of {list(VARIANTS)}, got {cfg.variants}")
     if not cfg.tokens or min(cfg.tokens) < 1 or max(cfg.tokens) > 128:
         raise ValueError(f"tokens must be in 1..128, got {cfg.tokens}")
+    engines = [v for v in cfg.variants if v.startswith("engine")]
+    if cfg.batch < 1 or (cfg.batch > 1 and engines):
+        raise ValueError(f"batch must be >= 1, and 1 with the engine variants {engines} (compile_target is batch 1 "
+                         f"only); got batch={cfg.batch}")  # fmt: skip
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
 
@@ -149,12 +154,12 @@ def bench(cfg: BenchCompileConfig) -> dict:
     targets = {v: target(v) for v in names}
     vocab = targets["eager_plain"].config.vocab_size
     g = torch.Generator().manual_seed(cfg.seed)
-    prompt = torch.randint(3, vocab - 1, (1, cfg.context), generator=g)
+    prompt = torch.randint(3, vocab - 1, (cfg.batch, cfg.context), generator=g)
     variants = [_EngineVariant(v, targets[v], prompt) if v.startswith("engine") else
                 _Variant(v, targets[v].model.eval(), cfg.context, prompt) for v in names]  # fmt: skip
     rows = []
     for k in cfg.tokens:
-        ids = torch.randint(3, vocab - 1, (1, k), generator=g)
+        ids = torch.randint(3, vocab - 1, (cfg.batch, k), generator=g)
         logits = {}
         for v in variants:  # first call: the compile (or warm-up) of this shape
             if v.error:
@@ -202,7 +207,8 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
         + (" and the machine was **shared with other jobs** (times inflated and noisy)." if shared else "."),
         "",
-        f"Target: {res['target'].get('name')}; batch 1, {res['config']['context']} committed tokens in a `StaticCache`, "
+        f"Target: {res['target'].get('name')}; batch {res['config'].get('batch', 1)}, {res['config']['context']} "
+        "committed tokens per row in a `StaticCache`, "
         "k new tokens, logits at every input (k = 1: a plain decoding step; k = 9: verifying 8 drafts). "
         "**eager_plain** = `F.linear` as loaded; **eager_packed** = oneDNN prepacked linears (`target.fast_linear=auto`, "
         "the engine's default); **compiled_freezing** = `torch.compile` (inductor, static shapes) of the plain model "

@@ -51,6 +51,22 @@ def test_bench_compile_rejects_unknown_variant(tmp_path):
 
     with pytest.raises(ValueError, match="variants"):
         main(["target.random_init=true", "variants=[eager_plain,compiled_max]", f"out={tmp_path / 'c'}"])
+    with pytest.raises(ValueError, match="batch"):  # compile_target is batch 1 only
+        main(["target.random_init=true", "batch=4", "variants=[eager_plain,engine_compiled]", f"out={tmp_path / 'c'}"])
+
+
+def test_bench_compile_batched_rows(tmp_path, tiny_target):
+    """batch=3: every row's logits of the compiled (dynamic, freezing) forward agree with eager's; the page says the
+    batch."""
+    from scripts.bench_compile import main
+
+    out = tmp_path / "cb"
+    res = main(["target.random_init=true", "batch=3", "variants=[eager_plain,eager_packed,compiled_dynamic]",
+                "tokens=[1,2]", "context=8", "repeats=2", "threads=1", f"out={out}"])  # fmt: skip
+    for r in res["rows"]:
+        for name in ("eager_packed", "compiled_dynamic"):
+            assert r[name]["argmax_equal"] and r[name]["max_abs_logit_diff"] < 1e-3, (name, r[name])
+    assert "batch 3" in out.with_suffix(".md").read_text()
 
 
 def test_bench_draft_cost_writes_page(tmp_path, tiny_target):
