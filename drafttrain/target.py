@@ -210,6 +210,11 @@ class Target:
             import torch._inductor.config as inductor_config
             import torch.fx.experimental._config as shape_config
 
+            with torch.no_grad():  # transformers installs its hidden-state capturing hooks on the first
+                # output_hidden_states call, under a threading lock dynamo cannot trace (a fullgraph compile of a
+                # feature-layer graph then raises): one eager 1-token forward installs them outside the graph
+                self.model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                 output_hidden_states=True, use_cache=False)  # fmt: skip
             compiled = torch.compile(self.model.model, dynamic=True, fullgraph=True)
 
             def backbone(**kwargs):

@@ -94,3 +94,27 @@ def test_spec_eval_latency_runs_compiled(varied, make_drafter):
     with pytest.raises(ValueError, match="batch_size=1"):
         evaluate_prompts_batched(varied, drafter, prompts, 4, compile_target=True, batch_size=2, progress=False)
 
+
+
+def test_warm_up_compiled_for_other_feature_layers(varied):
+    """warm_up_compiled(feature_layers=...) compiles the graphs another proposer's layer set needs (every hidden
+    state instead of the final one) from any engine, restores the engine's own layers, and rejects a layer the
+    target does not have before touching the cache."""
+    from torch._dynamo.utils import counters
+
+    from drafttrain.verify import PlainProposer, SpecEngine
+
+    own = Target(copy.deepcopy(varied.model), varied.tokenizer)  # its own compiled backbone: no graph shared
+    top = own.num_hidden_layers
+    eng = SpecEngine(own, PlainProposer(), batch_size=1, compile_target=True)
+    eng.warm_up_compiled()
+    graphs = counters["stats"]["unique_graphs"]
+    eng.warm_up_compiled()
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once
+    eng.warm_up_compiled(feature_layers=[1, top])
+    assert counters["stats"]["unique_graphs"] > graphs  # the all-hidden-states graphs are new ones
+    assert eng.feature_layers == (top,)  # the engine's own layers again
+    cache = eng.cache
+    with pytest.raises(ValueError):
+        eng.warm_up_compiled(feature_layers=[top + 5])
+    assert eng.cache is cache and eng.feature_layers == (top,)
