@@ -17,6 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafttrain.cliconfig import ConfigError, validate_into
 
+# target.fast_linear (drafttrain.fastlinear.resolve says what each does)
+FAST_LINEAR_MODES = ("auto", "on", "off", "kernel", "onednn")
+
 __all__ = ["ConfigError", "validate", "validate_eval", "validate_into"]  # ConfigError's home: drafttrain.cliconfig
 
 
@@ -29,8 +32,9 @@ class TargetConfig:
     gguf_file: str | None = None  # a GGUF file to convert instead of the packaged one
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
-    # linear layers on oneDNN prepacked weights (drafttrain.fastlinear): auto = on for float32 on CPU
-    # when this torch has oneDNN; a k-token forward then costs about a 1-token one (issue 16)
+    # linear layers on prepacked weights (drafttrain.fastlinear): auto = for float32 on CPU, drafttrain's
+    # AVX2 kernel where it builds, else oneDNN; on = the same but an error where neither applies;
+    # kernel | onednn = that backend only; off = F.linear. Verification then costs far less (issue 16)
     fast_linear: str = "auto"
     # tiny random target for tests: a LlamaConfig built from these (only when random_init is true)
     random_init: bool = False
@@ -539,8 +543,8 @@ def _check_values(c: TrainConfig) -> None:
         problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
     elif c.optim.decay_over == "minutes" and c.trainer.max_minutes is None:
         problems.append("optim.decay_over=minutes needs trainer.max_minutes (the time the cosine runs over)")
-    if c.target.fast_linear not in ("auto", "on", "off"):
-        problems.append("target.fast_linear must be auto|on|off")
+    if c.target.fast_linear not in FAST_LINEAR_MODES:
+        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
     if c.data.features not in ("auto", "live", "cache"):
         problems.append("data.features must be auto|live|cache")
     if c.data.features == "cache" and not c.data.feature_cache:
@@ -597,8 +601,8 @@ def _check_generate(c: GenerateConfig) -> None:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
-    if c.target.fast_linear not in ("auto", "on", "off"):
-        problems.append("target.fast_linear must be auto|on|off")
+    if c.target.fast_linear not in FAST_LINEAR_MODES:
+        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
     if not c.output_dir:
         problems.append("output_dir must be set")
     if problems:
@@ -753,8 +757,8 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
             problems += m.check(c) if m.check is not None else []
     if c.target.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
-    if c.target.fast_linear not in ("auto", "on", "off"):
-        problems.append("target.fast_linear must be auto|on|off")
+    if c.target.fast_linear not in FAST_LINEAR_MODES:
+        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
     if problems:
         raise ConfigError("; ".join(problems))
     return c

@@ -1,22 +1,30 @@
-"""Cheap verification on CPU: the frozen target's linear layers on oneDNN prepacked weights.
+"""Cheap verification on CPU: the frozen target's linear layers on prepacked weights.
 
 Why (measured, docs/benchmarks/forward_cost.md): on the CPU wheel of torch, ``F.linear`` goes to MKL
 sgemm, whose small-M path makes a forward of 2-9 tokens cost 1.7-2.5x a one-token forward although
-both read the same 538 MB of weights once (the memory roofline says ~1.0x). oneDNN's inner-product
-primitive on a weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``
-+ ``torch.ops.mkldnn._linear_pointwise``, what ``torch.compile``'s freezing pass emits on CPU) has no
-such penalty: a tree verification forward then costs about what a plain decoding step does, which is
-what speculative decoding needs to pay (issue 16, PLATFORM.md "CPU matmul regime").
+both read the same 538 MB of weights once (the memory roofline says ~1.0x). Two backends fix it, both
+on a weight reordered once:
+
+- ``kernel`` (the default where it builds): drafttrain's own AVX2/FMA register-blocked GEMM micro-kernel
+  (``drafttrain/csrc/small_m_linear.cpp``, built on first use with ``torch.utils.cpp_extension``, cached
+  in torch's extension folder). On the 2-core AMD EPYC machines it reads the weights near the memory
+  bandwidth at 1-3 rows and stays compute-efficient at 4-64 rows, where MKL and oneDNN are 1.5-3x
+  slower; it also beats MKL on prefill-sized products. Every output row is one in-order FMA chain, so
+  a row's result is bitwise the same alone or in any batch (batch invariance).
+- ``onednn``: oneDNN's inner-product primitive on its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` + ``torch.ops.mkldnn._linear_pointwise``, what
+  ``torch.compile``'s freezing pass emits on CPU): the fallback where the kernel cannot be built
+  (no AVX2/FMA, not x86-64, no C++ compiler or ninja).
 
 How: :func:`pack_linears` swaps every ``nn.Linear`` of a loaded, frozen model (the LM head included)
 for a :class:`PackedLinear` from outside, the way quantization libraries do; no modeling file is
 touched. A ``PackedLinear`` *is* an ``nn.Linear`` holding the very same ``weight`` / ``bias``
 parameters (tied embeddings stay tied, ``state_dict`` is unchanged, drafters that share the target's
 LM head by reference keep reading ``lm_head.weight``), plus a prepacked copy used only for inference:
-whenever autograd needs the op (grad mode on and the input or weight requires grad), or the input is
-not a float32 CPU tensor, it falls back to ``F.linear``. A weight changed in place (``load_state_dict``,
-``.to``) is repacked on the next call. Cost: one more copy of the weights in memory (538 MB for
-SmolLM2-135M).
+whenever autograd needs the op (grad mode on and the input or weight requires grad), the input is not
+a float32 CPU tensor, or the code runs inside ``torch.compile``, it falls back to ``F.linear``. A weight
+changed in place (``load_state_dict``, ``.to``) is repacked on the next call. Cost: one more copy of
+the weights in memory (538 MB for SmolLM2-135M).
 
 Numerics: same fp32 weights and inputs, different summation order: outputs differ from ``F.linear``
 by float reassociation only (max |diff| ~1e-6 relative; greedy outputs unchanged on the tests' and
@@ -27,18 +35,25 @@ Shape letters: m rows (any leading dims), i in_features, o out_features.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import platform
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttrain.config import FAST_LINEAR_MODES as MODES  # auto | on | off | kernel | onednn
+
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
+BACKENDS = ("kernel", "onednn")
+_KERNEL_SOURCE = Path(__file__).parent / "csrc" / "small_m_linear.cpp"
 
 
-def available() -> bool:
+def onednn_available() -> bool:
     """True when this torch build has oneDNN (mkldnn) and its prepacked-linear ops."""
     try:
         return bool(
@@ -51,22 +66,94 @@ def available() -> bool:
         return False
 
 
+@functools.cache
+def _kernel_module():
+    """The built kernel extension, or the reason it is unavailable (a str). Built once per machine
+    (torch's extension folder, ``TORCH_EXTENSIONS_DIR``; ~40 s on 2 cores), loaded once per process."""
+    if os.environ.get("DRAFTTRAIN_NO_KERNEL"):
+        return "DRAFTTRAIN_NO_KERNEL is set"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not x86-64 ({platform.machine()})"
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        cap = ""
+    if not cap.upper().startswith("AVX2") and not cap.upper().startswith("AVX512"):
+        return f"this CPU has no AVX2/FMA (torch reports {cap!r})"
+    try:
+        from torch.utils import cpp_extension
+
+        log.info("fast_linear: building the AVX2 linear kernel (once per machine, ~1 min)")
+        return cpp_extension.load(
+            name="drafttrain_small_m_linear",
+            sources=[str(_KERNEL_SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler / ninja / headers: fall back, say why
+        return f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def kernel_available() -> bool:
+    """True when drafttrain's AVX2 kernel is built (or builds now) and loads on this machine."""
+    mod = _kernel_module()
+    if isinstance(mod, str):
+        log.debug("fast_linear kernel unavailable: %s", mod)
+        return False
+    return True
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why the kernel backend cannot be used here (None when it can)."""
+    mod = _kernel_module()
+    return mod if isinstance(mod, str) else None
+
+
+def available(backend: str | None = None) -> bool:
+    """True when ``backend`` (``kernel`` | ``onednn``; None: either) can run here."""
+    if backend is None:
+        return kernel_available() or onednn_available()
+    if backend == "kernel":
+        return kernel_available()
+    if backend == "onednn":
+        return onednn_available()
+    raise ValueError(f"unknown fast_linear backend {backend!r}; expected one of {BACKENDS}")
+
+
+def best_backend() -> str | None:
+    """The fastest backend available here: ``kernel``, else ``onednn``, else None."""
+    return "kernel" if kernel_available() else ("onednn" if onednn_available() else None)
+
+
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` that runs on a oneDNN prepacked copy of its weight when nothing needs gradients.
+    """An ``nn.Linear`` that runs on a prepacked copy of its weight (``backend``: ``kernel`` or ``onednn``)
+    when nothing needs gradients.
 
     Built from an existing layer (:meth:`from_linear`); ``weight`` and ``bias`` are that layer's own
-    ``Parameter`` objects (shared, not copied). ``forward(x)``: x [..., i] -> [..., o], equal to
-    ``F.linear(x, weight, bias)`` up to float reassociation.
+    ``Parameter`` objects (shared, not copied). ``forward(x)``: x [..., i] float32 -> [..., o] float32,
+    equal to ``F.linear(x, weight, bias)`` up to float reassociation.
     """
 
+    backend: str = "onednn"
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+    def from_linear(cls, linear: nn.Linear, backend: str | None = None) -> "PackedLinear":
+        """Wrap ``linear`` (its parameters shared). ``backend``: None = :func:`best_backend`.
+
+        Raises:
+            ValueError: an unknown backend, or one that is not available here.
+        """
+        backend = backend or best_backend()
+        if backend not in BACKENDS or not available(backend):
+            raise ValueError(f"fast_linear backend {backend!r} is not available here (choose from {BACKENDS})")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight  # the same Parameter: tied weights and shared references stay valid
         new.bias = linear.bias
         new.__dict__["_packed"] = None  # (key, packed weight); not a buffer: never saved, never moved
+        new.__dict__["backend"] = backend
         new.train(linear.training)
         return new
 
@@ -84,12 +171,17 @@ class PackedLinear(nn.Linear):
         return (w.data_ptr(), w._version, w.dtype, w.device, None if b is None else (b.data_ptr(), b._version))
 
     def packed_weight(self) -> torch.Tensor:
-        """The prepacked (opaque oneDNN layout) weight [o, i], rebuilt when ``weight`` changed."""
+        """The prepacked weight, rebuilt when ``weight`` changed: the kernel's [ceil(o/96)*12, i, 8]
+        float32 layout, or oneDNN's opaque [o, i] one."""
         key = self._key()
         cached = self.__dict__.get("_packed")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
+                w = self.weight.detach().contiguous()
+                if self.backend == "kernel":
+                    packed = _kernel_module().pack(w)
+                else:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(w)
             self.__dict__["_packed"] = cached = (key, packed)
         return cached[1]
 
@@ -105,6 +197,8 @@ class PackedLinear(nn.Linear):
         if torch.compiler.is_compiling() or not self._usable(x) or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         b = None if self.bias is None else self.bias.detach()
+        if self.backend == "kernel":
+            return _kernel_module().linear(x, self.packed_weight(), self.out_features, b)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), b, "none", [], "")
 
     def __deepcopy__(self, memo):  # the opaque packed tensor does not deep-copy: copy the layer, repack lazily
@@ -113,7 +207,7 @@ class PackedLinear(nn.Linear):
         new = self.to_linear()
         new.weight = copy.deepcopy(self.weight, memo)
         new.bias = copy.deepcopy(self.bias, memo)
-        return PackedLinear.from_linear(new)
+        return PackedLinear.from_linear(new, self.backend)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -121,41 +215,55 @@ class PackedLinear(nn.Linear):
         return state
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", packed=oneDNN"
+        return super().extra_repr() + f", packed={self.backend}"
 
 
-def resolve(mode: str, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``target.fast_linear=mode`` packs the target on ``device`` / ``dtype``.
+def resolve(mode: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """The backend ``target.fast_linear=mode`` packs the target with on ``device`` / ``dtype``, or None.
 
-    ``auto``: on for float32 on CPU when oneDNN is available (:func:`available`); ``on``: the same,
-    but an error where it cannot apply; ``off``: never.
+    ``auto``: for float32 on CPU, the best available backend (:func:`best_backend`: the kernel, else
+    oneDNN), else None; ``on``: the same, but an error where none applies; ``kernel`` / ``onednn``:
+    that backend, an error where it cannot apply; ``off``: None.
 
     Raises:
-        ValueError: an unknown mode, or ``on`` where packing cannot apply (not CPU, not float32, no oneDNN).
+        ValueError: an unknown mode, or ``on`` / a named backend where it cannot apply (not CPU, not
+            float32, the backend unavailable; the message says which and why).
     """
     if mode not in MODES:
         raise ValueError(f"target.fast_linear must be one of {MODES}, got {mode!r}")
     if mode == "off":
-        return False
-    ok_dev, ok_dtype, ok_lib = torch.device(device).type == "cpu", dtype == torch.float32, available()
-    if mode == "on" and not (ok_dev and ok_dtype and ok_lib):
-        why = "no oneDNN in this torch build" if not ok_lib else ("the device is not CPU" if not ok_dev else "dtype is not float32")
-        raise ValueError(f"target.fast_linear=on cannot apply: {why} (use auto or off)")
-    return ok_dev and ok_dtype and ok_lib
+        return None
+    ok_dev, ok_dtype = torch.device(device).type == "cpu", dtype == torch.float32
+    if not (ok_dev and ok_dtype):
+        if mode == "auto":
+            return None
+        raise ValueError(f"target.fast_linear={mode} cannot apply: {'the device is not CPU' if not ok_dev else 'dtype is not float32'} (use auto or off)")
+    backend = best_backend() if mode in ("auto", "on") else mode
+    if backend is None or not available(backend):
+        if mode == "auto":
+            return None
+        why = kernel_unavailable_reason() if backend == "kernel" else "no oneDNN in this torch build"
+        raise ValueError(f"target.fast_linear={mode} cannot apply: {why} (use auto or off)")
+    return backend
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, backend: str | None = None) -> int:
     """Replace every ``nn.Linear`` in ``model`` (recursively, LM head included) by a :class:`PackedLinear`
-    sharing its parameters; weights are packed now (not on the first call). Idempotent.
+    on ``backend`` (None: :func:`best_backend`) sharing its parameters; weights are packed now (not on
+    the first call). Idempotent: layers already packed keep their backend.
 
     Returns:
         the number of layers replaced.
+
+    Raises:
+        ValueError: ``backend`` unknown or unavailable here.
     """
+    backend = backend or best_backend()
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:  # exact type: subclasses (already packed, quantized, ...) stay as they are
-                new = PackedLinear.from_linear(child)
+                new = PackedLinear.from_linear(child, backend)
                 new.packed_weight()
                 setattr(parent, name, new)
                 n += 1
@@ -177,3 +285,8 @@ def unpack_linears(model: nn.Module) -> int:
 def is_packed(model: nn.Module) -> bool:
     """True when some linear layer of ``model`` is a :class:`PackedLinear`."""
     return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def backend_of(model: nn.Module) -> str | None:
+    """The backend of ``model``'s first :class:`PackedLinear` (None when nothing is packed)."""
+    return next((m.backend for m in model.modules() if isinstance(m, PackedLinear)), None)

@@ -425,8 +425,9 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     ``random_init`` builds a tiny random Llama (tests) that shares the real tokenizer, so the data
     pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
 
-    ``fast_linear`` (auto | on | off): swap the loaded model's linear layers, LM head included, for
-    oneDNN prepacked ones (:mod:`drafttrain.fastlinear`; same parameters, inference only).
+    ``fast_linear`` (auto | on | off | kernel | onednn): swap the loaded model's linear layers, LM head
+    included, for prepacked ones (:mod:`drafttrain.fastlinear`: drafttrain's AVX2 kernel or oneDNN; same
+    parameters, inference only).
 
     Raises:
         MissingAssetError: the packaged model is not installed (message names the pip command).
@@ -448,6 +449,6 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         )
     model = model.to(device)
     if pack:
-        n = fastlinear.pack_linears(model)
-        log.info("target.fast_linear: %d linear layers on oneDNN prepacked weights", n)
+        n = fastlinear.pack_linears(model, pack)
+        log.info("target.fast_linear: %d linear layers on prepacked weights (%s)", n, pack)
     return Target(model, tokenizer, source_dir=None if cfg.random_init else folder)

@@ -5,9 +5,11 @@
 A verification forward of the engine (:meth:`drafttrain.verify.engine.SpecEngine.forward_trees`: the
 EMS-SD unpadded engine, ``context`` committed tokens per row, a chain of k - 1 drafts below each
 row's root, logits at every input: exactly what a speculative step pays; k = 1 is a plain decoding
-step) is timed with the target's linear layers as loaded (``F.linear``, MKL sgemm on the CPU wheel)
-and on oneDNN prepacked weights (:mod:`drafttrain.fastlinear`, ``target.fast_linear``), the two
-interleaved call by call on the same cache, medians of ``repeats`` calls. The same script measures
+step) is timed with the target's linear layers as loaded (``plain``: ``F.linear``, MKL sgemm on the
+CPU wheel) and on each prepacked backend of :mod:`drafttrain.fastlinear` available here (``onednn``:
+oneDNN's prepacked inner product; ``kernel``: drafttrain's AVX2 kernel), all interleaved call by call
+on the same cache, medians of ``repeats`` calls. ``packed`` in the results is the default backend
+(``target.fast_linear=auto``). The same script measures
 the machine's memory read bandwidth (a sum over a tensor far larger than the caches) and matmul
 throughput, and reports the roofline of each forward: max(bytes read / bandwidth, FLOPs / throughput),
 where bytes = every weight once + the K/V cache rows read, FLOPs = 2 x parameters x tokens.
@@ -32,6 +34,7 @@ class BenchForwardCostConfig:
     """Schema of ``python -m scripts.bench_forward_cost`` (key=value overrides, validated before any work)."""
 
     tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 9, 17, 33, 65])  # inputs per row (batch 1)
+    variants: list[str] = field(default_factory=lambda: ["plain", "onednn", "kernel"])  # those available are timed
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     batch_tokens: list[int] = field(default_factory=lambda: [1, 9])  # inputs per row measured at every batch size
     context: int = 200  # committed tokens per row in the cache
@@ -78,24 +81,39 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 
 class LinearSwitch:
-    """Every linear layer of ``model`` in two versions sharing parameters (``nn.Linear`` and
-    :class:`~drafttrain.fastlinear.PackedLinear`, packed once); :meth:`use` puts one set in place."""
+    """Every linear layer of ``model`` in several versions sharing parameters: ``plain`` (``nn.Linear``)
+    and one :class:`~drafttrain.fastlinear.PackedLinear` per backend in ``backends`` (default: every
+    backend available here), packed once; :meth:`use` puts one set in place."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, backends: list[str] | None = None):
+        from drafttrain import fastlinear
         from drafttrain.fastlinear import PackedLinear
 
-        self.sites = []  # (parent module, attribute name, plain, packed)
+        self.backends = [b for b in (backends or fastlinear.BACKENDS) if fastlinear.available(b)]
+        self.default = fastlinear.best_backend()
+        self.sites = []  # (parent module, attribute name, {variant: layer})
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     plain = child.to_linear() if isinstance(child, PackedLinear) else child
-                    packed = child if isinstance(child, PackedLinear) else PackedLinear.from_linear(child)
-                    packed.packed_weight()
-                    self.sites.append((parent, name, plain, packed))
+                    versions = {"plain": plain}
+                    for b in self.backends:
+                        versions[b] = PackedLinear.from_linear(plain, b)
+                        versions[b].packed_weight()
+                    self.sites.append((parent, name, versions))
 
-    def use(self, packed: bool) -> None:
-        for parent, name, plain, pk in self.sites:
-            setattr(parent, name, pk if packed else plain)
+    @property
+    def variants(self) -> list[str]:
+        return ["plain", *self.backends]
+
+    def use(self, variant: bool | str) -> None:
+        """``variant``: ``plain`` / a backend name; True = the default backend, False = plain."""
+        if variant is True:
+            variant = self.default or "plain"
+        elif variant is False:
+            variant = "plain"
+        for parent, name, versions in self.sites:
+            setattr(parent, name, versions[variant])
 
 
 # ==================================================================================================
@@ -116,18 +134,18 @@ def _engine(target, batch: int, context: int, seed: int):
     return eng
 
 
-def forward_ms(eng, k: int, switch: LinearSwitch, repeats: int, seed: int) -> dict[str, float]:
-    """Median ms of one verification forward of a k-token chain per row, plain and packed, interleaved."""
+def forward_ms(eng, k: int, switch: LinearSwitch, repeats: int, seed: int, variants: list[str] | None = None) -> dict[str, float]:
+    """Median ms of one verification forward of a k-token chain per row, for each variant, interleaved."""
     from drafttrain.verify import DraftTree
 
     g = torch.Generator().manual_seed(seed)
     rows = sum(s is not None for s in eng.rows)
     trees = [DraftTree.chain(torch.randint(3, 40000, (k - 1,), generator=g)) for _ in range(rows)]
-    times = {"plain": [], "packed": []}
-    order = ["plain", "packed"]
+    order = list(variants or switch.variants)
+    times = {v: [] for v in order}
     for rep in range(repeats + 1):
         for v in order if rep % 2 == 0 else order[::-1]:  # alternate who goes first
-            switch.use(v == "packed")
+            switch.use(v)
             t = time.perf_counter()
             eng.forward_trees(trees)  # writes K/V after the committed tokens, commits nothing
             if rep:  # the first round warms up
@@ -144,11 +162,15 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
     gflops = matmul_gflops()
     tcfg = TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"})
     target = load_target(tcfg)
-    switch = LinearSwitch(target.model)
+    unknown = set(cfg.variants) - {"plain", "onednn", "kernel"}
+    if unknown:
+        raise ValueError(f"variants: unknown {sorted(unknown)}; choose from plain, onednn, kernel")
+    switch = LinearSwitch(target.model, [v for v in cfg.variants if v != "plain"])
+    variants = [v for v in switch.variants if v in cfg.variants]
     mc = target.config
     n_params = sum(p.numel() for p in target.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    linear_params = sum(pl.weight.numel() for _, _, pl, _ in switch.sites)
+    linear_params = sum(vs["plain"].weight.numel() for _, _, vs in switch.sites)
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * 4
 
@@ -163,19 +185,21 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
         if batch not in engines:
             switch.use(False)
             engines = {batch: _engine(target, batch, cfg.context, cfg.seed)}  # one at a time: free the last cache
-        ms = forward_ms(engines[batch], k, switch, cfg.repeats, cfg.seed + k)
+        ms = forward_ms(engines[batch], k, switch, cfg.repeats, cfg.seed + k, variants)
         rf = roofline(batch, k)
-        rows.append({"batch": batch, "tokens": k, "plain_ms": ms["plain"], "packed_ms": ms["packed"], **rf,
-                     "roofline_ms": max(rf["memory_ms"], rf["compute_ms"])})  # fmt: skip
-        print(f"batch {batch:2d} tokens {k:2d}: plain {ms['plain']:7.1f} ms  packed {ms['packed']:7.1f} ms  "
-              f"roofline {rows[-1]['roofline_ms']:6.1f} ms", flush=True)  # fmt: skip
+        packed = switch.default if switch.default in ms else next((v for v in variants if v != "plain"), "plain")
+        rows.append({"batch": batch, "tokens": k, **{f"{v}_ms": t for v, t in ms.items()}, "packed_ms": ms[packed],
+                     **rf, "roofline_ms": max(rf["memory_ms"], rf["compute_ms"])})  # fmt: skip
+        print(f"batch {batch:2d} tokens {k:2d}: " + "  ".join(f"{v} {t:7.1f} ms" for v, t in ms.items())
+              + f"  roofline {rows[-1]['roofline_ms']:6.1f} ms", flush=True)  # fmt: skip
     switch.use(False)
-    base = {v: next(r[f"{v}_ms"] for r in rows if r["batch"] == 1 and r["tokens"] == 1) for v in ("plain", "packed")}
+    timed = [*variants, "packed"]
+    base = {v: next(r[f"{v}_ms"] for r in rows if r["batch"] == 1 and r["tokens"] == 1) for v in timed}
     for r in rows:
-        for v in ("plain", "packed"):  # cost relative to the same variant's 1-token forward at batch 1
+        for v in timed:  # cost relative to the same variant's 1-token forward at batch 1
             r[f"{v}_vs_1token"] = r[f"{v}_ms"] / base[v]
-        r["packed_vs_plain_1token"] = r["packed_ms"] / base["plain"]
-    return {"rows": rows, "bandwidth_gbs": bw, "matmul_gflops": gflops, "weight_bytes": weight_bytes,
+            r[f"{v}_vs_plain_1token"] = r[f"{v}_ms"] / base.get("plain", base[v])
+    return {"rows": rows, "variants": variants, "packed_variant": packed, "bandwidth_gbs": bw, "matmul_gflops": gflops, "weight_bytes": weight_bytes,
             "parameters": n_params, "linear_layers": len(switch.sites), "kv_bytes_per_token": kv_bytes_per_token,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "target"}, "target": cfg.target.__dict__}  # fmt: skip
 
@@ -192,7 +216,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     nine = b1.get(9)
     shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
     lines = [
-        "# Cost of one target forward by tokens per forward: `F.linear` vs oneDNN prepacked weights",
+        "# Cost of one target forward by tokens per forward: `F.linear` vs prepacked weights (oneDNN, drafttrain's kernel)",
         "",
         f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
         f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
@@ -204,9 +228,10 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"fp32, {res['linear_layers']} linear layers incl. the LM head), {res['config']['context']} committed tokens per "
         f"row. One forward = the engine's verification forward (`SpecEngine.forward_trees`: root + a chain of "
         f"k - 1 drafts per row, logits at every input; k = 1 is a plain decoding step). **plain** = the "
-        f"linear layers as loaded (`F.linear`, `target.fast_linear=off`), **packed** = oneDNN prepacked weights "
-        f"(`drafttrain/fastlinear.py`, `target.fast_linear=auto`, the default on CPU); interleaved call by call, "
-        f"median of {res['config']['repeats']} calls each.",
+        f"linear layers as loaded (`F.linear`, `target.fast_linear=off`); **onednn** = oneDNN prepacked weights "
+        f"(`target.fast_linear=onednn`); **kernel** = drafttrain's AVX2 kernel (`drafttrain/csrc/small_m_linear.cpp`, "
+        f"`target.fast_linear=kernel`); the default (`auto`) here is **{res.get('packed_variant', 'packed')}**. "
+        f"Interleaved call by call, median of {res['config']['repeats']} calls each.",
         "",
         f"Roofline: memory read bandwidth **{res['bandwidth_gbs']:.1f} GB/s** (sum over a "
         f"{res['config']['bandwidth_mb']} MB tensor) and fp32 matmul throughput **{res['matmul_gflops']:.0f} GFLOP/s** "
@@ -214,17 +239,19 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"2 x linear parameters x tokens / throughput).",
         "",
     ]
+    variants = res.get("variants") or ["plain", "packed"]
     if nine:
-        lines += [f"**Goal (issue 16): a 9-token forward <= 1.3x a 1-token forward.** Packed: "
-                  f"**{nine['packed_vs_1token']:.2f}x** ({nine['packed_ms']:.1f} vs {b1[1]['packed_ms']:.1f} ms); "
-                  f"plain: {nine['plain_vs_1token']:.2f}x ({nine['plain_ms']:.1f} vs {b1[1]['plain_ms']:.1f} ms); "
-                  f"the packed 9-token forward costs {nine['packed_vs_plain_1token']:.2f}x a plain 1-token one.", ""]
-    lines += ["| batch | tokens per row | plain ms | packed ms | packed / plain | plain vs 1 token | packed vs 1 token | roofline ms (memory, compute) |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        parts = [f"{v}: **{nine[f'{v}_vs_1token']:.2f}x** ({nine[f'{v}_ms']:.1f} vs {b1[1][f'{v}_ms']:.1f} ms)" for v in variants]
+        lines += ["**Goal (issue 16): a 9-token forward <= 1.3x a 1-token forward.** " + "; ".join(parts) + ". "
+                  + "Against plain decoding's 1-token forward: "
+                  + ", ".join(f"{v} {nine[f'{v}_vs_plain_1token']:.2f}x" for v in variants if v != "plain") + ".", ""]
+    lines += ["| batch | tokens per row | " + " | ".join(f"{v} ms" for v in variants) + " | "
+              + " | ".join(f"{v} vs 1 token" for v in variants) + " | roofline ms (memory, compute) |",
+              "|---|---|" + "---|" * (2 * len(variants)) + "---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['tokens']} | {r['plain_ms']:.1f} | {r['packed_ms']:.1f} | "
-                     f"{r['packed_ms'] / r['plain_ms']:.2f} | {r['plain_vs_1token']:.2f}x | {r['packed_vs_1token']:.2f}x | "
-                     f"{r['roofline_ms']:.1f} ({r['memory_ms']:.1f}, {r['compute_ms']:.1f}) |")  # fmt: skip
+        lines.append(f"| {r['batch']} | {r['tokens']} | " + " | ".join(f"{r[f'{v}_ms']:.1f}" for v in variants) + " | "
+                     + " | ".join(f"{r[f'{v}_vs_1token']:.2f}x" for v in variants)
+                     + f" | {r['roofline_ms']:.1f} ({r['memory_ms']:.1f}, {r['compute_ms']:.1f}) |")  # fmt: skip
     lines += ["", "\"vs 1 token\": the row's time over the same variant's batch-1, 1-token forward.", "",
               "Reproduce (from the repository root; a few minutes on an idle 2-core machine):", "", "```bash", command, "```",
               "", analysis, ""]  # fmt: skip

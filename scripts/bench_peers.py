@@ -95,7 +95,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
 
         ctarget = Target(copy.deepcopy(target.model), target.tokenizer, target.source_dir)
         if fastlinear.available():  # the LM head runs eager (logits only where needed): prepacked, as by default
-            fastlinear.pack_linears(ctarget.model)
+            fastlinear.pack_linears(ctarget.model, fastlinear.best_backend())
     rows_in = load_eval_prompts(cfg.prompts, limit=cfg.num_prompts, stride=cfg.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows_in]
     stops = sorted(end_of_turn_ids(target.tokenizer))

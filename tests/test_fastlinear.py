@@ -1,4 +1,5 @@
-"""Tests of drafttrain.fastlinear (the target's linears on oneDNN prepacked weights, issue 16 item 1).
+"""Tests of drafttrain.fastlinear (the target's linears on prepacked weights, issue 16 item 1): both
+backends, drafttrain's AVX2 kernel (where it builds) and oneDNN.
 
 The swap must be invisible except in speed: same parameters (tied LM head included, so drafters that
 share it keep working and training still gets gradients), same state_dict, logits equal up to float
@@ -18,7 +19,9 @@ from drafttrain import fastlinear
 from drafttrain.config import ConfigError, TargetConfig
 from drafttrain.target import Target
 
-pytestmark = pytest.mark.skipif(not fastlinear.available(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not fastlinear.available(), reason="neither the kernel nor oneDNN is available")
+HERE = [b for b in fastlinear.BACKENDS if fastlinear.available(b)]
+needs_kernel = pytest.mark.skipif(not fastlinear.kernel_available(), reason=f"no kernel: {fastlinear.kernel_unavailable_reason()}")
 
 
 def _varied(model: nn.Module) -> nn.Module:
@@ -32,21 +35,24 @@ def _varied(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_target):
-    """(packed, plain) tiny varied targets with equal weights."""
+@pytest.fixture(scope="module", params=HERE)
+def pair(tiny_target, request):
+    """(packed, plain) tiny varied targets with equal weights, once per available backend."""
     plain = _varied(tiny_target.model)
     fastlinear.unpack_linears(plain)
     packed = copy.deepcopy(plain)
-    n = fastlinear.pack_linears(packed)
+    n = fastlinear.pack_linears(packed, request.param)
+    assert fastlinear.backend_of(packed) == request.param
     assert n == sum(type(m) is nn.Linear for m in plain.modules()) > 0
     return Target(packed, tiny_target.tokenizer), Target(plain, tiny_target.tokenizer)
 
 
-def test_layer_matches_f_linear_and_shares_parameters():
+@pytest.mark.parametrize("backend", HERE)
+def test_layer_matches_f_linear_and_shares_parameters(backend):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200)
-    pl = fastlinear.PackedLinear.from_linear(lin)
+    pl = fastlinear.PackedLinear.from_linear(lin, backend)
+    assert pl.backend == backend and f"packed={backend}" in repr(pl)
     assert isinstance(pl, nn.Linear) and pl.weight is lin.weight and pl.bias is lin.bias
     for shape in [(1, 96), (9, 96), (2, 5, 96), (0, 96)]:
         x = torch.randn(*shape)
@@ -60,11 +66,12 @@ def test_layer_matches_f_linear_and_shares_parameters():
         assert torch.allclose(pl(x), lin(x), atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_fall_back_to_f_linear():
+@pytest.mark.parametrize("backend", HERE)
+def test_gradients_fall_back_to_f_linear(backend):
     """A drafter's loss goes through the shared LM head with grad on: the op has no backward, so F.linear runs."""
     torch.manual_seed(0)
     lin = nn.Linear(32, 50, bias=False).requires_grad_(False)
-    pl = fastlinear.PackedLinear.from_linear(lin)
+    pl = fastlinear.PackedLinear.from_linear(lin, backend)
     x = torch.randn(4, 32, requires_grad=True)
     pl(x).square().sum().backward()
     g1 = x.grad.clone()
@@ -84,6 +91,7 @@ def test_pack_keeps_ties_state_dict_and_deepcopy(pair):
     assert list(m.state_dict()) == list(plain.model.state_dict())
     m2 = copy.deepcopy(m)
     assert isinstance(m2.lm_head, fastlinear.PackedLinear) and m2.lm_head.weight is m2.model.embed_tokens.weight
+    assert fastlinear.backend_of(m2) == fastlinear.backend_of(m)
     assert m2.lm_head.weight is not m.lm_head.weight
     assert fastlinear.is_packed(m2) and not fastlinear.is_packed(plain.model)
 
@@ -119,12 +127,17 @@ def test_engine_on_packed_equals_hf_generate_unpacked(pair, make_drafter):
 
 
 def test_resolve_modes():
-    assert fastlinear.resolve("off", "cpu", torch.float32) is False
-    assert fastlinear.resolve("auto", "cpu", torch.float32) is True
-    assert fastlinear.resolve("auto", "cpu", torch.bfloat16) is False
-    assert fastlinear.resolve("auto", "meta", torch.float32) is False
+    assert fastlinear.resolve("off", "cpu", torch.float32) is None
+    assert fastlinear.resolve("auto", "cpu", torch.float32) == fastlinear.best_backend() == HERE[0]
+    assert fastlinear.resolve("on", "cpu", torch.float32) == HERE[0]
+    for b in HERE:
+        assert fastlinear.resolve(b, "cpu", torch.float32) == b
+    assert fastlinear.resolve("auto", "cpu", torch.bfloat16) is None
+    assert fastlinear.resolve("auto", "meta", torch.float32) is None
     with pytest.raises(ValueError, match="fast_linear=on"):
         fastlinear.resolve("on", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="fast_linear=kernel cannot apply: dtype"):
+        fastlinear.resolve("kernel", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="fast_linear must be"):
         fastlinear.resolve("yes", "cpu", torch.float32)
 
@@ -133,6 +146,7 @@ def test_tiny_target_is_packed_by_default_and_off_is_plain(tiny_target):
     from drafttrain.target import load_target
 
     assert fastlinear.is_packed(tiny_target.model)  # auto on CPU: every test runs the packed path
+    assert fastlinear.backend_of(tiny_target.model) == fastlinear.best_backend()  # the kernel where it builds
     off = load_target(TargetConfig(random_init=True, fast_linear="off"))
     assert not fastlinear.is_packed(off.model)
     with pytest.raises(ValueError, match="fast_linear"):
@@ -178,3 +192,57 @@ def test_pack_for_inference_packs_the_drafter_and_its_draft_head(tiny_target, ma
     off = load_target(TargetConfig(random_init=True, fast_linear="off"))
     plain = build_drafter("parallelspec", {"num_mask_tokens": 2}, off)
     assert plain.pack_for_inference() == 0 and not fastlinear.is_packed(plain)
+
+
+# ==================================================================================================
+# drafttrain's AVX2 kernel (drafttrain/csrc/small_m_linear.cpp)
+# ==================================================================================================
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(96, 200), (13, 77), (1, 121), (40, 8), (64, 300)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_matches_f_linear_at_every_row_count(k, n, bias):
+    """Every tile shape (1-9 rows, the 6-row tiles, the 192-row chunks) and ragged out_features
+    (tails of a 8-column vector and of a tile) against F.linear."""
+    torch.manual_seed(k * n)
+    lin = nn.Linear(k, n, bias=bias)
+    if bias:
+        with torch.no_grad():
+            lin.bias.normal_()
+    pl = fastlinear.PackedLinear.from_linear(lin, "kernel")
+    for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 17, 33, 64, 200, 389]:
+        x = torch.randn(m, k)
+        with torch.no_grad():
+            ref, out = lin(x), pl(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()))
+
+
+@needs_kernel
+def test_kernel_rows_are_batch_invariant():
+    """A row's output is bitwise the same computed alone, in any batch and at any position: every
+    output is one in-order FMA chain whatever the tile shape (unlike F.linear / oneDNN)."""
+    torch.manual_seed(3)
+    lin = nn.Linear(576, 200)
+    pl = fastlinear.PackedLinear.from_linear(lin, "kernel")
+    x = torch.randn(203, 576)
+    with torch.no_grad():
+        full = pl(x)
+        for m in [1, 2, 3, 4, 5, 7, 9, 17, 64]:
+            for start in (0, 1, 100):
+                assert torch.equal(pl(x[start : start + m]), full[start : start + m]), (m, start)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_input_with_a_clear_error():
+    mod = fastlinear._kernel_module()
+    w = torch.randn(10, 6)
+    wp = mod.pack(w)
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.linear(torch.randn(2, 6, dtype=torch.float64), wp, 10, None)
+    with pytest.raises(RuntimeError, match="does not match in_features"):
+        mod.linear(torch.randn(2, 7), wp, 10, None)
+    with pytest.raises(RuntimeError, match="pack: expected a 2-D float32"):
+        mod.pack(torch.randn(3, 4, 5))
+    with pytest.raises(ValueError, match="not available|backend"):
+        fastlinear.PackedLinear.from_linear(nn.Linear(3, 4), "cuda-magic")

@@ -298,14 +298,15 @@ class Drafter(nn.Module):
                 lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
                 lin.weight = nn.Parameter(w, requires_grad=False)
                 lin.bias = None if b is None else nn.Parameter(b, requires_grad=False)
-                packed = (w, fastlinear.PackedLinear.from_linear(lin))  # falls back to F.linear under autograd
+                backend = getattr(self.shared.lm_head, "backend", None)  # the target's (pack_for_inference)
+                packed = (w, fastlinear.PackedLinear.from_linear(lin, backend))  # F.linear under autograd
                 self.__dict__["_head_rows_packed"] = packed
             return packed[1](features).float()
         return torch.nn.functional.linear(features, w.to(features.dtype), None if b is None else b.to(features.dtype)).float()
 
     def pack_for_inference(self) -> int:
-        """Run the drafter's own linear layers and its draft-vocabulary head on oneDNN prepacked weights
-        (:mod:`drafttrain.fastlinear`) when the target's are (``target.fast_linear``). A drafting step at
+        """Run the drafter's own linear layers and its draft-vocabulary head on prepacked weights
+        (:mod:`drafttrain.fastlinear`, the target's backend) when the target's are (``target.fast_linear``). A drafting step at
         batch 1 spends much of its time in these small-M matmuls (docs/benchmarks/draft_cost.md).
         Parameters and ``state_dict`` are unchanged and autograd falls back to ``F.linear``, but the
         packed copies only follow in-place updates that bump a parameter's version (DeepSpeed writes
@@ -313,12 +314,12 @@ class Drafter(nn.Module):
         final evaluation of a run do), never in the middle of a run. Idempotent.
 
         Returns:
-            the number of layers packed now (0 when the target is not packed or oneDNN is not available).
+            the number of layers packed now (0 when the target is not packed).
         """
-        if not (fastlinear.available() and isinstance(self.shared.lm_head, fastlinear.PackedLinear)):
+        if not isinstance(self.shared.lm_head, fastlinear.PackedLinear):
             return 0
         self.__dict__["_packed_inference"] = True
-        return fastlinear.pack_linears(self)
+        return fastlinear.pack_linears(self, self.shared.lm_head.backend)
 
     def draft_head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The frozen LM head's rows (and bias) of the draft vocabulary: ([N, d], [N] or None).
