@@ -6,6 +6,7 @@ Run each phase on its own (each takes < 10 minutes on a 2-core CPU):
     python -m scripts.bench_generate phase=full batch_size=32
     python -m scripts.bench_generate phase=backends   # the main job's self-distillation: hf vs engine backend
     python -m scripts.bench_generate phase=backends backends=[engine,vllm] backends_subset=32 backends_repeats=1  # vLLM beside ours
+    python -m scripts.bench_generate phase=backends backends=[hf:plain,engine]  # a backend on other linear layers
     python -m scripts.bench_generate phase=report     # rewrite the page from the JSON
 
 ``sweep``: first turns of the first ``subset`` ShareGPT conversations at each of ``batch_sizes``, plus
@@ -38,7 +39,9 @@ class BenchGenerateConfig:
     """Schema of ``python -m scripts.bench_generate`` (key=value overrides, validated before any work)."""
 
     phase: str = "sweep"  # sweep | full | backends | report
-    backends: list[str] = field(default_factory=lambda: ["hf", "engine"])  # backends: engine | hf | vllm (vllm: bash scripts/install_vllm.sh)
+    # backends: engine | hf | vllm (vllm: bash scripts/install_vllm.sh); engine or hf may take a suffix :plain |
+    # :onednn | :kernel, the target's linear layers for that backend's runs (default: as loaded, target.fast_linear=auto)
+    backends: list[str] = field(default_factory=lambda: ["hf", "engine"])
     backends_subset: int = 128  # backends: first N ShareGPT conversations (the main job keeps ~82% of them)
     backends_repeats: int = 2  # backends: each backend this many times, alternating (A B, B A, ...)
     vllm_threads: str | None = None  # backends with vllm: VLLM_CPU_OMP_THREADS_BIND (null: every core)
@@ -170,24 +173,34 @@ def _backends(target, args, work: Path) -> dict:
 
     convs, _ = _load(args.backends_subset)
     names = list(args.backends)
+    switch = None
+    if any(":" in n for n in names):  # per-run linear layers, same parameters (scripts.bench_forward_cost)
+        from scripts.bench_forward_cost import LinearSwitch
+
+        switch = LinearSwitch(target.model)
     order = [b for i in range(args.backends_repeats) for b in (names if i % 2 == 0 else names[::-1])]
     vcfg = VllmConfig(threads=args.vllm_threads, eager=args.vllm_eager)
     runs, outputs = [], {}
-    for i, backend in enumerate(order):
-        out_dir = work / f"backends-{backend}-{i}"
+    for i, name in enumerate(order):
+        backend, _, linear = name.partition(":")
+        if switch is not None:
+            switch.use(linear or True)  # no suffix: the default backend, as load_target(auto) packs it
+        out_dir = work / f"backends-{name.replace(':', '-')}-{i}"
         shutil.rmtree(out_dir, ignore_errors=True)
         load0 = os.getloadavg()[0]
         ds, report = self_distill(target, convs, out_dir, max_new_tokens=128, max_length=512, batch_size=64,
                                   max_prompt_length=256, backend=backend, progress=True, vllm=vcfg)  # fmt: skip
         r = report["this_run"]
-        run = {"backend": backend, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
+        run = {"backend": name, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
                "tokens_per_s": r["tokens_per_s"], "rows": len(ds),
                "loadavg_1min_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
         if "vllm" in r:  # start-up, time inside vLLM's requests (generation only), version
             run["vllm"] = r["vllm"]
         runs.append(run)
-        outputs.setdefault(backend, _answers(ds))
-        print(f"{backend}: {r['tokens_per_s']} tokens/s ({r['generated_tokens']} tokens, {r['seconds']} s)", flush=True)
+        outputs.setdefault(name, _answers(ds))
+        print(f"{name}: {r['tokens_per_s']} tokens/s ({r['generated_tokens']} tokens, {r['seconds']} s)", flush=True)
+    if switch is not None:
+        switch.use(True)
     tps = {b: sum(x["generated_tokens"] for x in runs if x["backend"] == b)
               / sum(x["seconds"] for x in runs if x["backend"] == b) for b in names}  # fmt: skip
     ref = "engine" if "engine" in names else names[0]
@@ -213,7 +226,7 @@ def _backends(target, args, work: Path) -> dict:
 def results_key(backends) -> str:
     """Where a backends comparison is kept in the JSON: ``backends`` for hf vs engine (the first measurement,
     kept as it was), ``backends_<a>_<b>...`` for any other set (a vLLM run never overwrites it)."""
-    return "backends" if sorted(backends) == ["engine", "hf"] else "backends_" + "_".join(backends)
+    return "backends" if sorted(backends) == ["engine", "hf"] else "backends_" + "_".join(b.replace(":", "-") for b in backends)
 
 
 def _machine() -> dict:
@@ -232,8 +245,12 @@ def main(argv: list[str] | None = None) -> None:
         from drafttrain.config import BACKENDS
         from drafttrain.export.vllm_client import vllm_python
 
-        if not args.backends or len(set(args.backends)) != len(args.backends) or set(args.backends) - set(BACKENDS):
+        bases = [b.partition(":")[0] for b in args.backends]
+        linears = {b.partition(":")[2] for b in args.backends} - {""}
+        if not args.backends or len(set(args.backends)) != len(args.backends) or set(bases) - set(BACKENDS):
             raise ConfigError(f"backends must be distinct names of {'|'.join(BACKENDS)}, got {args.backends}")
+        if linears - {"plain", "onednn", "kernel"} or any(b.startswith("vllm:") for b in args.backends):
+            raise ConfigError(f"a backend's suffix must be :plain, :onednn or :kernel (engine and hf only), got {args.backends}")
         if "vllm" in args.backends and vllm_python() is None:
             raise ConfigError("backends=[...vllm] needs vLLM's venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm)")
     path = Path(args.out).with_suffix(".json")
@@ -384,7 +401,10 @@ def backends_markdown(b: dict) -> list[str]:
              "`generation.backend=vllm`: vLLM's CPU build in its own venv, one engine process for the job (its "
              "start-up is in the job's seconds), each shard's prompts in one request, greedy; features from a "
              "teacher-forced target forward over each finished row (also in the job's seconds). Rows are compared "
-             f"with **{ref}** (our generator's greedy answers). {b['date']}, {b['machine']['cpus']} CPUs; "
+             f"with **{ref}** (our generator's greedy answers). A suffix names the target's linear layers for that "
+             "backend's runs (**:plain** = `F.linear`, **:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 "
+             "kernel; none = the default, `target.fast_linear=auto`). "
+             f"{b['date']}, {b['machine']['cpus']} CPUs; "
              + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
                 f"**the machine was not idle** (1-min load averages {load}): the tokens/s are indicative only."), "",
              "| run | backend | generated tokens | job seconds | tokens/s (job) | vLLM start-up s | vLLM generation tok/s | load avg (start, end) |",

@@ -217,3 +217,16 @@ def test_bench_agreement_literal():
                                      "answer_tokens_agreeing": 3, "token_agreement": 0.6, "rows_only_in_one": 2}
     assert results_key(["engine", "hf"]) == results_key(["hf", "engine"]) == "backends"  # the first measurement's key
     assert results_key(["engine", "vllm"]) == "backends_engine_vllm"
+
+
+def test_bench_backends_linear_suffix():
+    """backends=[hf:plain,engine]: a backend may run on other linear layers; a bad suffix fails before any model loads."""
+    import pytest
+
+    from drafttrain.cliconfig import ConfigError
+    from scripts.bench_generate import main, results_key
+
+    assert results_key(["hf:plain", "engine"]) == "backends_hf-plain_engine"
+    for bad in ("[hf:fast,engine]", "[vllm:kernel,engine]", "[hf:plain,hf:plain]", "[hg,engine]"):
+        with pytest.raises(ConfigError, match="backend"):
+            main(["phase=backends", f"backends={bad}", "out=/nonexistent/x"])
