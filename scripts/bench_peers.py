@@ -83,7 +83,9 @@ def bench(cfg: BenchPeersConfig) -> dict:
     target = load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"}))
     switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
     drafted = {"engine_spec", "engine_hybrid", "engine_spec_compiled", "engine_hybrid_compiled"}
+    switch.use(True)  # the drafter is packed like the target it drafts for (Drafter.pack_for_inference)
     drafter = load_drafter(target, cfg.drafter) if drafted & set(cfg.methods) else None
+    switch.use(False)
     compiled = [m for m in cfg.methods if m.startswith("engine") and m.endswith("_compiled")]
     ctarget = None
     if compiled:  # its own copy: the module swaps of `switch` on the shared model would invalidate the graphs
