@@ -397,16 +397,19 @@ def backends_markdown(b: dict) -> list[str]:
     lines = [f"## The main job's self-distillation through {', '.join(names)}", "",
              "```bash", b["command"], "```", "",
              f"First {b['conversations']} ShareGPT conversations with the main job's settings (first turns, prompts "
-             "<= 256 tokens, 128 new tokens, batch 64, one batch per shard, features kept). **vllm** = "
-             "`generation.backend=vllm`: vLLM's CPU build in its own venv, one engine process for the job (its "
-             "start-up is in the job's seconds), each shard's prompts in one request, greedy; features from a "
-             "teacher-forced target forward over each finished row (also in the job's seconds). Rows are compared "
-             f"with **{ref}** (our generator's greedy answers). A suffix names the target's linear layers for that "
-             "backend's runs (**:plain** = `F.linear`, **:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 "
-             "kernel; none = the default, `target.fast_linear=auto`). "
-             f"{b['date']}, {b['machine']['cpus']} CPUs; "
+             "<= 256 tokens, 128 new tokens, batch 64, one batch per shard, features kept). "
+             + ("**vllm** = `generation.backend=vllm`: vLLM's CPU build in its own venv, one engine process for the job "
+                "(its start-up is in the job's seconds), each shard's prompts in one request, greedy; features from a "
+                "teacher-forced target forward over each finished row (also in the job's seconds). "
+                if any(n.startswith("vllm") for n in names) else "")
+             + f"Rows are compared with **{ref}** (our generator's greedy answers). "
+             + ("A suffix names the target's linear layers for that backend's runs (**:plain** = `F.linear`, "
+                "**:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 kernel; none = the default, "
+                "`target.fast_linear=auto`). " if any(":" in n for n in names) else "")
+             + f"{b['date']}, {b['machine']['cpus']} CPUs; "
              + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
-                f"**the machine was not idle** (1-min load averages {load}): the tokens/s are indicative only."), "",
+                f"1-min load averages {load}: a 2-thread job raises the load to ~2 itself, so this flags other jobs "
+                "only when the first start value is high; runs alternate, compare within this table."), "",
              "| run | backend | generated tokens | job seconds | tokens/s (job) | vLLM start-up s | vLLM generation tok/s | load avg (start, end) |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(b["runs"]):
