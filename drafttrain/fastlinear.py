@@ -91,8 +91,10 @@ def _kernel_module():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # no compiler / ninja / headers: fall back, say why
-        return f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    except Exception as e:  # no compiler / ninja / headers: fall back, say why (once per process)
+        why = f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("fast_linear: %s; falling back to oneDNN (target.fast_linear=onednn skips the build)", why)
+        return why
 
 
 def kernel_available() -> bool:
