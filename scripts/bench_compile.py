@@ -12,7 +12,8 @@ plain step (k = 1) or of verifying a k - 1 chain) in seven variants, interleaved
 of ``repeats`` calls:
 
 - ``eager_plain``: eager, the linear layers as loaded (``F.linear``: MKL sgemm on the CPU wheel);
-- ``eager_packed``: eager on oneDNN prepacked linears (``target.fast_linear=auto``, the engine's default);
+- ``eager_packed``: eager on oneDNN prepacked linears (``target.fast_linear=onednn``; the engine's default is
+  drafttrain's kernel, docs/benchmarks/forward_cost.md);
 - ``compiled_freezing``: ``torch.compile`` (inductor, static shapes) of the plain model with inductor's
   ``freezing`` on, the CPU inference mode in which inductor folds the weights as constants and prepacks
   the linear layers itself (for float32 on x86 with static shapes: MKL's packed sgemm, ``mkl._mkl_linear``);
@@ -147,7 +148,11 @@ def bench(cfg: BenchCompileConfig) -> dict:
 
     def target(name: str):  # each variant its own copy of the weights: two compiled wrappers of one module
         # would share dynamo's per-code-object cache entries (a graph compiled for one could serve the other)
-        fl = "auto" if "packed" in name or name.startswith("engine") else "off"
+        from drafttrain import fastlinear
+
+        # oneDNN, what inductor's freezing packs with, so eager and compiled share their linears' library
+        packed = "onednn" if fastlinear.onednn_available() else "auto"
+        fl = packed if "packed" in name or name.startswith("engine") else "off"
         return load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": fl}))
 
     names = ["eager_plain"] + [v for v in cfg.variants if v != "eager_plain"]  # the numerics' reference first
@@ -210,11 +215,11 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"Target: {res['target'].get('name')}; batch {res['config'].get('batch', 1)}, {res['config']['context']} "
         "committed tokens per row in a `StaticCache`, "
         "k new tokens, logits at every input (k = 1: a plain decoding step; k = 9: verifying 8 drafts). "
-        "**eager_plain** = `F.linear` as loaded; **eager_packed** = oneDNN prepacked linears (`target.fast_linear=auto`, "
-        "the engine's default); **compiled_freezing** = `torch.compile` (inductor, static shapes) of the plain model "
+        "**eager_plain** = `F.linear` as loaded; **eager_packed** = oneDNN prepacked linears (`target.fast_linear=onednn`; "
+        "the engine's default is drafttrain's kernel); **compiled_freezing** = `torch.compile` (inductor, static shapes) of the plain model "
         "with `freezing` on (MKL packed sgemm); **compiled_dynamic** = the same with dynamic shapes (one graph for every length; the linears then on oneDNN); **compiled_packed** = `torch.compile` of the prepacked model; "
         "**engine_packed** = the verifier's own forward (`SpecEngine.forward_trees`, root + a chain of k - 1 drafts, "
-        "ragged cache, tree mask), eager prepacked (the default); **engine_compiled** = the same with "
+        "ragged cache, tree mask), eager on oneDNN; **engine_compiled** = the same with "
         "`compile_target=True`. Interleaved call by call, "
         f"median of {res['config']['repeats']} calls; \"first call\" = the compile of that shape (eager: warm-up).",
         "",

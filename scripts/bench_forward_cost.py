@@ -90,7 +90,8 @@ class LinearSwitch:
         from drafttrain.fastlinear import PackedLinear
 
         self.backends = [b for b in (backends or fastlinear.BACKENDS) if fastlinear.available(b)]
-        self.default = fastlinear.best_backend()
+        best = fastlinear.best_backend()
+        self.default = best if best in self.backends else next(iter(self.backends), None)
         self.sites = []  # (parent module, attribute name, {variant: layer})
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
