@@ -200,9 +200,10 @@ class SpecEvalConfig:
     # decode once more with the online planner (verify/planner.py: per step only the draft nodes that pay for
     # their verification, none when nothing does); eval/speedup_b<N> is then the planned run's
     plan: bool = True
-    # batch-1 latency: the first N prompts also go through the engine one sequence at a time, plain vs
+    # batch-1 latency: N of the prompts, spread evenly over the list (latency_subset: with 16 MT-bench prompts,
+    # 2 per category, N = 8 is one per category), also go through the engine one sequence at a time, plain vs
     # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)
-    latency_prompts: int = 4
+    latency_prompts: int = 8
     # the batch-1 latency runs' target forward under torch.compile (SpecEngine(compile_target=True)): ~6.5 min of
     # compilation on 2 cores before the timed runs, so off in the 30-minute main job
     compile_target: bool = False

@@ -640,6 +640,22 @@ def speedup_line(final: dict[str, Any]) -> str:
             f"tokens/s in the same engine: {', '.join(parts) or 'not timed'}; {eq}")
 
 
+def latency_subset(items: list, k: int) -> list:
+    """``k`` of ``items`` spread evenly over the list (index ``floor(i * n / k)``, i < k; all of them when
+    k >= n): the batch-1 latency prompts. The main job's 16 MT-bench prompts are 2 per category in
+    category order, so k = 8 takes one per category (the first k would cover only the first k / 2).
+
+    Raises:
+        ValueError: k < 0.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    n = len(items)
+    if k >= n:
+        return list(items)
+    return [items[i * n // k] for i in range(k)]
+
+
 def sssd_for_eval(c: TrainConfig, train_ds=None):
     """The SSSD drafter of ``trainer.spec_eval.sssd`` (None for ``source=none``): input trie only, or with a
     datastore over the answers of ``train_ds`` (the self-distilled rows: the target's own outputs)."""
@@ -666,7 +682,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``plan``, the
     online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
     speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
-    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from the first prompts decoded one at a time (the
+    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from that many prompts (:func:`latency_subset`) decoded one at a time (the
     latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
     in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
@@ -693,7 +709,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
                                          progress=c.trainer.progress, also_chain=se.chain, plan=se.plan,
                                          interleave="step", **tree)  # fmt: skip
             if se.latency_prompts > 0:
-                lat = evaluate_prompts_batched(target, drafter, prompts[: se.latency_prompts], se.max_new_tokens,
+                lat = evaluate_prompts_batched(target, drafter, latency_subset(prompts, se.latency_prompts), se.max_new_tokens,
                                                batch_size=1, progress=c.trainer.progress, plan=se.plan,
                                                full_tree=not se.plan, interleave="step",
                                                compile_target=se.compile_target, **tree)  # fmt: skip
@@ -721,7 +737,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
         "eval/batch_size": bs,
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
         **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
-            "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"])} if lat is not None else {}),
+            "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"]),
+            "eval/prompts_b1": ",".join(r["id"] for r in latency_subset(rows, se.latency_prompts))} if lat is not None else {}),
         **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip

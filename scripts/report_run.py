@@ -78,7 +78,8 @@ def summarize(run_dir: Path) -> dict:
         "eval_accept_hist_chain": final.get("eval/accept_hist_chain"),
         "eval_speedup_chain": final.get("eval/speedup_chain"),
         **{f"eval_{k}": final.get(f"eval/{k}") for k in ("speedup_b1", "speedup_full_tree", "tau_planned", "tau_b1",
-                                                         "plain_tokens_per_s_b1", "spec_tokens_per_s_b1", "sssd")},
+                                                         "plain_tokens_per_s_b1", "spec_tokens_per_s_b1", "sssd",
+                                                         "latency_prompts", "prompts_b1")},
         "curve": curve,
     }
 
@@ -115,7 +116,8 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
         *([("speculative, full tree every step (no planner), same batch", f"speedup {_f(s['eval_speedup_full_tree'], 2)}"),
            ("τ of the planned run (only the nodes that pay are verified)", _f(s["eval_tau_planned"]))]
           if s.get("eval_speedup_full_tree") is not None else []),
-        *([("**batch 1**: plain / speculative tokens/s, first prompts one at a time",
+        *([(f"**batch 1**: plain / speculative tokens/s, {s.get('eval_latency_prompts') or 'the first'} prompts one at a time"
+            + (f" (ids {s['eval_prompts_b1']})" if s.get("eval_prompts_b1") else ""),
             f"{_f(s['eval_plain_tokens_per_s_b1'], 1)} / {_f(s['eval_spec_tokens_per_s_b1'], 1)} "
             f"(**speedup {_f(s['eval_speedup_b1'], 2)}**, τ {_f(s['eval_tau_b1'])})")]
           if s.get("eval_speedup_b1") is not None else []),

@@ -217,3 +217,20 @@ def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_dra
     assert out["tau_chain"] == pytest.approx(ref["tau"]) and out["accept_hist_chain"] == ref["accept_hist"]
     assert out["tree_nodes_per_step"] > K + 1 - 1e-9
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in ref["outputs"]]
+
+
+def test_latency_subset_spreads_over_the_prompt_list():
+    """The batch-1 latency prompts are spread evenly: with the main job's 16 MT-bench prompts (2 per category,
+    in category order) 8 of them are one per category, not the first 4 categories twice."""
+    from drafttrain.train import latency_subset
+
+    items = list(range(16))
+    assert latency_subset(items, 8) == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert [i // 2 for i in latency_subset(items, 8)] == list(range(8))  # one per category
+    assert latency_subset(items, 4) == [0, 4, 8, 12]
+    assert latency_subset(items, 3) == [0, 5, 10]
+    assert latency_subset(items, 16) == items and latency_subset(items, 40) == items
+    assert latency_subset(items, 0) == []
+    assert latency_subset(["a", "b", "c"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        latency_subset(items, -1)
