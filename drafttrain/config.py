@@ -537,15 +537,12 @@ def _check_values(c: TrainConfig) -> None:
                         "trainer.spec_eval.batch_size > 1 and latency_prompts > 0")
     if se.sssd.source not in ("none", "input", "data"):
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
-    if c.target.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append("target.dtype must be float32|bfloat16|float16")
+    problems += _check_target(c.target)
     problems += _check_backend("data.generation", c.data.generation, c.target)
     if c.optim.decay_over not in ("steps", "minutes"):
         problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
     elif c.optim.decay_over == "minutes" and c.trainer.max_minutes is None:
         problems.append("optim.decay_over=minutes needs trainer.max_minutes (the time the cosine runs over)")
-    if c.target.fast_linear not in FAST_LINEAR_MODES:
-        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
     if c.data.features not in ("auto", "live", "cache"):
         problems.append("data.features must be auto|live|cache")
     if c.data.features == "cache" and not c.data.feature_cache:
@@ -558,6 +555,16 @@ def _check_values(c: TrainConfig) -> None:
 
 BACKENDS = ("engine", "hf", "vllm")
 
+
+
+def _check_target(t: TargetConfig) -> list[str]:
+    """Problems with the target's ``dtype`` and ``fast_linear`` (train, generate and evaluate share them)."""
+    problems = []
+    if t.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append("target.dtype must be float32|bfloat16|float16")
+    if t.fast_linear not in FAST_LINEAR_MODES:
+        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {t.fast_linear!r}")
+    return problems
 
 def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
     """Problems of ``g.backend`` (a GenerationConfig or DistillConfig at ``key``); for ``vllm``, the ones that would
@@ -600,10 +607,7 @@ def _check_generate(c: GenerateConfig) -> None:
                         "cannot reproduce; sample with generation.backend=hf")
     if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
-    if c.target.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append("target.dtype must be float32|bfloat16|float16")
-    if c.target.fast_linear not in FAST_LINEAR_MODES:
-        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
+    problems += _check_target(c.target)
     if not c.output_dir:
         problems.append("output_dir must be set")
     if problems:
@@ -756,10 +760,7 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
             problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
         for m in dict.fromkeys(METHODS[m] for m in methods):
             problems += m.check(c) if m.check is not None else []
-    if c.target.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append("target.dtype must be float32|bfloat16|float16")
-    if c.target.fast_linear not in FAST_LINEAR_MODES:
-        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {c.target.fast_linear!r}")
+    problems += _check_target(c.target)
     if problems:
         raise ConfigError("; ".join(problems))
     return c
