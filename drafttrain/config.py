@@ -556,7 +556,6 @@ def _check_values(c: TrainConfig) -> None:
 BACKENDS = ("engine", "hf", "vllm")
 
 
-
 def _check_target(t: TargetConfig) -> list[str]:
     """Problems with the target's ``dtype`` and ``fast_linear`` (train, generate and evaluate share them)."""
     problems = []
@@ -565,6 +564,7 @@ def _check_target(t: TargetConfig) -> list[str]:
     if t.fast_linear not in FAST_LINEAR_MODES:
         problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {t.fast_linear!r}")
     return problems
+
 
 def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
     """Problems of ``g.backend`` (a GenerationConfig or DistillConfig at ``key``); for ``vllm``, the ones that would

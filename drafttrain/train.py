@@ -738,7 +738,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
         **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
             "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"]),
-            "eval/prompts_b1": ",".join(r["id"] for r in latency_subset(rows, se.latency_prompts))} if lat is not None else {}),
+            "eval/prompts_b1": ",".join(row["id"] for row in latency_subset(rows, se.latency_prompts))} if lat is not None else {}),
         **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
