@@ -3,7 +3,7 @@
     python -m scripts.bench_hybrid run=outputs/parallelspec-smollm2-135m-instruct
 
 The run's own final evaluation (``drafttrain.train.spec_eval``: its MT-bench prompts, tree, batch 16 with
-the online planner, batch 1 on the first ``latency_prompts`` prompts) once per ``trainer.spec_eval.sssd.source``
+the online planner, batch 1 on ``latency_prompts`` prompts spread over the list, ``drafttrain.train.latency_subset``) once per ``trainer.spec_eval.sssd.source``
 in ``sources``: ``none`` (the drafter's tree), ``input`` (+ SSSD n-gram candidates from the prompt and the
 output so far, SSSD §3.1.1), ``data`` (+ a datastore over the run's training answers, i.e. the target's
 self-distilled outputs, §3.1.2). Each evaluation times plain decoding beside it in the same engine, so

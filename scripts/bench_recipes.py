@@ -153,7 +153,7 @@ def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens:
     """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.train.spec_eval`) with the run's
     saved drafter: the recipe's draft tree (widths [4, 2, 1, 1, 1], at most 8 nodes: an EAGLE-2 dynamic
     tree for the autoregressive drafters, the best-first static tree for the parallel ones) and the chain,
-    16 sequences at a time, then the first ``latency_prompts`` one at a time (batch-1 latency, online
+    16 sequences at a time, then ``latency_prompts`` of them spread over the list one at a time (batch-1 latency, online
     planner), no SSSD candidates. Writes ``<run>/eval_full.json`` ({prompt set: spec_eval's metrics})."""
     import dataclasses
 
