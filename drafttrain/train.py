@@ -682,8 +682,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``plan``, the
     online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
     speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
-    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from that many prompts (:func:`latency_subset`) decoded one at a time (the
-    latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
+    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from that many prompts (:func:`latency_subset`)
+    decoded one at a time (the latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
     in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
     ``compile_target`` runs the batch-1 latency runs on the compiled target forward (compiled first, untimed;
@@ -703,13 +703,14 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     if bs > 1:
         tree.update(sssd=sssd_for_eval(c, train_ds), sssd_nodes=se.sssd.nodes)
     lat = None
+    b1 = latency_subset(list(range(len(prompts))), se.latency_prompts)  # the batch-1 prompts' indices
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
             r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
                                          progress=c.trainer.progress, also_chain=se.chain, plan=se.plan,
                                          interleave="step", **tree)  # fmt: skip
             if se.latency_prompts > 0:
-                lat = evaluate_prompts_batched(target, drafter, latency_subset(prompts, se.latency_prompts), se.max_new_tokens,
+                lat = evaluate_prompts_batched(target, drafter, [prompts[i] for i in b1], se.max_new_tokens,
                                                batch_size=1, progress=c.trainer.progress, plan=se.plan,
                                                full_tree=not se.plan, interleave="step",
                                                compile_target=se.compile_target, **tree)  # fmt: skip
@@ -738,7 +739,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
         **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
             "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"]),
-            "eval/prompts_b1": ",".join(row["id"] for row in latency_subset(rows, se.latency_prompts))} if lat is not None else {}),
+            "eval/prompts_b1": ",".join(rows[i]["id"] for i in b1)} if lat is not None else {}),
         **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
