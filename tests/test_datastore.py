@@ -142,6 +142,37 @@ def test_lookup_batch_longest_match_threshold_and_document_ends():
     assert short.longest_match == 1 and short.continuations.tolist() == [[-1, -1]]
 
 
+@pytest.mark.parametrize("seed,vocab,sort_depth", [(0, 3, None), (1, 6, 8), (2, 40, None)])
+def test_extend_ranges_equals_a_fresh_search_as_the_context_grows(seed, vocab, sort_depth):
+    """Ranges kept up to date token by token (including tokens the datastore never saw, and a context
+    shorter than P at first) equal find_ranges on the grown context, and lookup_ranges on them equals
+    lookup_batch on the context."""
+    rng = np.random.default_rng(seed)
+    docs = random_docs(seed, vocab, 12, 30)
+    ds = Datastore.from_documents(docs, sort_depth=sort_depth)
+    P = 4
+    ctx = [int(rng.integers(0, vocab))]
+    ranges = ds.suffix_ranges(ctx, P)
+    assert len(ranges) == 1
+    for _ in range(25):
+        add = rng.integers(0, vocab + 2, int(rng.integers(1, 4))).tolist()  # vocab, vocab + 1: unseen ids
+        before = list(ranges)
+        ranges = ds.extend_ranges(ranges, add, P)
+        assert before == ds.extend_ranges(before, [], P)  # appending nothing changes nothing
+        ctx += add
+        fresh = ds.suffix_ranges(ctx, P)
+        assert len(ranges) == min(P, len(ctx))
+        assert [h - lo for lo, h in ranges] == [brute_count(docs, ctx[-n:]) for n in range(1, len(ranges) + 1)]
+        assert [r for r in ranges if r[0] < r[1]] == [r for r in fresh if r[0] < r[1]]
+        got = ds.lookup_ranges([ranges], depth=3, max_samples=4, min_continuations=3)[0]
+        ref = ds.lookup_batch([ctx], max_prefix_len=P, depth=3, max_samples=4, min_continuations=3)[0]
+        assert np.array_equal(got.continuations, ref.continuations)
+        assert np.array_equal(got.match_lengths, ref.match_lengths)
+        assert (got.longest_match, got.occurrences) == (ref.longest_match, ref.occurrences)
+    with pytest.raises(ValueError, match=">= 0"):
+        ds.extend_ranges(ranges, [-1], P)
+
+
 def test_save_load_roundtrip_is_memory_mapped(tmp_path):
     docs = random_docs(5, 6, 30, 20)
     ds = Datastore.from_documents(docs, meta={"source": "unit"})

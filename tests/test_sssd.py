@@ -146,6 +146,21 @@ def test_draft_batch_equals_per_sequence_drafts_with_and_without_threads():
     assert set(contract) == {"tokens", "parents", "draft_probs", "dist_index"} and contract["tokens"].dtype == torch.long
 
 
+def test_a_state_kept_up_to_date_drafts_as_a_fresh_one():
+    """SSSDState.append keeps the datastore ranges current: after commits, drafting from the grown state
+    equals drafting from a new state over the same context (trees, scores), at every step."""
+    rng = np.random.default_rng(2)
+    ds = Datastore.from_documents([rng.integers(0, 6, 40).tolist() for _ in range(40)])
+    d = SSSDDrafter(SSSDConfig(max_prefix_len=3, max_depth=4, node_budget=10), ds)
+    state = d.new_state([1, 2])
+    assert state.ranges is not None and len(state.ranges) == 2
+    for _ in range(20):
+        state.append(int(t) for t in rng.integers(0, 7, int(rng.integers(1, 4))))  # a generator, as the engine's commits
+        a, b = d.draft(state), d.draft(d.new_state(list(state.tokens)))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.scores, b.scores)
+    assert SSSDDrafter(SSSDConfig(), None).new_state([1, 2]).ranges is None  # input only: nothing to keep
+
+
 def test_config_validation_names_bad_fields():
     with pytest.raises(ValueError, match="input_depth_damp") as err:
         SSSDConfig(input_depth_damp=1.5, combine="mean").validate()

@@ -388,19 +388,28 @@ def fuse_candidates(
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class SSSDState:
-    """Per-sequence drafting state: the input trie over prompt + accepted output.
+    """Per-sequence drafting state: the input trie over prompt + accepted output and, with a datastore,
+    the datastore's suffix-array ranges of the context's last 1 .. P tokens, kept up to date as it grows
+    (:meth:`~drafttrain.verify.methods.sssd_datastore.Datastore.extend_ranges`), so that drafting does
+    not search the whole datastore again at every step.
 
     Call :meth:`append` with every token the verifier commits (accepted drafts and the bonus token).
     """
 
     trie: InputTrie
+    datastore: Datastore | None = None
+    max_prefix_len: int = 0
+    ranges: list[tuple[int, int]] | None = None  # ranges[L - 1]: the last L tokens' (lo, hi) in the datastore
 
     @property
     def tokens(self) -> list[int]:
         return self.trie.tokens
 
     def append(self, tokens: Iterable[int]) -> None:
+        tokens = [int(t) for t in tokens]
         self.trie.extend(tokens)
+        if self.ranges is not None:
+            self.ranges = self.datastore.extend_ranges(self.ranges, tokens, self.max_prefix_len)
 
 
 class SSSDDrafter:
@@ -425,7 +434,11 @@ class SSSDDrafter:
     def new_state(self, prompt: Sequence[int]) -> SSSDState:
         """State for a new sequence whose context so far is ``prompt`` (its last token = first root)."""
         c = self.config
-        return SSSDState(InputTrie(c.max_prefix_len + c.max_depth, prompt))
+        state = SSSDState(InputTrie(c.max_prefix_len + c.max_depth, prompt))
+        if self.datastore is not None and len(self.datastore) > 0:
+            state.datastore, state.max_prefix_len = self.datastore, c.max_prefix_len
+            state.ranges = self.datastore.suffix_ranges(state.tokens, c.max_prefix_len)
+        return state
 
     def _weights(self, scale: float, depth_damp: float, match_damp: float, match_len: int) -> list[float]:
         c = self.config
@@ -483,10 +496,14 @@ class SSSDDrafter:
             if len(budgets) != len(states):
                 raise ValueError(f"{len(budgets)} budgets for {len(states)} states")
         if self.datastore is not None and len(self.datastore) > 0:
-            matches = self.datastore.lookup_batch(
-                [s.tokens for s in states], c.max_prefix_len, c.max_depth, c.max_samples,
-                c.min_continuations, c.min_prefix_len,
-            )
+            if all(s.ranges is not None and s.datastore is self.datastore for s in states):  # kept up to date
+                matches = self.datastore.lookup_ranges([s.ranges for s in states], c.max_depth, c.max_samples,
+                                                       c.min_continuations, c.min_prefix_len)  # fmt: skip
+            else:
+                matches = self.datastore.lookup_batch(
+                    [s.tokens for s in states], c.max_prefix_len, c.max_depth, c.max_samples,
+                    c.min_continuations, c.min_prefix_len,
+                )
             from_datastore = self.datastore_candidates(matches, budgets)
         else:
             from_datastore = [[] for _ in states]

@@ -24,13 +24,19 @@ On disk (:meth:`Datastore.save`): a folder with ``tokens.npy``, ``suffix_array.n
 arrays (``np.load(mmap_mode="r")``), so loading is instant and processes share the pages.
 
 Lookups are vectorised with numpy across patterns (every context of a batch and every prefix length
-at once): one binary search of ~log2(N) numpy steps serves the whole batch.
+at once): one binary search of ~log2(N) numpy steps serves the whole batch (:meth:`Datastore.lookup_batch`).
+A decoding sequence's context only grows, so its ranges can also be **kept up to date** token by token
+(:meth:`Datastore.suffix_ranges` once, then :meth:`Datastore.extend_ranges` with every committed token):
+the suffixes that start with ``q + [x]`` are the sub-range of ``q``'s range whose token at offset
+``len(q)`` is x, a binary search over that (usually short) range only, so a step's lookup
+(:meth:`Datastore.lookup_ranges`) no longer searches the whole array for every prefix length.
 
 Shape letters: N datastore tokens, m patterns, L pattern length, D continuation depth.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import shutil
 import tempfile
@@ -158,6 +164,8 @@ class Datastore:
         self.tokens = tokens
         self.suffix_array = suffix_array
         self.meta = dict(meta or {})
+        self._views = None  # (tokens, suffix_array) as memoryviews: scalar reads for extend_ranges
+        self._token_ranges: dict[int, tuple[int, int]] = {}  # token -> range of the 1-token pattern
 
     # -- building and storage ----------------------------------------------------------------------
     @classmethod
@@ -309,6 +317,80 @@ class Datastore:
             lo = np.where(active & go_right, mid + 1, lo)
             hi = np.where(active & ~go_right, mid, hi)
 
+    def suffix_ranges(self, context: Sequence[int], max_len: int) -> list[tuple[int, int]]:
+        """Suffix-array ranges of the last 1 .. min(``max_len``, len(context)) tokens of ``context``.
+
+        Returns:
+            ``ranges[L - 1] = (lo, hi)`` for the last L tokens (:meth:`find_ranges`; lo == hi when absent).
+
+        Raises:
+            ValueError: ``max_len`` < 1 or a negative id among the last ``max_len`` tokens.
+        """
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        tail = list(context[-max_len:])
+        if not tail:
+            return []
+        lo, hi = self.find_ranges([tail[-length:] for length in range(1, len(tail) + 1)])
+        return list(zip(lo.tolist(), hi.tolist()))
+
+    def extend_ranges(
+        self, ranges: Sequence[tuple[int, int]], tokens: Iterable[int], max_len: int
+    ) -> list[tuple[int, int]]:
+        """:meth:`suffix_ranges` of the context after appending ``tokens``, from the ranges before.
+
+        The suffixes that start with ``q + [x]`` are those of ``q``'s range whose token at offset ``len(q)``
+        is x; within the range that token is sorted (the suffixes share ``q``), so two binary searches over
+        the range find them. The 1-token pattern ``[x]`` is searched over the whole array once per token
+        id and remembered. Cost per appended token: P - 1 searches of ~log2(range size) scalar steps.
+
+        Args:
+            ranges: the context's current ranges (``ranges[L - 1]`` for its last L tokens, as returned by
+                :meth:`suffix_ranges` or this method with the same ``max_len``).
+            tokens: ids >= 0 appended, in order.
+            max_len: P.
+
+        Returns:
+            the new ranges (a new list; ``ranges`` is not modified), equal to :meth:`suffix_ranges` of the
+            extended context.
+
+        Raises:
+            ValueError: a negative token id.
+        """
+        out = list(ranges)
+        for x in tokens:
+            x = int(x)
+            if x < 0:
+                raise ValueError(f"token ids must be >= 0, got {x}")
+            new = [self._token_range(x)]
+            for length in range(2, min(max_len, len(out) + 1) + 1):
+                lo, hi = out[length - 2]  # the last length - 1 tokens before x
+                new.append(self._refine(lo, hi, length - 1, x) if lo < hi else (lo, lo))
+            out = new
+        return out
+
+    def _token_range(self, x: int) -> tuple[int, int]:
+        got = self._token_ranges.get(x)
+        if got is None:
+            got = self._token_ranges[x] = self._refine(0, len(self), 0, x)
+        return got
+
+    def _refine(self, lo: int, hi: int, offset: int, x: int) -> tuple[int, int]:
+        """The sub-range of [lo, hi) whose suffixes hold token x at ``offset`` (their tokens at that offset
+        are sorted within [lo, hi); past the end of the array reads :data:`_END`)."""
+        if self._views is None:  # memoryview items are Python ints: ~10x cheaper to read one by one than numpy's
+            self._views = tuple(memoryview(np.ascontiguousarray(a)).cast("B").cast(a.dtype.char)
+                                for a in (self.tokens, self.suffix_array))  # fmt: skip
+        toks, sa = self._views
+        n = len(self)
+
+        def key(start: int) -> int:
+            p = start + offset
+            return toks[p] if p < n else _END
+
+        a = bisect.bisect_left(sa, x, lo, hi, key=key)
+        return a, bisect.bisect_right(sa, x, a, hi, key=key)
+
     def find_range(self, pattern: Sequence[int]) -> tuple[int, int]:
         """``(lo, hi)`` of one pattern (see :meth:`find_ranges`)."""
         lo, hi = self.find_ranges([pattern])
@@ -397,21 +479,49 @@ class Datastore:
                 f"{min_prefix_len}, {max_prefix_len}, {depth}, {max_samples}"
             )
         patterns: list[Sequence[int]] = []
-        owners: list[tuple[int, int]] = []
+        owners: list[int] = []
         for b, ctx in enumerate(contexts):
             tail = list(ctx[-max_prefix_len:])  # only the last P tokens are ever matched
-            for length in range(len(tail), min_prefix_len - 1, -1):
+            for length in range(1, len(tail) + 1):
                 patterns.append(tail[-length:])
-                owners.append((b, length))
+                owners.append(b)
         lo, hi = self.find_ranges(patterns)
-        per_ctx: list[list[tuple[int, int, int]]] = [[] for _ in contexts]
-        for (b, length), l_, h_ in zip(owners, lo.tolist(), hi.tolist()):
-            per_ctx[b].append((length, l_, h_))  # L descending
+        ranges: list[list[tuple[int, int]]] = [[] for _ in contexts]
+        for b, l_, h_ in zip(owners, lo.tolist(), hi.tolist()):
+            ranges[b].append((l_, h_))  # L ascending
+        return self.lookup_ranges(ranges, depth, max_samples, min_continuations, min_prefix_len)
+
+    def lookup_ranges(
+        self,
+        ranges: Sequence[Sequence[tuple[int, int]]],
+        depth: int,
+        max_samples: int = 100,
+        min_continuations: int = 1,
+        min_prefix_len: int = 1,
+    ) -> list[DatastoreMatch]:
+        """:meth:`lookup_batch` from each context's suffix ranges, already known (:meth:`extend_ranges`).
+
+        Args:
+            ranges: per context, ``ranges[L - 1]`` = ``(lo, hi)`` of its last L tokens, L = 1 .. P' (P' =
+                min(P, context length): :meth:`suffix_ranges`).
+            depth, max_samples, min_continuations, min_prefix_len: as :meth:`lookup_batch`.
+
+        Returns:
+            b :class:`DatastoreMatch`, equal to :meth:`lookup_batch` on the contexts the ranges describe.
+
+        Raises:
+            ValueError: bad counts.
+        """
+        if min_prefix_len < 1 or depth < 1 or max_samples < 1:
+            raise ValueError(
+                f"need min_prefix_len, depth, max_samples >= 1; got {min_prefix_len}, {depth}, {max_samples}"
+            )
         pos_parts, off_parts, sizes, results_meta = [], [], [], []
-        for entries in per_ctx:
+        for per_len in ranges:
             occurrences: dict[int, int] = {}
             longest, gathered, n_samples = 0, 0, 0
-            for length, l_, h_ in entries:
+            for length in range(len(per_len), min_prefix_len - 1, -1):  # L descending
+                l_, h_ = per_len[length - 1]
                 count = h_ - l_
                 occurrences[length] = count
                 if count == 0:
