@@ -9,7 +9,7 @@ verify some, verify none and skip drafting, then draft again) runs deterministic
 from __future__ import annotations
 
 import json
-
+import time
 
 import pytest
 import torch
@@ -171,6 +171,35 @@ def test_planned_proposer_measures_step_overhead(tiny_target, make_drafter):
     assert {b for b, _, _ in seen} <= {1, 2} and any(d for _, d, _ in seen)
     assert len(seen) == pl.steps  # every step, also the last before a prefill and the run's last
     assert (2, True) in pl.overhead_seconds
+
+
+def test_a_sequences_first_drafting_is_not_priced_as_a_step(tiny_target, make_drafter):
+    """The drafter's prefill over a new sequence's prompt is paid once per sequence: a drafting call that
+    holds one is kept apart from the planner's drafting-time estimate (which prices every later step)
+    and stands in only until a steady step is measured."""
+    drafter = make_drafter(seed=3)
+    inner = ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3)
+    seen_slots, orig = set(), inner.draft
+
+    def draft(slots, sampling, generator):  # a new sequence's first drafting is slow, as a long prompt's prefill
+        if any(s not in seen_slots for s in slots):
+            time.sleep(0.05)
+        seen_slots.update(slots)
+        return orig(slots, sampling, generator)
+
+    inner.draft = draft
+    pl = SpeculationPlanner(probe_budget=None)  # skip runs 1, 2, 4, ...: steady steps come soon after
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
+    SpecEngine(tiny_target, PlannedProposer(inner, pl), batch_size=3, max_new_tokens=24, stop_token_ids=-1).run(prompts)
+    assert len(seen_slots) == 3 and pl.draft_seconds  # sequences started, and steady steps were measured
+    assert max(pl.draft_seconds.values()) < 0.05 <= min(pl.first_draft_seconds.values())
+    assert all(pl.draft_cost(b) == pl.draft_seconds[b] for b in pl.draft_seconds)
+    fresh = SpeculationPlanner()
+    fresh.observe_draft(2, 0.4, first=True)
+    assert fresh.draft_cost(2) == 0.4 and fresh.draft_cost(4) == 0.8  # before any steady step: the first one stands in
+    fresh.observe_draft(2, 0.01)
+    assert fresh.draft_cost(2) == 0.01 and fresh.draft_cost(1) == 0.005
 
 
 def test_subtree_reindexes():
@@ -542,7 +571,7 @@ def test_planned_engine_row_probes_draft_few_sequences(varied, make_drafter, slo
     orig = inner.draft
     inner.draft = lambda slots, sampling, generator: (sizes.append(len(slots)), orig(slots, sampling, generator))[1]
     pl = planner(slope)
-    pl.observe_draft = lambda batch, seconds: None  # drafting free: verification's price alone decides
+    pl.observe_draft = lambda batch, seconds, first=False: None  # drafting free: verification's price alone decides
     prop = PlannedProposer(inner, pl)
     run = SpecEngine(varied, prop, batch_size=4, max_new_tokens=20, stop_token_ids=-1).run(prompts)
     assert [a.tokens for a in run.results] == [p.tokens for p in plain.results]

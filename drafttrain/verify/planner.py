@@ -30,6 +30,11 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   engine's ``step_done``, else to the next ``draft``:
   drafting, building the tree inputs, the forward, acceptance, KV-cache moves, committing to the
   drafter) minus its drafting and forward time, kept per batch size apart for drafted and plain steps.
+  A drafting call that holds a sequence's first drafting (the drafter's prefill over its whole prompt,
+  paid once per sequence: ~35 ms against ~5 ms for a step at batch 1) is kept out of the drafting-time
+  estimate once a steady step has been measured (it only stands in before that); fed to it, that one
+  call kept drafting looking unprofitable for the next tens of steps of every new prompt (the estimate
+  is a moving average, and skip runs bring no new measurement).
   A tree step's bookkeeping grows with the batch, so at batch 16 the forward time alone
   under-prices a drafted step; a prefill between two steps (continuous batching) is never counted
   (with ``step_done`` the step has ended before it; without, that step is dropped).
@@ -222,7 +227,8 @@ class SpeculationPlanner:
         self.min_gain = float(min_gain)
         self._n: dict[int, list[float]] = {}  # source -> discounted verified nodes per confidence bin
         self._acc: dict[int, list[float]] = {}  # source -> discounted accepted nodes per confidence bin
-        self.draft_seconds: dict[int, float] = {}  # sequences drafted -> EMA of drafting time
+        self.draft_seconds: dict[int, float] = {}  # sequences drafted -> EMA of drafting time (steady steps)
+        self.first_draft_seconds: dict[int, float] = {}  # the same, of calls holding a sequence's first drafting
         self.overhead_seconds: dict[tuple[int, bool], float] = {}  # (b, drafted) -> EMA of a step's other time
         self._skip_left = 0
         self._skip_next = 1
@@ -269,21 +275,26 @@ class SpeculationPlanner:
             self._n[src][i] += 1.0
             self._acc[src][i] += 1.0 if j in on_path else 0.0
 
-    def observe_draft(self, batch: int, seconds: float) -> None:
-        """One drafting call's wall time (seconds) for ``batch`` sequences drafted."""
-        old = self.draft_seconds.get(batch)
-        self.draft_seconds[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
+    def observe_draft(self, batch: int, seconds: float, first: bool = False) -> None:
+        """One drafting call's wall time (seconds) for ``batch`` sequences drafted; ``first``: the call held
+        some sequence's first drafting (the drafter's prefill over its prompt, paid once per sequence),
+        which only stands in for the per-step cost until a steady call is measured (:meth:`draft_cost`)."""
+        table = self.first_draft_seconds if first else self.draft_seconds
+        old = table.get(batch)
+        table[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def draft_cost(self, rows: int) -> float:
         """Predicted seconds to draft ``rows`` sequences: measured at that count, else the nearest measured
         count scaled in proportion (linear in the sequences drafted: a fixed per-call part makes this a
-        slight overestimate above the measured count); 0 when nothing was measured."""
-        if rows in self.draft_seconds:
-            return self.draft_seconds[rows]
-        if not self.draft_seconds:
+        slight overestimate above the measured count); from steady calls, or where none was measured yet
+        from calls holding a first drafting (an overestimate); 0 when nothing was measured."""
+        table = self.draft_seconds or self.first_draft_seconds
+        if rows in table:
+            return table[rows]
+        if not table:
             return 0.0
-        near = min(self.draft_seconds, key=lambda r: (abs(r - rows), -r))
-        return self.draft_seconds[near] * rows / near
+        near = min(table, key=lambda r: (abs(r - rows), -r))
+        return table[near] * rows / near
 
     def draft_rows(self, batch: int) -> int:
         """How many of the ``batch`` sequences the next drafted step drafts: ``probe_rows`` for a probe
@@ -512,11 +523,12 @@ class PlannedProposer:
             return [DraftTree.empty() for _ in slots]
         rows = self.planner.draft_rows(b)
         drafted = slots if rows >= b else self._probe_slots(slots, rows)
+        starts = any(s in self._starts for s in drafted)  # a sequence's first drafting: its prompt's prefill
         self._flush(drafted)  # catching the drafter up (after a skip run: several tokens) is drafting time
         got = dict(zip(drafted, self.inner.draft(drafted, sampling, generator)))
         trees = [got[s] if s in got else DraftTree.empty() for s in slots]
         t_draft = time.perf_counter() - t0
-        self.planner.observe_draft(len(drafted), t_draft)
+        self.planner.observe_draft(len(drafted), t_draft, first=starts)
         self._step = [t0, b, True, t_draft, None]
         keep, raws = self.planner.plan(trees, drafted=len(drafted))
         self._step[2] = any(keep)  # a tree was verified: the step's overhead is a drafted step's
