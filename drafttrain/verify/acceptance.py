@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.sampling import SamplingParams, process_logits
+from drafttrain.sampling import SamplingParams, greedy_argmax, process_logits
 from drafttrain.verify.tree import DraftTree
 
 
@@ -71,7 +71,7 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
     Returns:
         :class:`Acceptance`; the bonus is the argmax after the last accepted node.
     """
-    best = target_logits.argmax(-1).tolist()  # [n + 1] the target's greedy token after each input
+    best = greedy_argmax(target_logits).tolist()  # [n + 1] the target's greedy token after each input
     tokens = tree.tokens.tolist()
     kids = tree.children()
     path: list[int] = []

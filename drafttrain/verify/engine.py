@@ -46,7 +46,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.sampling import GREEDY, SamplingParams, greedy_argmax, process_logits
 from drafttrain.verify.acceptance import Acceptance, accept
 from drafttrain.verify.cache import (
     RAGGED_ATTENTION,
@@ -428,7 +428,7 @@ class SpecEngine:
 
     def _sample_token(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
-            return int(logits.argmax())
+            return int(greedy_argmax(logits.reshape(-1)))
         return int(torch.multinomial(process_logits(logits, self.sampling), 1, generator=self.generator))
 
     def _finish(self, row: int, reason: str, started: bool = True) -> None:
