@@ -15,6 +15,7 @@ from drafttrain.verify.methods.sssd import (
     InputTrie,
     SSSDConfig,
     SSSDDrafter,
+    SSSDState,
     SSSDTree,
     fuse_candidates,
     membership_accept,
@@ -159,6 +160,9 @@ def test_a_state_kept_up_to_date_drafts_as_a_fresh_one():
         a, b = d.draft(state), d.draft(d.new_state(list(state.tokens)))
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.scores, b.scores)
     assert SSSDDrafter(SSSDConfig(), None).new_state([1, 2]).ranges is None  # input only: nothing to keep
+    bare = SSSDState(InputTrie(3 + 4, list(state.tokens)))  # made by hand, no ranges: searched afresh
+    a, b = d.draft(bare), d.draft(state)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.scores, b.scores)
 
 
 def test_config_validation_names_bad_fields():

@@ -496,14 +496,12 @@ class SSSDDrafter:
             if len(budgets) != len(states):
                 raise ValueError(f"{len(budgets)} budgets for {len(states)} states")
         if self.datastore is not None and len(self.datastore) > 0:
-            if all(s.ranges is not None and s.datastore is self.datastore for s in states):  # kept up to date
-                matches = self.datastore.lookup_ranges([s.ranges for s in states], c.max_depth, c.max_samples,
-                                                       c.min_continuations, c.min_prefix_len)  # fmt: skip
-            else:
-                matches = self.datastore.lookup_batch(
-                    [s.tokens for s in states], c.max_prefix_len, c.max_depth, c.max_samples,
-                    c.min_continuations, c.min_prefix_len,
-                )
+            # ranges kept up to date by new_state / append; a state made otherwise is searched afresh
+            other = [s.tokens for s in states if s.datastore is not self.datastore]
+            fresh = iter(self.datastore.suffix_ranges_batch(other, c.max_prefix_len))
+            ranges = [s.ranges if s.datastore is self.datastore else next(fresh) for s in states]
+            matches = self.datastore.lookup_ranges(ranges, c.max_depth, c.max_samples, c.min_continuations,
+                                                   c.min_prefix_len)  # fmt: skip
             from_datastore = self.datastore_candidates(matches, budgets)
         else:
             from_datastore = [[] for _ in states]

@@ -326,13 +326,24 @@ class Datastore:
         Raises:
             ValueError: ``max_len`` < 1 or a negative id among the last ``max_len`` tokens.
         """
+        return self.suffix_ranges_batch([context], max_len)[0]
+
+    def suffix_ranges_batch(self, contexts: Sequence[Sequence[int]], max_len: int) -> list[list[tuple[int, int]]]:
+        """:meth:`suffix_ranges` of every context, in one vectorised search (every context, every length)."""
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
-        tail = list(context[-max_len:])
-        if not tail:
-            return []
-        lo, hi = self.find_ranges([tail[-length:] for length in range(1, len(tail) + 1)])
-        return list(zip(lo.tolist(), hi.tolist()))
+        patterns: list[Sequence[int]] = []
+        owners: list[int] = []
+        for b, ctx in enumerate(contexts):
+            tail = list(ctx[-max_len:])  # only the last P tokens are ever matched
+            for length in range(1, len(tail) + 1):
+                patterns.append(tail[-length:])
+                owners.append(b)
+        lo, hi = self.find_ranges(patterns)
+        ranges: list[list[tuple[int, int]]] = [[] for _ in contexts]
+        for b, l_, h_ in zip(owners, lo.tolist(), hi.tolist()):
+            ranges[b].append((l_, h_))  # L ascending
+        return ranges
 
     def extend_ranges(
         self, ranges: Sequence[tuple[int, int]], tokens: Iterable[int], max_len: int
@@ -478,17 +489,7 @@ class Datastore:
                 f"need 1 <= min_prefix_len <= max_prefix_len, depth >= 1, max_samples >= 1; got "
                 f"{min_prefix_len}, {max_prefix_len}, {depth}, {max_samples}"
             )
-        patterns: list[Sequence[int]] = []
-        owners: list[int] = []
-        for b, ctx in enumerate(contexts):
-            tail = list(ctx[-max_prefix_len:])  # only the last P tokens are ever matched
-            for length in range(1, len(tail) + 1):
-                patterns.append(tail[-length:])
-                owners.append(b)
-        lo, hi = self.find_ranges(patterns)
-        ranges: list[list[tuple[int, int]]] = [[] for _ in contexts]
-        for b, l_, h_ in zip(owners, lo.tolist(), hi.tolist()):
-            ranges[b].append((l_, h_))  # L ascending
+        ranges = self.suffix_ranges_batch(contexts, max_prefix_len)
         return self.lookup_ranges(ranges, depth, max_samples, min_continuations, min_prefix_len)
 
     def lookup_ranges(
