@@ -33,7 +33,7 @@ class TargetConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     # linear layers on prepacked weights (drafttrain.fastlinear): auto = for float32 on CPU, drafttrain's
-    # AVX2 kernel where it builds, else oneDNN; on = the same but an error where neither applies;
+    # kernel (AVX2 or AVX-512VL build) where it builds, else oneDNN; on = the same but an error where neither applies;
     # kernel | onednn = that backend only; off = F.linear. Verification then costs far less (issue 16)
     fast_linear: str = "auto"
     # tiny random target for tests: a LlamaConfig built from these (only when random_init is true)

@@ -426,7 +426,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
 
     ``fast_linear`` (auto | on | off | kernel | onednn): swap the loaded model's linear layers, LM head
-    included, for prepacked ones (:mod:`drafttrain.fastlinear`: drafttrain's AVX2 kernel or oneDNN; same
+    included, for prepacked ones (:mod:`drafttrain.fastlinear`: drafttrain's kernel or oneDNN; same
     parameters, inference only).
 
     Raises:

@@ -7,7 +7,8 @@ EMS-SD unpadded engine, ``context`` committed tokens per row, a chain of k - 1 d
 row's root, logits at every input: exactly what a speculative step pays; k = 1 is a plain decoding
 step) is timed with the target's linear layers as loaded (``plain``: ``F.linear``, MKL sgemm on the
 CPU wheel) and on each prepacked backend of :mod:`drafttrain.fastlinear` available here (``onednn``:
-oneDNN's prepacked inner product; ``kernel``: drafttrain's AVX2 kernel), all interleaved call by call
+oneDNN's prepacked inner product; ``kernel``: drafttrain's kernel, the build this machine gets; on an
+AVX-512 machine also ``kernel_avx2``: the AVX2 build, to compare the two), all interleaved call by call
 on the same cache, medians of ``repeats`` calls. ``packed`` in the results is the default backend
 (``target.fast_linear=auto``). The same script measures
 the machine's memory read bandwidth (a sum over a tensor far larger than the caches) and matmul
@@ -20,6 +21,7 @@ is kept). Issue 16's goal: a 9-token forward <= 1.3x a 1-token forward.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ class BenchForwardCostConfig:
     """Schema of ``python -m scripts.bench_forward_cost`` (key=value overrides, validated before any work)."""
 
     tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 9, 17, 33, 65])  # inputs per row (batch 1)
-    variants: list[str] = field(default_factory=lambda: ["plain", "onednn", "kernel"])  # those available are timed
+    variants: list[str] = field(default_factory=lambda: ["plain", "onednn", "kernel", "kernel_avx2"])  # those available are timed
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     batch_tokens: list[int] = field(default_factory=lambda: [1, 9])  # inputs per row measured at every batch size
     context: int = 200  # committed tokens per row in the cache
@@ -80,16 +82,54 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 # ==================================================================================================
 
 
+def _avx2_kernel_available() -> bool:
+    """The ``kernel_avx2`` variant: this machine's kernel build is the AVX-512 one (the AVX2 build then runs
+    here too, and the two can be compared)."""
+    from drafttrain import fastlinear
+
+    return fastlinear.kernel_isa() == "avx512" and fastlinear.kernel_available()
+
+
+def _kernel_isa() -> str | None:
+    from drafttrain import fastlinear
+
+    return fastlinear.kernel_isa() if fastlinear.kernel_available() else None
+
+
+@functools.cache
+def _avx2_packed_linear_class():
+    from drafttrain import fastlinear
+
+    class Avx2PackedLinear(fastlinear.PackedLinear):
+        """A kernel-backed ``PackedLinear`` on the AVX2 build whatever this machine's default build."""
+
+        def _kernel(self):
+            return fastlinear._kernel_build("avx2")
+
+    return Avx2PackedLinear
+
+
+def _avx2_packed(plain: torch.nn.Linear):
+    """``plain`` on the AVX2 build of the kernel (on an AVX-512 machine, whose default is the AVX-512 build)."""
+    from drafttrain import fastlinear
+
+    layer = fastlinear.PackedLinear.from_linear(plain, "kernel")
+    layer.__class__ = _avx2_packed_linear_class()
+    return layer
+
+
 class LinearSwitch:
     """Every linear layer of ``model`` in several versions sharing parameters: ``plain`` (``nn.Linear``)
     and one :class:`~drafttrain.fastlinear.PackedLinear` per backend in ``backends`` (default: every
-    backend available here), packed once; :meth:`use` puts one set in place."""
+    backend available here; ``kernel_avx2``: the kernel's AVX2 build on an AVX-512 machine), packed
+    once; :meth:`use` puts one set in place."""
 
     def __init__(self, model: torch.nn.Module, backends: list[str] | None = None):
         from drafttrain import fastlinear
         from drafttrain.fastlinear import PackedLinear
 
-        self.backends = [b for b in (backends or fastlinear.BACKENDS) if fastlinear.available(b)]
+        ok = lambda b: _avx2_kernel_available() if b == "kernel_avx2" else fastlinear.available(b)  # noqa: E731
+        self.backends = [b for b in (backends or fastlinear.BACKENDS) if ok(b)]
         best = fastlinear.best_backend()
         self.default = best if best in self.backends else next(iter(self.backends), None)
         self.sites = []  # (parent module, attribute name, {variant: layer})
@@ -99,7 +139,7 @@ class LinearSwitch:
                     plain = child.to_linear() if isinstance(child, PackedLinear) else child
                     versions = {"plain": plain}
                     for b in self.backends:
-                        versions[b] = PackedLinear.from_linear(plain, b)
+                        versions[b] = _avx2_packed(plain) if b == "kernel_avx2" else PackedLinear.from_linear(plain, b)
                         versions[b].packed_weight()
                     self.sites.append((parent, name, versions))
 
@@ -163,9 +203,9 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
     gflops = matmul_gflops()
     tcfg = TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"})
     target = load_target(tcfg)
-    unknown = set(cfg.variants) - {"plain", "onednn", "kernel"}
+    unknown = set(cfg.variants) - {"plain", "onednn", "kernel", "kernel_avx2"}
     if unknown:
-        raise ValueError(f"variants: unknown {sorted(unknown)}; choose from plain, onednn, kernel")
+        raise ValueError(f"variants: unknown {sorted(unknown)}; choose from plain, onednn, kernel, kernel_avx2")
     switch = LinearSwitch(target.model, [v for v in cfg.variants if v != "plain"])
     variants = [v for v in switch.variants if v in cfg.variants]
     mc = target.config
@@ -200,7 +240,7 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
         for v in timed:  # cost relative to the same variant's 1-token forward at batch 1
             r[f"{v}_vs_1token"] = r[f"{v}_ms"] / base[v]
             r[f"{v}_vs_plain_1token"] = r[f"{v}_ms"] / base.get("plain", base[v])
-    return {"rows": rows, "variants": variants, "packed_variant": packed, "bandwidth_gbs": bw, "matmul_gflops": gflops, "weight_bytes": weight_bytes,
+    return {"rows": rows, "variants": variants, "packed_variant": packed, "kernel_isa": _kernel_isa(), "bandwidth_gbs": bw, "matmul_gflops": gflops, "weight_bytes": weight_bytes,
             "parameters": n_params, "linear_layers": len(switch.sites), "kv_bytes_per_token": kv_bytes_per_token,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "target"}, "target": cfg.target.__dict__}  # fmt: skip
 
@@ -230,8 +270,11 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"row. One forward = the engine's verification forward (`SpecEngine.forward_trees`: root + a chain of "
         f"k - 1 drafts per row, logits at every input; k = 1 is a plain decoding step). **plain** = the "
         f"linear layers as loaded (`F.linear`, `target.fast_linear=off`); **onednn** = oneDNN prepacked weights "
-        f"(`target.fast_linear=onednn`); **kernel** = drafttrain's AVX2 kernel (`drafttrain/csrc/small_m_linear.cpp`, "
-        f"`target.fast_linear=kernel`); the default (`auto`) here is **{res.get('packed_variant', 'packed')}**. "
+        f"(`target.fast_linear=onednn`); **kernel** = drafttrain's kernel (`drafttrain/csrc/small_m_linear.cpp`, "
+        f"`target.fast_linear=kernel`), its {str(res.get('kernel_isa') or 'avx2').upper()} build (the one this machine gets)"
+        + ("; **kernel_avx2** = the same kernel's AVX2 build (16 registers, smaller tiles), for comparison"
+           if "kernel_avx2" in (res.get("variants") or []) else "")
+        + f"; the default (`auto`) here is **{res.get('packed_variant', 'packed')}**. "
         f"Interleaved call by call, median of {res['config']['repeats']} calls each.",
         "",
         f"Roofline: memory read bandwidth **{res['bandwidth_gbs']:.1f} GB/s** (sum over a "

@@ -203,7 +203,7 @@ def test_pack_for_inference_packs_the_drafter_and_its_draft_head(tiny_target, ma
 @pytest.mark.parametrize("k,n", [(96, 200), (13, 77), (1, 121), (40, 8), (64, 300)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_matches_f_linear_at_every_row_count(k, n, bias):
-    """Every tile shape (1-9 rows, the 6-row tiles, the 192-row chunks) and ragged out_features
+    """Every tile shape of the build this machine gets (1-9 rows, the 6- and 9-row tiles, the 192-row chunks) and ragged out_features
     (tails of a 8-column vector and of a tile) against F.linear."""
     torch.manual_seed(k * n)
     lin = nn.Linear(k, n, bias=bias)
@@ -211,7 +211,7 @@ def test_kernel_matches_f_linear_at_every_row_count(k, n, bias):
         with torch.no_grad():
             lin.bias.normal_()
     pl = fastlinear.PackedLinear.from_linear(lin, "kernel")
-    for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 17, 33, 64, 200, 389]:
+    for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17, 18, 33, 64, 200, 389]:
         x = torch.randn(m, k)
         with torch.no_grad():
             ref, out = lin(x), pl(x)
@@ -228,7 +228,7 @@ def test_kernel_rows_are_batch_invariant():
     x = torch.randn(203, 576)
     with torch.no_grad():
         full = pl(x)
-        for m in [1, 2, 3, 4, 5, 7, 9, 17, 64]:
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 64]:
             for start in (0, 1, 100):
                 assert torch.equal(pl(x[start : start + m]), full[start : start + m]), (m, start)
 
@@ -246,3 +246,52 @@ def test_kernel_rejects_bad_input_with_a_clear_error():
         mod.pack(torch.randn(3, 4, 5))
     with pytest.raises(ValueError, match="not available|backend"):
         fastlinear.PackedLinear.from_linear(nn.Linear(3, 4), "cuda-magic")
+
+
+@needs_kernel
+def test_the_kernel_builds_this_machine_gets():
+    """AVX-512 machines get the AVX-512 build (32 registers, larger tiles), others the AVX2 one; the
+    module says which it is."""
+    isa = fastlinear.kernel_isa()
+    cap = fastlinear._cpu_capability()
+    assert isa == ("avx512" if cap.startswith("AVX512") else "avx2")
+    assert fastlinear._kernel_module().isa == isa
+
+
+def test_kernel_isa_follows_the_environment(monkeypatch):
+    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("DRAFTTRAIN_KERNEL_ISA", raising=False)
+    assert fastlinear.kernel_isa() == "avx512"
+    monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "avx2")
+    assert fastlinear.kernel_isa() == "avx2"
+    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "AVX2")
+    assert fastlinear.kernel_isa() == "avx2"
+    monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "avx512")
+    assert fastlinear.kernel_isa() is None  # never run AVX-512 code on a CPU without it
+    monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "sse")
+    with pytest.raises(ValueError, match="DRAFTTRAIN_KERNEL_ISA"):
+        fastlinear.kernel_isa()
+    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.delenv("DRAFTTRAIN_KERNEL_ISA")
+    assert fastlinear.kernel_isa() is None
+
+
+@pytest.mark.skipif(fastlinear.kernel_isa() != "avx512" or not fastlinear.kernel_available(),
+                    reason="needs an AVX-512 CPU (the AVX-512 build cannot run elsewhere)")
+def test_avx512_build_equals_avx2_build_bitwise():
+    """Both builds compute every output as the same in-order FMA chain, whatever their tile shapes, so
+    their results are bitwise equal at every row count (the AVX-512 build's 4-6, 7-9 and split 10-17
+    row tiles included) and at ragged out_features."""
+    builds = {isa: fastlinear._kernel_build(isa) for isa in fastlinear.KERNEL_ISAS}
+    assert not any(isinstance(m, str) for m in builds.values()), builds
+    assert builds["avx2"].isa == "avx2" and builds["avx512"].isa == "avx512"
+    torch.manual_seed(5)
+    for k, n in [(576, 200), (13, 77), (64, 300)]:
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed = {isa: m.pack(w) for isa, m in builds.items()}
+        assert torch.equal(packed["avx2"], packed["avx512"])
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 17, 33, 64, 200]:
+            x = torch.randn(m, k)
+            out = {isa: mod.linear(x, packed[isa], n, b) for isa, mod in builds.items()}
+            assert torch.equal(out["avx2"], out["avx512"]), (k, n, m)
+            torch.testing.assert_close(out["avx512"], x @ w.T + b, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,7 @@
-// drafttrain's fp32 linear layer for x86-64 CPUs with AVX2 + FMA: y = x W^T + b.
+// drafttrain's fp32 linear layer for x86-64 CPUs with AVX2 + FMA: y = x W^T + b. Built twice where the
+// CPU has AVX-512 (drafttrain/fastlinear.py picks the build): the same 8-wide ymm code, but compiled with
+// -mavx512vl the compiler may use 32 ymm registers instead of 16, so a tile holds up to 24-27 accumulators
+// (6 rows x 32 columns, 9 x 24) instead of 12: fewer weight loads per FMA, fewer passes over a weight tile.
 //
 // Why (docs/benchmarks/forward_cost.md, issue 16): on the CPU wheel of torch, F.linear (MKL sgemm) and
 // oneDNN's prepacked inner product both spend 2-4x the memory roofline on the few-row products a
@@ -22,12 +25,17 @@
 namespace {
 
 constexpr int64_t kMChunk = 192;  // rows per pass over the weights: x chunk stays in L2 while W streams
+#ifdef __AVX512VL__
+constexpr int kMaxAcc = 27;  // accumulators per tile: 32 ymm registers (AVX-512VL) = acc + NV weights + 1 broadcast
+#else
+constexpr int kMaxAcc = 12;  // 16 ymm registers (AVX2)
+#endif
 
 template <int MT, int NV>
 inline void tile(const float* __restrict x, int64_t K, const float* __restrict wp, float* __restrict y,
                  int64_t N, int64_t n0, const float* __restrict bias) {
   __m256 acc[MT][NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
@@ -35,7 +43,7 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict w
     __m256 w[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) w[v] = _mm256_loadu_ps(wp + (v * K + k) * 8);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * K + k);
 #pragma GCC unroll 4
@@ -44,7 +52,7 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict w
   }
   // fully unrolled so that the accumulators never live in memory (a rolled loop here makes GCC spill
   // all of them to the stack on every k, which halves the kernel's speed)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MT; ++m) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
@@ -79,13 +87,16 @@ void run(const float* xp, int64_t M, int64_t K, const float* w, float* yp, int64
           const int64_t left = c1 - m, tiles = (left + mt_max - 1) / mt_max, mt = (left + tiles - 1) / tiles;
           const float* xm = xp + m * K;
           float* ym = yp + m * N;
-          switch (mt) {
+          switch (mt) {  // only shapes with MT * NV <= kMaxAcc are compiled; the dispatch below never asks for others
             case 1: tile<1, NV>(xm, K, wt, ym, N, n0, bp); break;
             case 2: tile<2, NV>(xm, K, wt, ym, N, n0, bp); break;
             case 3: tile<3, NV>(xm, K, wt, ym, N, n0, bp); break;
-            case 4: if constexpr (NV <= 3) { tile<4, NV>(xm, K, wt, ym, N, n0, bp); } break;
-            case 5: if constexpr (NV <= 2) { tile<5, NV>(xm, K, wt, ym, N, n0, bp); } break;
-            default: if constexpr (NV <= 2) { tile<6, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            case 4: if constexpr (4 * NV <= kMaxAcc) { tile<4, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            case 5: if constexpr (5 * NV <= kMaxAcc) { tile<5, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            case 6: if constexpr (6 * NV <= kMaxAcc) { tile<6, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            case 7: if constexpr (7 * NV <= kMaxAcc) { tile<7, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            case 8: if constexpr (8 * NV <= kMaxAcc) { tile<8, NV>(xm, K, wt, ym, N, n0, bp); } break;
+            default: if constexpr (9 * NV <= kMaxAcc) { tile<9, NV>(xm, K, wt, ym, N, n0, bp); } break;
           }
           m += mt;
         }
@@ -135,15 +146,29 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, int64_t N, c10::optional
   const float* xp = x.data_ptr<float>();
   const float* w = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512VL__
+  // 32 registers: tiles of up to 6 x 32 (24 accumulators), balanced (12 rows -> 6 + 6, 17 -> 6 + 6 + 5);
+  // 7-9 rows -> one tile of up to 9 x 24 (27). Measured against the AVX2 build on an AVX-512 AMD EPYC
+  // (Zen 4) VM, the 211 linears of SmolLM2-135M: the same at 1-4 rows, 10-20% less at 5-17, ~8% at 64
+  // (docs/benchmarks/forward_cost.md: the whole forward, kernel vs kernel_avx2).
+  if (M >= 7 && M <= 9) run<3>(xp, M, K, w, yp, N, bp, 9);
+  else run<4>(xp, M, K, w, yp, N, bp, 6);
+#else
   // tile shapes (rows x columns) that keep 8-12 accumulators: 1-3 or 9 rows -> 3 x 32; 4, 7, 8 -> 4 x 24;
   // otherwise 6 x 16 (measured on the 2-core AMD EPYC VM; docs/benchmarks/forward_cost.md)
   if (M <= 3 || M == 9) run<4>(xp, M, K, w, yp, N, bp, 3);
   else if (M == 4 || M == 7 || M == 8) run<3>(xp, M, K, w, yp, N, bp, 4);
   else run<2>(xp, M, K, w, yp, N, bp, 6);
+#endif
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef __AVX512VL__
+  m.attr("isa") = "avx512";
+#else
+  m.attr("isa") = "avx2";
+#endif
   m.def("pack", &pack, "W [N, K] float32 -> packed [NB8, K, 8]");
   m.def("linear", &linear, "x [..., K] @ W^T + b on the packed weight -> [..., N]");
 }
