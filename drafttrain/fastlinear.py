@@ -129,7 +129,13 @@ def _kernel_module():
     isa = kernel_isa()
     if isa is None:
         return f"this CPU has no AVX2/FMA (or not the ISA DRAFTTRAIN_KERNEL_ISA asks for; torch reports {_cpu_capability()!r})"
-    return _kernel_build(isa)
+    mod = _kernel_build(isa)
+    if isinstance(mod, str) and isa == "avx512":  # e.g. a compiler without -mavx512vl: the AVX2 build still runs here
+        fallback = _kernel_build("avx2")
+        if not isinstance(fallback, str):
+            log.warning("fast_linear: the AVX-512 build failed (%s); using the AVX2 build", mod)
+            return fallback
+    return mod
 
 
 def kernel_available() -> bool:

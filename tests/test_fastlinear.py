@@ -295,3 +295,16 @@ def test_avx512_build_equals_avx2_build_bitwise():
             out = {isa: mod.linear(x, packed[isa], n, b) for isa, mod in builds.items()}
             assert torch.equal(out["avx2"], out["avx512"]), (k, n, m)
             torch.testing.assert_close(out["avx512"], x @ w.T + b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
+    """An AVX-512 machine whose compiler cannot build the AVX-512 variant still gets the kernel (its AVX2
+    build), not oneDNN; where neither builds, the reason is the AVX-512 build's."""
+    monkeypatch.setattr(fastlinear, "kernel_isa", lambda: "avx512")
+    monkeypatch.setattr(fastlinear.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("DRAFTTRAIN_NO_KERNEL", raising=False)
+    avx2 = object()
+    monkeypatch.setattr(fastlinear, "_kernel_build", lambda isa: avx2 if isa == "avx2" else "no -mavx512vl")
+    assert fastlinear._kernel_module.__wrapped__() is avx2
+    monkeypatch.setattr(fastlinear, "_kernel_build", lambda isa: f"{isa} failed")
+    assert fastlinear._kernel_module.__wrapped__() == "avx512 failed"
