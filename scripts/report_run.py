@@ -31,6 +31,19 @@ class ReportRunConfig:
     out: str = "docs/benchmarks"
 
 
+def portable_run_dir(run_dir: Path) -> str:
+    """``run_dir`` as the report records it: as given when relative; when absolute, relative to the checkout
+    that holds it (the nearest ancestor with a ``.git``: a clean clone measured elsewhere), else its last
+    two parts. A report names no path of the machine it was measured on (tests/test_scripts_cli.py)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_absolute():
+        return run_dir.as_posix()
+    for parent in run_dir.parents:
+        if (parent / ".git").exists():
+            return run_dir.relative_to(parent).as_posix()
+    return Path(*run_dir.parts[-2:]).as_posix()
+
+
 def summarize(run_dir: Path) -> dict:
     final = json.loads((run_dir / "final_metrics.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
@@ -44,7 +57,7 @@ def summarize(run_dir: Path) -> dict:
         if "eval/tau_sim" in r or "eval/tau" in r
     ]
     return {
-        "run_dir": str(run_dir),
+        "run_dir": portable_run_dir(run_dir),
         "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
         "config": {
             "target": config["target"]["name"],

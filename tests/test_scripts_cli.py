@@ -79,3 +79,15 @@ def test_docs_commands_run_from_the_repo_root():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in docs for i, line in enumerate(p.read_text().splitlines(), 1)
             if bad.search(line)]  # fmt: skip
     assert hits == []
+
+
+def test_report_run_records_no_path_of_the_measuring_machine(tmp_path):
+    """A run measured in a clean clone elsewhere is recorded relative to that clone (the docs test above
+    refuses machine paths in docs/benchmarks/*.json)."""
+    from scripts.report_run import portable_run_dir
+
+    clone = tmp_path / "clone"
+    (clone / ".git").mkdir(parents=True)
+    assert portable_run_dir(clone / "outputs" / "run") == "outputs/run"
+    assert portable_run_dir(Path("outputs/run")) == "outputs/run"
+    assert portable_run_dir(tmp_path / "elsewhere" / "outputs" / "run") == "outputs/run"
