@@ -335,6 +335,18 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def describe(model: nn.Module) -> str:
+    """How ``model``'s linear layers run, for run records: ``kernel (avx512 build)``, ``kernel (avx2 build)``,
+    ``onednn``, or ``F.linear`` (nothing packed)."""
+    backend = backend_of(model)
+    if backend is None:
+        return "F.linear"
+    if backend == "kernel":
+        mod = _kernel_module()
+        return f"kernel ({getattr(mod, 'isa', 'avx2')} build)"
+    return backend
+
+
 def backend_of(model: nn.Module) -> str | None:
     """The backend of ``model``'s first :class:`PackedLinear` (None when nothing is packed)."""
     return next((m.backend for m in model.modules() if isinstance(m, PackedLinear)), None)

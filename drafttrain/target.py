@@ -450,5 +450,5 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     model = model.to(device)
     if pack:
         n = fastlinear.pack_linears(model, pack)
-        log.info("target.fast_linear: %d linear layers on prepacked weights (%s)", n, pack)
+        log.info("target.fast_linear: %d linear layers on prepacked weights (%s)", n, fastlinear.describe(model))
     return Target(model, tokenizer, source_dir=None if cfg.random_init else folder)

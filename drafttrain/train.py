@@ -488,6 +488,11 @@ def run(cfg) -> dict[str, Any]:
         log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
 
     launch = launch_info(accelerator)
+    from drafttrain import fastlinear
+
+    # the host facts that decide the speed figures (docs/benchmarks/main_job.md names them)
+    launch["host"] = {"cpu_capability": fastlinear._cpu_capability(), "cpu_threads": torch.get_num_threads(),
+                      "target_linears": fastlinear.describe(target.model)}
     if main:
         (out_dir / "launch.json").write_text(json.dumps(launch, indent=1))
     if c.logging.wandb:

@@ -56,8 +56,11 @@ def summarize(run_dir: Path) -> dict:
         for r in rows
         if "eval/tau_sim" in r or "eval/tau" in r
     ]
+    launch = run_dir / "launch.json"
+    host = json.loads(launch.read_text()).get("host") if launch.is_file() else None
     return {
         "run_dir": portable_run_dir(run_dir),
+        "host": host,  # the run's own: CPU capability, threads, how the target's linears ran (launch.json)
         "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
         "config": {
             "target": config["target"]["name"],
@@ -104,6 +107,9 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
     lines += ["| quantity | value |", "|---|---|"]
     table = [
         ("target", s["config"]["target"]),
+        *([("host (the run's own)", f"CPU capability {s['host'].get('cpu_capability')}, {s['host'].get('cpu_threads')} "
+                                     f"torch threads, target linears on {s['host'].get('target_linears')}")]
+          if s.get("host") else []),
         ("data", json.dumps(s["config"]["data"])),
         ("drafter", f"{s['config']['drafter']['name']}, K={s['config']['drafter']['num_mask_tokens']}, "
                     f"draft vocab {s['config']['drafter'].get('draft_vocab_size')}, {s['trainable_params']:,} trainable params"),

@@ -308,3 +308,15 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     assert fastlinear._kernel_module.__wrapped__() is avx2
     monkeypatch.setattr(fastlinear, "_kernel_build", lambda isa: f"{isa} failed")
     assert fastlinear._kernel_module.__wrapped__() == "avx512 failed"
+
+
+def test_describe_names_the_backend_and_the_kernel_build(tiny_target):
+    """Run records (launch.json, docs/benchmarks/main_job.md) name how the target's linears ran."""
+    plain = copy.deepcopy(tiny_target.model)
+    fastlinear.unpack_linears(plain)
+    assert fastlinear.describe(plain) == "F.linear"
+    for backend in HERE:
+        packed = copy.deepcopy(plain)
+        fastlinear.pack_linears(packed, backend)
+        expect = f"kernel ({fastlinear._kernel_module().isa} build)" if backend == "kernel" else backend
+        assert fastlinear.describe(packed) == expect

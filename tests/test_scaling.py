@@ -150,6 +150,9 @@ def test_only_rank0_writes(runs, name):
     assert log.count("train sequences") == 1, log  # Hydra's file log: rank 0's lines only
     launch_info = json.loads((run_dir / "launch.json").read_text())
     assert launch_info["world_size"] == 2
+    host = launch_info["host"]  # what decides the speed figures: report_run puts it in docs/benchmarks pages
+    assert host["cpu_capability"] and host["cpu_threads"] >= 1
+    assert host["target_linears"].split(" ")[0] in ("kernel", "onednn", "F.linear")
     final = json.loads((run_dir / "final_metrics.json").read_text())
     assert len(final["peak_mem_mb_per_rank"]) == 2 and min(final["peak_mem_mb_per_rank"]) > 100
 
