@@ -70,7 +70,9 @@ def onednn_available() -> bool:
 KERNEL_ISAS = ("avx2", "avx512")
 
 
-def _cpu_capability() -> str:
+def cpu_capability() -> str:
+    """torch's CPU capability in capitals (``AVX512``, ``AVX2``, ``DEFAULT``, ...; "" where torch cannot tell):
+    what decides the kernel build (:func:`kernel_isa`), and recorded with each run (``launch.json``)."""
     try:
         return str(torch.backends.cpu.get_cpu_capability()).upper()
     except (AttributeError, RuntimeError):
@@ -82,7 +84,7 @@ def kernel_isa() -> str | None:
     implies AVX-512F/BW/VL/DQ), else ``avx2`` where it reports AVX2, else None. ``DRAFTTRAIN_KERNEL_ISA=avx2``
     forces the AVX2 build on an AVX-512 machine (benchmarks compare the two); asking for ``avx512`` where
     the CPU lacks it gives None (the kernel is then unavailable, with the reason)."""
-    cap = _cpu_capability()
+    cap = cpu_capability()
     native = "avx512" if cap.startswith("AVX512") else ("avx2" if cap.startswith("AVX2") else None)
     forced = os.environ.get("DRAFTTRAIN_KERNEL_ISA", "").strip().lower()
     if not forced:
@@ -128,7 +130,7 @@ def _kernel_module():
         return f"not x86-64 ({platform.machine()})"
     isa = kernel_isa()
     if isa is None:
-        return f"this CPU has no AVX2/FMA (or not the ISA DRAFTTRAIN_KERNEL_ISA asks for; torch reports {_cpu_capability()!r})"
+        return f"this CPU has no AVX2/FMA (or not the ISA DRAFTTRAIN_KERNEL_ISA asks for; torch reports {cpu_capability()!r})"
     mod = _kernel_build(isa)
     if isinstance(mod, str) and isa == "avx512":  # e.g. a compiler without -mavx512vl: the AVX2 build still runs here
         fallback = _kernel_build("avx2")

@@ -417,6 +417,7 @@ def run(cfg) -> dict[str, Any]:
         peak_memory_mb,
         prepare,
     )
+    from drafttrain import fastlinear
     from drafttrain.data.batches import get_batch, sample_indices
     from drafttrain.data.pipeline import prepare_data
     from drafttrain.drafters import build_drafter, drafter_class, drafter_config
@@ -488,10 +489,8 @@ def run(cfg) -> dict[str, Any]:
         log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
 
     launch = launch_info(accelerator)
-    from drafttrain import fastlinear
-
     # the host facts that decide the speed figures (docs/benchmarks/main_job.md names them)
-    launch["host"] = {"cpu_capability": fastlinear._cpu_capability(), "cpu_threads": torch.get_num_threads(),
+    launch["host"] = {"cpu_capability": fastlinear.cpu_capability(), "cpu_threads": torch.get_num_threads(),
                       "target_linears": fastlinear.describe(target.model)}
     if main:
         (out_dir / "launch.json").write_text(json.dumps(launch, indent=1))

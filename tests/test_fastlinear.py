@@ -253,25 +253,25 @@ def test_the_kernel_builds_this_machine_gets():
     """AVX-512 machines get the AVX-512 build (32 registers, larger tiles), others the AVX2 one; the
     module says which it is."""
     isa = fastlinear.kernel_isa()
-    cap = fastlinear._cpu_capability()
+    cap = fastlinear.cpu_capability()
     assert isa == ("avx512" if cap.startswith("AVX512") else "avx2")
     assert fastlinear._kernel_module().isa == isa
 
 
 def test_kernel_isa_follows_the_environment(monkeypatch):
-    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(fastlinear, "cpu_capability", lambda: "AVX512")
     monkeypatch.delenv("DRAFTTRAIN_KERNEL_ISA", raising=False)
     assert fastlinear.kernel_isa() == "avx512"
     monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "avx2")
     assert fastlinear.kernel_isa() == "avx2"
-    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(fastlinear, "cpu_capability", lambda: "AVX2")
     assert fastlinear.kernel_isa() == "avx2"
     monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "avx512")
     assert fastlinear.kernel_isa() is None  # never run AVX-512 code on a CPU without it
     monkeypatch.setenv("DRAFTTRAIN_KERNEL_ISA", "sse")
     with pytest.raises(ValueError, match="DRAFTTRAIN_KERNEL_ISA"):
         fastlinear.kernel_isa()
-    monkeypatch.setattr(fastlinear, "_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(fastlinear, "cpu_capability", lambda: "DEFAULT")
     monkeypatch.delenv("DRAFTTRAIN_KERNEL_ISA")
     assert fastlinear.kernel_isa() is None
 
