@@ -96,28 +96,39 @@ def kernel_isa() -> str | None:
     return forced
 
 
-@functools.cache
-def _kernel_build(isa: str):
-    """The kernel extension built for ``isa`` (``avx2`` | ``avx512``), or why it did not build (a str).
-    Built once per machine and ISA (torch's extension folder, ``TORCH_EXTENSIONS_DIR``; ~40 s on 2 cores),
-    loaded once per process. The same source serves both: the AVX-512 build is compiled with -mavx512vl,
-    which gives the compiler 32 ymm registers and the source larger tiles (``small_m_linear.cpp``)."""
-    flags = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]}[isa]
+ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]}
+
+
+def build_extension(name: str, source: Path, isa: str):
+    """Build (once per machine: torch's extension folder, ``TORCH_EXTENSIONS_DIR``) and load one of
+    drafttrain's C++ CPU kernels (``drafttrain/csrc``) with ``isa``'s flags (:data:`ISA_FLAGS`), or return
+    why it did not build (a str; logged as a warning). Shared by the linear kernel and
+    :mod:`drafttrain.fastattention`."""
     try:
         from torch.utils import cpp_extension
 
-        log.info("fast_linear: building the %s linear kernel (once per machine, ~1 min)", isa.upper())
+        log.info("building drafttrain's %s kernel %s (once per machine, under a minute)", isa.upper(), name)
         return cpp_extension.load(
-            name="drafttrain_small_m_linear" + ("" if isa == "avx2" else "_" + isa),
-            sources=[str(_KERNEL_SOURCE)],
-            extra_cflags=["-O3", *flags, "-fopenmp"],
+            name=name,
+            sources=[str(source)],
+            extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler / ninja / headers: fall back, say why (once per process)
         why = f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("fast_linear: %s; falling back to oneDNN (target.fast_linear=onednn skips the build)", why)
+        log.warning("%s: %s; falling back to torch's own operator", name, why)
         return why
+
+
+@functools.cache
+def _kernel_build(isa: str):
+    """The linear kernel extension built for ``isa`` (``avx2`` | ``avx512``), or why it did not build (a str).
+    Built once per machine and ISA (~40 s on 2 cores), loaded once per process. The same source serves
+    both: the AVX-512 build is compiled with -mavx512vl, which gives the compiler 32 ymm registers and
+    the source larger tiles (``small_m_linear.cpp``). Where it does not build, the target's linears fall
+    back to oneDNN (``target.fast_linear=onednn`` skips the build)."""
+    return build_extension("drafttrain_small_m_linear" + ("" if isa == "avx2" else "_" + isa), _KERNEL_SOURCE, isa)
 
 
 @functools.cache

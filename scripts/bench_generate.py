@@ -7,6 +7,7 @@ Run each phase on its own (each takes < 10 minutes on a 2-core CPU):
     python -m scripts.bench_generate phase=backends   # the main job's self-distillation: hf vs engine backend
     python -m scripts.bench_generate phase=backends backends=[engine,vllm] backends_subset=32 backends_repeats=1  # vLLM beside ours
     python -m scripts.bench_generate phase=backends backends=[hf:plain,engine]  # a backend on other linear layers
+    python -m scripts.bench_generate phase=backends backends=[engine:sdpa,engine]  # decode attention: sdpa vs drafttrain's kernel
     python -m scripts.bench_generate phase=report     # rewrite the page from the JSON
 
 ``sweep``: first turns of the first ``subset`` ShareGPT conversations at each of ``batch_sizes``, plus
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain import fastattention
 
 
 @dataclass
@@ -40,7 +42,8 @@ class BenchGenerateConfig:
 
     phase: str = "sweep"  # sweep | full | backends | report
     # backends: engine | hf | vllm (vllm: bash scripts/install_vllm.sh); engine or hf may take a suffix :plain |
-    # :onednn | :kernel, the target's linear layers for that backend's runs (default: as loaded, target.fast_linear=auto)
+    # :onednn | :kernel, the target's linear layers for that backend's runs (default: as loaded, target.fast_linear=auto),
+    # or :sdpa, decode attention on torch's sdpa instead of drafttrain's kernel (drafttrain.fastattention)
     backends: list[str] = field(default_factory=lambda: ["hf", "engine"])
     backends_subset: int = 128  # backends: first N ShareGPT conversations (the main job keeps ~82% of them)
     backends_repeats: int = 2  # backends: each backend this many times, alternating (A B, B A, ...)
@@ -174,7 +177,7 @@ def _backends(target, args, work: Path) -> dict:
     convs, _ = _load(args.backends_subset)
     names = list(args.backends)
     switch = None
-    if any(":" in n for n in names):  # per-run linear layers, same parameters (scripts.bench_forward_cost)
+    if any(n.partition(":")[2] not in ("", "sdpa") for n in names):  # per-run linear layers, same parameters (scripts.bench_forward_cost)
         from scripts.bench_forward_cost import LinearSwitch
 
         switch = LinearSwitch(target.model)
@@ -182,14 +185,16 @@ def _backends(target, args, work: Path) -> dict:
     vcfg = VllmConfig(threads=args.vllm_threads, eager=args.vllm_eager)
     runs, outputs = [], {}
     for i, name in enumerate(order):
-        backend, _, linear = name.partition(":")
+        backend, _, suffix = name.partition(":")
+        linear = "" if suffix == "sdpa" else suffix
         if switch is not None:
             switch.use(linear or True)  # no suffix: the default backend, as load_target(auto) packs it
         out_dir = work / f"backends-{name.replace(':', '-')}-{i}"
         shutil.rmtree(out_dir, ignore_errors=True)
         load0 = os.getloadavg()[0]
-        ds, report = self_distill(target, convs, out_dir, max_new_tokens=128, max_length=512, batch_size=64,
-                                  max_prompt_length=256, backend=backend, progress=True, vllm=vcfg)  # fmt: skip
+        with fastattention.use("sdpa" if suffix == "sdpa" else "auto"):
+            ds, report = self_distill(target, convs, out_dir, max_new_tokens=128, max_length=512, batch_size=64,
+                                      max_prompt_length=256, backend=backend, progress=True, vllm=vcfg)  # fmt: skip
         r = report["this_run"]
         run = {"backend": name, "generated_tokens": r["generated_tokens"], "seconds": r["seconds"],
                "tokens_per_s": r["tokens_per_s"], "rows": len(ds),
@@ -249,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         linears = {b.partition(":")[2] for b in args.backends} - {""}
         if not args.backends or len(set(args.backends)) != len(args.backends) or set(bases) - set(BACKENDS):
             raise ConfigError(f"backends must be distinct names of {'|'.join(BACKENDS)}, got {args.backends}")
-        if linears - {"plain", "onednn", "kernel"} or any(b.startswith("vllm:") for b in args.backends):
-            raise ConfigError(f"a backend's suffix must be :plain, :onednn or :kernel (engine and hf only), got {args.backends}")
+        if linears - {"plain", "onednn", "kernel", "sdpa"} or any(b.startswith("vllm:") for b in args.backends):
+            raise ConfigError(f"a backend's suffix must be :plain, :onednn, :kernel or :sdpa (engine and hf only), got {args.backends}")
         if "vllm" in args.backends and vllm_python() is None:
             raise ConfigError("backends=[...vllm] needs vLLM's venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm)")
     path = Path(args.out).with_suffix(".json")
@@ -405,7 +410,8 @@ def backends_markdown(b: dict) -> list[str]:
              + f"Rows are compared with **{ref}** (our generator's greedy answers). "
              + ("A suffix names the target's linear layers for that backend's runs (**:plain** = `F.linear`, "
                 "**:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 kernel; none = the default, "
-                "`target.fast_linear=auto`). " if any(":" in n for n in names) else "")
+                "`target.fast_linear=auto`; **:sdpa** = the default linears, but one-query attention on torch's sdpa "
+                "instead of drafttrain's decode-attention kernel, `drafttrain.fastattention`). " if any(":" in n for n in names) else "")
              + f"{b['date']}, {b['machine']['cpus']} CPUs; "
              + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
                 f"1-min load averages {load}: a 2-thread job raises the load to ~2 itself, so this flags other jobs "

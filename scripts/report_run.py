@@ -108,7 +108,8 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
     table = [
         ("target", s["config"]["target"]),
         *([("host (the run's own)", f"CPU capability {s['host'].get('cpu_capability')}, {s['host'].get('cpu_threads')} "
-                                     f"torch threads, target linears on {s['host'].get('target_linears')}")]
+                                     f"torch threads, target linears on {s['host'].get('target_linears')}"
+                                     + (f", decode attention on {s['host']['decode_attention']}" if s["host"].get("decode_attention") else ""))]
           if s.get("host") else []),
         ("data", json.dumps(s["config"]["data"])),
         ("drafter", f"{s['config']['drafter']['name']}, K={s['config']['drafter']['num_mask_tokens']}, "

@@ -134,3 +134,34 @@ def test_bench_sampling_rows_and_resume(tmp_path, checkpoint, monkeypatch):
 
     monkeypatch.setattr(scripts.common, "run_eval", no_run)
     assert main(argv)["rows"] == res["rows"]  # resumed: every run read back
+
+
+def test_bench_decode_attention_writes_page(tmp_path, tiny_target):
+    """Both backends per call (one query and a verification step's few) and per forward on the tiny target; the
+    kernel's outputs agree with sdpa's and the forwards' argmax is equal. Skipped cleanly where the kernel does
+    not build (the script refuses with the reason)."""
+    import pytest
+
+    from drafttrain import fastattention
+    from drafttrain.cliconfig import ConfigError
+    from scripts.bench_decode_attention import main
+
+    out = tmp_path / "da"
+    argv = ["target.random_init=true", "batch_sizes=[1,3]", "contexts=[9]", "tree_points=[[2,2],[1,4]]",
+            "forward_batch_sizes=[2]", "forward_tokens=[1,2]", "forward_context=7", "repeats=1", "forward_repeats=1",
+            "threads=1", f"out={out}"]  # fmt: skip
+    if not fastattention.available():
+        with pytest.raises(ConfigError, match="unavailable"):
+            main(argv)
+        return
+    res = main(argv)
+    calls = res["per_call"]
+    assert [(r["batch"], r["context"], r["queries"]) for r in calls] == [(1, 9, 1), (3, 9, 1), (2, 7, 2), (1, 7, 4)]
+    assert all(r["sdpa_ms"] > 0 and r["kernel_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in calls)
+    fwd = res["per_forward"]
+    assert [(r["batch"], r["tokens"]) for r in fwd] == [(2, 1), (2, 2)]
+    assert all(r["argmax_equal"] and r["logits_max_abs_diff"] < 1e-3 for r in fwd)
+    md = out.with_suffix(".md").read_text()
+    assert "python -m scripts.bench_decode_attention" in md and "| 2 | 7 | 2 |" in md
+    with pytest.raises(ConfigError, match="MAX_QUERIES"):
+        main(argv[:3] + ["tree_points=[[2,9]]"] + argv[4:])

@@ -153,6 +153,7 @@ def test_only_rank0_writes(runs, name):
     host = launch_info["host"]  # what decides the speed figures: report_run puts it in docs/benchmarks pages
     assert host["cpu_capability"] and host["cpu_threads"] >= 1
     assert host["target_linears"].split(" ")[0] in ("kernel", "onednn", "F.linear")
+    assert host["decode_attention"] in ("kernel", "sdpa")
     final = json.loads((run_dir / "final_metrics.json").read_text())
     assert len(final["peak_mem_mb_per_rank"]) == 2 and min(final["peak_mem_mb_per_rank"]) > 100
 

@@ -113,3 +113,7 @@ def test_report_run_names_the_runs_host(tmp_path):
         "cpu_capability": "AVX512", "cpu_threads": 2, "target_linears": "kernel (avx512 build)"}}))
     md = markdown("x", summarize(run), None, None)
     assert "| host (the run's own) | CPU capability AVX512, 2 torch threads, target linears on kernel (avx512 build) |" in md
+    (run / "launch.json").write_text(json.dumps({"world_size": 1, "host": {
+        "cpu_capability": "AVX2", "cpu_threads": 2, "target_linears": "onednn", "decode_attention": "kernel"}}))
+    assert ("| host (the run's own) | CPU capability AVX2, 2 torch threads, target linears on onednn, decode attention "
+            "on kernel |") in markdown("x", summarize(run), None, None)

@@ -33,6 +33,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from drafttrain import fastattention
+
 RAGGED_ATTENTION = "drafttrain_ragged"
 
 
@@ -380,10 +382,15 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of packed sequences against their own cache rows (EMS-SD Appendix D, Algorithm 2).
 
-    Without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
+    A decoding step, or a batched verification step of up to ``fastattention.MAX_QUERIES`` queries per
+    sequence (not a packed prefill, not one sequence's tree: sdpa is as fast there), goes to drafttrain's
+    decode-attention kernel where
+    :func:`drafttrain.fastattention.usable` says it applies (each key/value head read once for its group
+    of query heads; 2-3x less time than sdpa at batch 16-64, docs/benchmarks/decode_attention.md).
+    Otherwise, without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
     sequence's queries attend to its own cache row only. ``ragged_segments.batched`` (default) runs
-    that as ONE attention call per layer (sdpa for one query per sequence, sdpa's causal kernel for a
-    packed prefill, else :func:`_grouped_attention`):
+    that as ONE attention call per layer (sdpa's causal kernel for a packed prefill, else the decode
+    kernel where it applies, else sdpa for one query per sequence or :func:`_grouped_attention`):
     the queries are gathered into ``[B, h, q_max, hd]`` (a sequence with fewer
     than q_max inputs repeats its last query; those outputs are dropped) against ``keys[rows, :, :kv_max]``
     with each token's own mask row, so a step of 16 sequences costs one attention call per layer
@@ -403,6 +410,10 @@ def ragged_attention(
         ([1, N, h, hd] attention output, None).
     """
     if ragged_segments is None:
+        if query.shape[2] <= fastattention.MAX_QUERIES and not dropout:  # decoding / verification: drafttrain's kernel
+            mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+            if fastattention.usable(query, key, value, mask):
+                return fastattention.decode_attention(query, key, value, mask, scaling).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     seg = ragged_segments
     if seg.batched and len(seg.starts) > 1:  # one call for the whole batch (plan built once per forward)
@@ -419,7 +430,9 @@ def ragged_attention(
             out = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )
-        elif qb.shape[2] == 1:  # one query per sequence: the fused kernel is as fast as anything
+        elif fastattention.usable(qb, k, v, plan["mask"]):  # a decoding / verification step: drafttrain's kernel
+            out = fastattention.decode_attention(qb, k, v, plan["mask"], scaling)  # [B, h, q_max, hd]
+        elif qb.shape[2] == 1:  # one query per sequence: sdpa's fused kernel
             out = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, attn_mask=plan["mask"], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )  # [B, h, q_max, hd]

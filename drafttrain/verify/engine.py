@@ -730,9 +730,10 @@ class SpecEngine:
         lo = self._read_lo if self.mode == "padded" else 0
         lay = batched_layout(self.cache, rows, masks, slots, self.dtype, left_pad=left_pad, lo=lo)
         self.cache.set_plan(lay.plan)
-        try:
-            hidden, feats = self._target_forward(lay.scatter(toks), attention_mask=lay.mask,
-                                                 position_ids=lay.scatter(pos), cache=self.cache)  # fmt: skip
+        try:  # the engine's attention: sdpa, or the decode kernel at one input per row (verify/cache.py)
+            with attention_implementation(self.target.model, RAGGED_ATTENTION):
+                hidden, feats = self._target_forward(lay.scatter(toks), attention_mask=lay.mask,
+                                                     position_ids=lay.scatter(pos), cache=self.cache)  # fmt: skip
         finally:
             self.cache.set_plan(None)
         h = lay.gather(hidden)
