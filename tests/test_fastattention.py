@@ -182,3 +182,23 @@ def test_engine_greedy_unchanged_by_the_kernel(varied_target, make_drafter):
         assert len(set(hf)) > 3
         for run in on_kernel + on_sdpa:
             assert run.results[i].tokens == hf
+
+
+def test_engine_attention_routes_only_what_the_kernel_means(tiny_target):
+    """``ragged_attention`` (the engine's attention) without segments: one query, or two with a mask, take the
+    kernel and equal transformers' sdpa call; two queries without a mask stay on sdpa (causal there)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from drafttrain.verify.cache import ragged_attention
+
+    attn = tiny_target.model.model.layers[0].self_attn
+    cfg = tiny_target.config
+    h, h_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = cfg.hidden_size // h
+    for nq, masked in ((1, True), (2, True), (1, False), (2, False)):
+        q, k, v, m = _inputs(3, h, h_kv, 11, hd, nq=nq)
+        m = m if masked else None
+        ref, _ = sdpa_attention_forward(attn, q, k, v, m, scaling=hd**-0.5)
+        out, _ = ragged_attention(attn, q, k, v, m, scaling=hd**-0.5)
+        assert out.shape == ref.shape == (3, nq, h, hd)
+        assert (out - ref).abs().max().item() < 2e-5, (nq, masked)
