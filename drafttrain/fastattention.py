@@ -53,12 +53,19 @@ def _module():
         return f"not x86-64 ({platform.machine()})"
     if fastlinear.kernel_isa() is None:
         return f"this CPU has no AVX2/FMA (torch reports {fastlinear.cpu_capability()!r})"
-    return fastlinear.build_extension("drafttrain_decode_attention", _SOURCE, "avx2")
+    return fastlinear.build_extension("drafttrain_decode_attention", _SOURCE, "avx2",
+                                      "sdpa (DRAFTTRAIN_DECODE_ATTENTION=sdpa skips the build)")
 
 
 def available() -> bool:
     """True when the decode-attention kernel is built (or builds now) and loads here."""
     return not isinstance(_module(), str)
+
+
+def unavailable_reason() -> str | None:
+    """Why the decode-attention kernel cannot run here (None when it can)."""
+    mod = _module()
+    return mod if isinstance(mod, str) else None
 
 
 @functools.cache
@@ -158,4 +165,4 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return mod.decode_attention(q, k, v, m, float(hd**-0.5 if scale is None else scale))  # [b, h, q, hd]
 
 
-__all__ = ["BACKENDS", "HEAD_DIMS", "MAX_QUERIES", "available", "backend", "decode_attention", "usable", "use"]
+__all__ = ["BACKENDS", "HEAD_DIMS", "MAX_QUERIES", "available", "backend", "decode_attention", "unavailable_reason", "usable", "use"]

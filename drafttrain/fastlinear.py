@@ -99,11 +99,11 @@ def kernel_isa() -> str | None:
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]}
 
 
-def build_extension(name: str, source: Path, isa: str):
+def build_extension(name: str, source: Path, isa: str, fallback: str):
     """Build (once per machine: torch's extension folder, ``TORCH_EXTENSIONS_DIR``) and load one of
     drafttrain's C++ CPU kernels (``drafttrain/csrc``) with ``isa``'s flags (:data:`ISA_FLAGS`), or return
-    why it did not build (a str; logged as a warning). Shared by the linear kernel and
-    :mod:`drafttrain.fastattention`."""
+    why it did not build (a str; logged as a warning naming ``fallback``, what runs instead). Shared by the
+    linear kernel and :mod:`drafttrain.fastattention`."""
     try:
         from torch.utils import cpp_extension
 
@@ -117,7 +117,7 @@ def build_extension(name: str, source: Path, isa: str):
         )
     except Exception as e:  # no compiler / ninja / headers: fall back, say why (once per process)
         why = f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("%s: %s; falling back to torch's own operator", name, why)
+        log.warning("%s: %s; falling back to %s", name, why, fallback)
         return why
 
 
@@ -128,7 +128,8 @@ def _kernel_build(isa: str):
     both: the AVX-512 build is compiled with -mavx512vl, which gives the compiler 32 ymm registers and
     the source larger tiles (``small_m_linear.cpp``). Where it does not build, the target's linears fall
     back to oneDNN (``target.fast_linear=onednn`` skips the build)."""
-    return build_extension("drafttrain_small_m_linear" + ("" if isa == "avx2" else "_" + isa), _KERNEL_SOURCE, isa)
+    return build_extension("drafttrain_small_m_linear" + ("" if isa == "avx2" else "_" + isa), _KERNEL_SOURCE, isa,
+                           "oneDNN (target.fast_linear=onednn skips the build)")
 
 
 @functools.cache

@@ -112,12 +112,12 @@ def per_call(attn_module, cfg: BenchDecodeAttentionConfig, h: int, h_kv: int, hd
 def per_forward(target, cfg: BenchDecodeAttentionConfig) -> list[dict]:
     from drafttrain import fastattention
     from drafttrain.verify import DraftTree
-    from scripts.bench_forward_cost import _engine
+    from scripts.bench_forward_cost import prefilled_engine
 
     rows = []
     g = torch.Generator().manual_seed(cfg.seed)
     for b, k in [(b, k) for b in cfg.forward_batch_sizes for k in cfg.forward_tokens]:
-        eng = _engine(target, b, cfg.forward_context, cfg.seed)
+        eng = prefilled_engine(target, b, cfg.forward_context, cfg.seed)
         trees = [DraftTree.chain(torch.randint(3, 40000, (k - 1,), generator=g)) for _ in range(b)]
         outs = {}
 
@@ -146,7 +146,7 @@ def bench(cfg: BenchDecodeAttentionConfig) -> dict:
         raise ConfigError(f"tree_points above fastattention.MAX_QUERIES={fastattention.MAX_QUERIES} queries at batch > 1 "
                           "would run the same grouped matmuls under both names")
     if not fastattention.available():
-        raise ConfigError(f"the decode attention kernel is unavailable here: {fastattention._module()}")
+        raise ConfigError(f"the decode attention kernel is unavailable here: {fastattention.unavailable_reason()}")
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target)
     c = target.config

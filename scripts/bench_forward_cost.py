@@ -162,7 +162,7 @@ class LinearSwitch:
 # ==================================================================================================
 
 
-def _engine(target, batch: int, context: int, seed: int):
+def prefilled_engine(target, batch: int, context: int, seed: int):
     """A plain engine with ``batch`` rows of ``context`` committed (random) tokens, prefilled."""
     from drafttrain.verify import PlainProposer, SpecEngine
 
@@ -225,7 +225,7 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
     for batch, k in points:
         if batch not in engines:
             switch.use(False)
-            engines = {batch: _engine(target, batch, cfg.context, cfg.seed)}  # one at a time: free the last cache
+            engines = {batch: prefilled_engine(target, batch, cfg.context, cfg.seed)}  # one at a time: free the last cache
         ms = forward_ms(engines[batch], k, switch, cfg.repeats, cfg.seed + k, variants)
         rf = roofline(batch, k)
         packed = switch.default if switch.default in ms else next((v for v in variants if v != "plain"), "plain")

@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"backends must be distinct names of {'|'.join(BACKENDS)}, got {args.backends}")
         if linears - {"plain", "onednn", "kernel", "sdpa"} or any(b.startswith("vllm:") for b in args.backends):
             raise ConfigError(f"a backend's suffix must be :plain, :onednn, :kernel or :sdpa (engine and hf only), got {args.backends}")
+        if any(b.startswith("hf:sdpa") for b in args.backends):  # Target.generate never runs the engine's attention
+            raise ConfigError(f"the :sdpa suffix is for the engine backend only (hf always runs sdpa), got {args.backends}")
         if "vllm" in args.backends and vllm_python() is None:
             raise ConfigError("backends=[...vllm] needs vLLM's venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm)")
     path = Path(args.out).with_suffix(".json")

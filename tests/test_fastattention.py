@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from drafttrain import fastattention
 
-needs_kernel = pytest.mark.skipif(not fastattention.available(), reason=f"no decode kernel: {fastattention._module()}")
+needs_kernel = pytest.mark.skipif(not fastattention.available(), reason=f"no decode kernel: {fastattention.unavailable_reason()}")
 NEG = torch.finfo(torch.float32).min
 
 
@@ -112,6 +112,7 @@ def test_backend_switch_and_clear_errors(monkeypatch):
             pass
     monkeypatch.setattr(fastattention, "_module", lambda: "no compiler here")
     assert fastattention.backend() == "sdpa"  # auto falls back
+    assert fastattention.unavailable_reason() == "no compiler here" and not fastattention.available()
     with pytest.raises(ValueError, match="no compiler here"):
         with fastattention.use("kernel"):
             pass

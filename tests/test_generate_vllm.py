@@ -227,6 +227,7 @@ def test_bench_backends_linear_suffix():
     from scripts.bench_generate import main, results_key
 
     assert results_key(["hf:plain", "engine"]) == "backends_hf-plain_engine"
-    for bad in ("[hf:fast,engine]", "[vllm:kernel,engine]", "[hf:plain,hf:plain]", "[hg,engine]"):
-        with pytest.raises(ConfigError, match="backend"):
+    assert results_key(["engine:sdpa", "engine"]) == "backends_engine-sdpa_engine"  # decode attention on sdpa vs the kernel
+    for bad in ("[hf:fast,engine]", "[vllm:kernel,engine]", "[hf:plain,hf:plain]", "[hg,engine]", "[hf:sdpa,engine]"):
+        with pytest.raises(ConfigError, match="backend|suffix"):
             main(["phase=backends", f"backends={bad}", "out=/nonexistent/x"])
