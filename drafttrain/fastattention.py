@@ -9,20 +9,23 @@ transformers calls it for grouped-query attention (``pack_gqa``: [b, h_kv, group
 (``drafttrain/csrc/decode_attention.cpp``, AVX2 + FMA, built on first use like the linear kernel of
 :mod:`drafttrain.fastlinear`) reads each key/value head once for all the query heads of its group. A
 verification step is the same stream with a few more queries per sequence (the draft tree's nodes, each
-with its own mask row), so it runs there too.
+with its own mask row); the kernel takes any number, the engine sends it the batched ones of up to
+:data:`MAX_QUERIES` (beyond, its score pass is compute-bound and the grouped matmuls are faster).
 
 Where it runs: :func:`drafttrain.verify.cache.ragged_attention`, the engine's attention, sends every
-decoding step and every batched verification step of up to :data:`MAX_QUERIES` queries per sequence here
-(not a packed prefill, which keeps sdpa's causal kernel, nor one sequence's tree: measured, sdpa is as
-fast there, docs/benchmarks/decode_attention.md) when :func:`usable` says the tensors qualify (float32 CPU, head dim 16/32/64/128, no autograd,
-not inside ``torch.compile``); anything else keeps sdpa / the grouped matmuls as before. The backend:
+decoding step, every batched verification step of up to :data:`MAX_QUERIES` queries per sequence and
+one sequence's tree (batch 1) of up to :data:`MAX_QUERIES_ONE` here (not a packed prefill, which keeps
+sdpa's causal kernel; docs/benchmarks/decode_attention.md has the measurements) when :func:`usable`
+says the tensors qualify (float32
+CPU, head dim 16/32/64/128, no autograd, not inside ``torch.compile``); anything else keeps sdpa / the
+grouped matmuls as before. The backend:
 ``DRAFTTRAIN_DECODE_ATTENTION`` = ``auto`` (default: the kernel where it builds) | ``kernel`` |
 ``sdpa`` (torch's, as before), read once per process; :func:`use` switches it in-process (benchmarks,
 tests). ``DRAFTTRAIN_NO_KERNEL=1`` disables it with the linear kernel.
 
 Numerics: same fp32 inputs, scores (q . k) * scale + mask, torch's own softmax, weighted sum of values;
-differs from sdpa by float reassociation only (~1e-7), and a sequence's output does not depend on
-its batch.
+differs from sdpa by float reassociation only (~1e-7), and a query's output depends neither on its
+batch nor on the other queries of its call (tested bitwise).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from drafttrain import fastlinear
 BACKENDS = ("auto", "kernel", "sdpa")
 HEAD_DIMS = (16, 32, 64, 128)
 MAX_QUERIES = 2  # queries per sequence the engine sends here (root + one draft); more: the grouped matmuls, faster there
+MAX_QUERIES_ONE = 8  # the same for one sequence's tree (batch 1, where the alternative is sdpa, not the grouped matmuls)
 _SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 _forced: str | None = None  # set by use()
 
@@ -111,12 +115,14 @@ def use(name: str):
         _forced = old
 
 
-def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           max_queries: int | None = None) -> bool:
     """True when :func:`decode_attention` applies to these tensors and the backend is the kernel: 1 to
-    :data:`MAX_QUERIES` queries per sequence, float32 CPU, head dim in :data:`HEAD_DIMS`, query heads a
+    ``max_queries`` (default :data:`MAX_QUERIES`) queries per sequence, float32 CPU, head dim in :data:`HEAD_DIMS`, query heads a
     multiple of key/value heads, a [b or 1, 1, q or 1, T] float32 mask or none, no autograd, not inside
     ``torch.compile``."""
-    if query.dim() != 4 or key.dim() != 4 or not 1 <= query.shape[2] <= MAX_QUERIES or query.shape[3] not in HEAD_DIMS:
+    limit = MAX_QUERIES if max_queries is None else max_queries
+    if query.dim() != 4 or key.dim() != 4 or not 1 <= query.shape[2] <= limit or query.shape[3] not in HEAD_DIMS:
         return False
     if torch.compiler.is_compiling() or backend() != "kernel":
         return False

@@ -91,6 +91,9 @@ def test_usable_refuses_what_the_kernel_does_not_take():
     assert not fastattention.usable(many, k, v, None)  # a prefill-sized call keeps sdpa
     two = torch.randn(2, 4, 2, 16)
     assert fastattention.usable(two, k, v, None) is ok
+    five = torch.randn(2, 4, 5, 16)  # a tree of 5 queries: only under a larger limit (one sequence's tree)
+    assert not fastattention.usable(five, k, v, None)
+    assert fastattention.usable(five, k, v, None, max_queries=fastattention.MAX_QUERIES_ONE) is ok
     assert not fastattention.usable(two, k, v, torch.zeros(2, 1, 3, 10))  # 3 mask rows for 2 queries
     assert not fastattention.usable(q.double(), k.double(), v.double(), None)
     assert not fastattention.usable(q[..., :8], k[..., :8], v[..., :8], None)  # head dim 8 is not built
@@ -143,7 +146,8 @@ def test_kernel_rejects_bad_input_with_a_clear_error():
 def test_engine_greedy_unchanged_by_the_kernel(varied_target, make_drafter):
     """Plain and speculative greedy decoding (continuous batching: more prompts than rows) through the
     engine on the kernel == the same engine on sdpa == Hugging Face generate, token for token; and the
-    kernel did run for both (its calls are counted: one query per row, and the trees' several)."""
+    kernel did run for all three (its calls are counted: one query per row, batched 2-query steps, and one
+    sequence's tree at batch 1)."""
     from drafttrain.verify import ParallelSpecProposer, PlainProposer, SpecEngine
 
     g = torch.Generator().manual_seed(0)
@@ -157,6 +161,8 @@ def test_engine_greedy_unchanged_by_the_kernel(varied_target, make_drafter):
                        batch_size=2, max_new_tokens=new, stop_token_ids=-1).run(prompts),  # fmt: skip
             SpecEngine(varied_target, ParallelSpecProposer(make_drafter(seed=2).eval(), widths=[1], budget=1),
                        batch_size=3, max_new_tokens=new, stop_token_ids=-1).run(prompts),  # fmt: skip (root + 1 draft)
+            SpecEngine(varied_target, ParallelSpecProposer(make_drafter(seed=3).eval(), widths=[2, 2, 1], budget=5),
+                       batch_size=1, max_new_tokens=new, stop_token_ids=-1).run(prompts),  # fmt: skip (one sequence's tree)
         ]
 
     calls = []
@@ -173,7 +179,8 @@ def test_engine_greedy_unchanged_by_the_kernel(varied_target, make_drafter):
     finally:
         fastattention.decode_attention = real
     assert (3, 1) in calls  # the batch-3 plain steps
-    assert any(nq > 1 for _, nq in calls)  # verification steps (root + one draft per row)
+    assert any(b > 1 and nq == 2 for b, nq in calls)  # batched verification steps (root + one draft per row)
+    assert any(b == 1 and nq > 2 for b, nq in calls)  # batch 1: one sequence's tree (up to MAX_QUERIES_ONE queries)
     with fastattention.use("sdpa"):
         on_sdpa = runs()
     for i, p in enumerate(prompts):

@@ -382,9 +382,9 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of packed sequences against their own cache rows (EMS-SD Appendix D, Algorithm 2).
 
-    A decoding step, or a batched verification step of up to ``fastattention.MAX_QUERIES`` queries per
-    sequence (not a packed prefill, not one sequence's tree: sdpa is as fast there), goes to drafttrain's
-    decode-attention kernel where
+    A decoding step, a batched verification step of up to ``fastattention.MAX_QUERIES`` queries per
+    sequence, or one sequence's tree of up to ``fastattention.MAX_QUERIES_ONE`` (not a packed prefill)
+    goes to drafttrain's decode-attention kernel where
     :func:`drafttrain.fastattention.usable` says it applies (each key/value head read once for its group
     of query heads; 2-3x less time than sdpa at batch 16-64, docs/benchmarks/decode_attention.md).
     Otherwise, without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
@@ -443,16 +443,13 @@ def ragged_attention(
         return out[None], None
     outs = []
     for s, e, row, kv in zip(seg.starts, seg.ends, seg.rows, seg.kv_lens):
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, s:e],  # [1, h, q_i, hd]
-                key[row : row + 1, :, :kv],  # [1, h_kv, kv_i, hd]
-                value[row : row + 1, :, :kv],
-                attn_mask=attention_mask[:, :, s:e, :kv],  # [1, 1, q_i, kv_i]
-                scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
-        )
+        args = (query[:, :, s:e], key[row : row + 1, :, :kv], value[row : row + 1, :, :kv])  # [1, h, q_i, hd], [1, h_kv, kv_i, hd] x 2
+        mask = attention_mask[:, :, s:e, :kv]  # [1, 1, q_i, kv_i]
+        if fastattention.usable(*args, mask, max_queries=fastattention.MAX_QUERIES_ONE):  # one sequence's tree
+            outs.append(fastattention.decode_attention(*args, mask, scaling))
+        else:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                *args, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))  # fmt: skip
     out = torch.cat(outs, dim=2)  # [1, h, N, hd]
     return out.transpose(1, 2).contiguous(), None  # [1, N, h, hd]
 
