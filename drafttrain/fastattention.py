@@ -16,12 +16,12 @@ Where it runs: :func:`drafttrain.verify.cache.ragged_attention`, the engine's at
 decoding step, every batched verification step of up to :data:`MAX_QUERIES` queries per sequence and
 one sequence's tree (batch 1) of up to :data:`MAX_QUERIES_ONE` here (not a packed prefill, which keeps
 sdpa's causal kernel; docs/benchmarks/decode_attention.md has the measurements) when :func:`usable`
-says the tensors qualify (float32
-CPU, head dim 16/32/64/128, no autograd, not inside ``torch.compile``); anything else keeps sdpa / the
-grouped matmuls as before. The backend:
-``DRAFTTRAIN_DECODE_ATTENTION`` = ``auto`` (default: the kernel where it builds) | ``kernel`` |
-``sdpa`` (torch's, as before), read once per process; :func:`use` switches it in-process (benchmarks,
-tests). ``DRAFTTRAIN_NO_KERNEL=1`` disables it with the linear kernel.
+says the tensors qualify (float32 CPU, head dim 16/32/64/128, no autograd, not inside
+``torch.compile``); anything else keeps sdpa / the grouped matmuls as before. The backend:
+``DRAFTTRAIN_DECODE_ATTENTION`` = ``auto`` (default: the kernel where it builds) | ``kernel`` | ``sdpa``
+(torch's, as before), read once per process; :func:`use` switches it in-process (benchmarks, tests).
+``DRAFTTRAIN_NO_KERNEL=1`` disables it with the linear kernel (:func:`drafttrain.fastlinear.host_reason`:
+the host checks both kernels share).
 
 Numerics: same fp32 inputs, scores (q . k) * scale + mask, torch's own softmax, weighted sum of values;
 differs from sdpa by float reassociation only (~1e-7), and a query's output depends neither on its
@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -51,12 +50,9 @@ _forced: str | None = None  # set by use()
 @functools.cache
 def _module():
     """The built extension, or why it is unavailable (a str). Built once per machine, loaded once per process."""
-    if os.environ.get("DRAFTTRAIN_NO_KERNEL"):
-        return "DRAFTTRAIN_NO_KERNEL is set"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"not x86-64 ({platform.machine()})"
-    if fastlinear.kernel_isa() is None:
-        return f"this CPU has no AVX2/FMA (torch reports {fastlinear.cpu_capability()!r})"
+    reason = fastlinear.host_reason()
+    if reason is not None:
+        return reason
     return fastlinear.build_extension("drafttrain_decode_attention", _SOURCE, "avx2",
                                       "sdpa (DRAFTTRAIN_DECODE_ATTENTION=sdpa skips the build)")
 

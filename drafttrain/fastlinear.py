@@ -132,17 +132,27 @@ def _kernel_build(isa: str):
                            "oneDNN (target.fast_linear=onednn skips the build)")
 
 
-@functools.cache
-def _kernel_module():
-    """The built kernel extension for this machine (:func:`kernel_isa`), or the reason it is unavailable (a str).
-    Decided once per process (the environment variables are read at the first call)."""
+def host_reason() -> str | None:
+    """Why none of drafttrain's C++ kernels (``drafttrain/csrc``: the linear kernel, the decode attention)
+    can run on this host, before any build: ``DRAFTTRAIN_NO_KERNEL`` set, not x86-64, or no AVX2/FMA (or
+    not the ISA ``DRAFTTRAIN_KERNEL_ISA`` asks for: :func:`kernel_isa`); None when they may."""
     if os.environ.get("DRAFTTRAIN_NO_KERNEL"):
         return "DRAFTTRAIN_NO_KERNEL is set"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not x86-64 ({platform.machine()})"
-    isa = kernel_isa()
-    if isa is None:
+    if kernel_isa() is None:
         return f"this CPU has no AVX2/FMA (or not the ISA DRAFTTRAIN_KERNEL_ISA asks for; torch reports {cpu_capability()!r})"
+    return None
+
+
+@functools.cache
+def _kernel_module():
+    """The built kernel extension for this machine (:func:`kernel_isa`), or the reason it is unavailable (a str).
+    Decided once per process (the environment variables are read at the first call)."""
+    reason = host_reason()
+    if reason is not None:
+        return reason
+    isa = kernel_isa()
     mod = _kernel_build(isa)
     if isinstance(mod, str) and isa == "avx512":  # e.g. a compiler without -mavx512vl: the AVX2 build still runs here
         fallback = _kernel_build("avx2")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttrain import fastattention
+from drafttrain import fastattention, fastlinear
 
 needs_kernel = pytest.mark.skipif(not fastattention.available(), reason=f"no decode kernel: {fastattention.unavailable_reason()}")
 NEG = torch.finfo(torch.float32).min
@@ -210,3 +210,15 @@ def test_engine_attention_routes_only_what_the_kernel_means(tiny_target):
         out, _ = ragged_attention(attn, q, k, v, m, scaling=hd**-0.5)
         assert out.shape == ref.shape == (3, nq, h, hd)
         assert (out - ref).abs().max().item() < 2e-5, (nq, masked)
+
+
+def test_host_checks_shared_with_the_linear_kernel(monkeypatch):
+    """Both kernels refuse a host for the same reasons, with the same words (fastlinear.host_reason)."""
+    monkeypatch.setenv("DRAFTTRAIN_NO_KERNEL", "1")
+    assert fastlinear.host_reason() == "DRAFTTRAIN_NO_KERNEL is set"
+    assert fastattention._module.__wrapped__() == fastlinear._kernel_module.__wrapped__() == "DRAFTTRAIN_NO_KERNEL is set"
+    monkeypatch.delenv("DRAFTTRAIN_NO_KERNEL")
+    monkeypatch.setattr(fastlinear, "kernel_isa", lambda: None)
+    reason = fastlinear.host_reason()
+    assert reason is not None and "no AVX2/FMA" in reason
+    assert fastattention._module.__wrapped__() == fastlinear._kernel_module.__wrapped__() == reason
