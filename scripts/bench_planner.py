@@ -20,8 +20,10 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``average_flat``: ``average`` with the cost model's old guess beyond what was measured (flat however
   far, where the default is flat up to double the measured size, then the average cost per input);
 - ``row_probes``: ``average`` where, above two sequences, a probe drafts two of them and judges the
-  whole batch from them (the default planner; every variant above probes the whole batch);
-- ``row_probes_1pct``: ``row_probes`` with a probe budget of 1% of plain decoding's time instead of 3%.
+  whole batch from them (every variant above probes the whole batch);
+- ``row_probes_1pct``: ``row_probes`` with a probe budget of 1% of plain decoding's time instead of 3%;
+- ``decay_share``: ``row_probes`` where the budget halves with each further unpaid drafted step in a row
+  and a row probe verifies only its share of what the whole-batch step would verify (the default planner).
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -50,15 +52,17 @@ VARIANTS = {
     "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False,
                  probe_rows=None),
     "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False,
-                   probe_rows=None),
+                   probe_rows=None, probe_decay=False),
     "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                    probe_rows=None),
+                    probe_rows=None, probe_decay=False),
     "average_flat": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                         explore="flat", probe_rows=None),
+                         explore="flat", probe_rows=None, probe_decay=False),
     "row_probes": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                       probe_rows=2),  # the default SpeculationPlanner
+                       probe_rows=2, probe_decay=False, probe_share=False),
     "row_probes_1pct": dict(per_source=True, price_overhead=True, probe_budget=0.01, max_skip=64,
-                            skip_on_average=True, probe_rows=2),
+                            skip_on_average=True, probe_rows=2, probe_decay=False, probe_share=False),
+    "decay_share": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
+                        probe_rows=2, probe_decay=True, probe_share=True),  # the default SpeculationPlanner
 }
 
 
@@ -70,7 +74,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["full", "average", "row_probes"])
+    variants: list[str] = field(default_factory=lambda: ["full", "row_probes", "decay_share"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -192,8 +196,10 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "of the drafted steps' gain at this batch size is below 1; `average_flat` = `average` with the "
              "cost model flat beyond what was measured (the default: flat up to double, then the average cost per input); "
              "`row_probes` = `average` where, above two sequences, a probe drafts two of them and judges the whole batch "
-             "from them (the default planner; the variants before it probe the whole batch); `row_probes_1pct` = "
-             "`row_probes` with a 1% probe budget.", "",
+             "from them (the variants before it probe the whole batch); `row_probes_1pct` = `row_probes` with a 1% "
+             "probe budget; `decay_share` = `row_probes` where the budget halves with each further unpaid drafted step "
+             "in a row and a row probe verifies only its share of what the whole-batch step would verify (the default "
+             "planner).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:

@@ -222,3 +222,14 @@ def test_host_checks_shared_with_the_linear_kernel(monkeypatch):
     reason = fastlinear.host_reason()
     assert reason is not None and "no AVX2/FMA" in reason
     assert fastattention._module.__wrapped__() == fastlinear._kernel_module.__wrapped__() == reason
+
+
+def test_engine_loads_the_kernel_before_its_first_timed_step(tiny_target, monkeypatch):
+    """A float32 CPU engine asks for the decode-attention backend when it is built, so that a first build
+    (~20 s) or load never lands inside a timed decoding step."""
+    from drafttrain.verify import PlainProposer, SpecEngine
+
+    calls = []
+    monkeypatch.setattr(fastattention, "_module", lambda: calls.append(1) or "counted here")
+    SpecEngine(tiny_target, PlainProposer(), batch_size=2)
+    assert calls

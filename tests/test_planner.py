@@ -9,6 +9,7 @@ verify some, verify none and skip drafting, then draft again) runs deterministic
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -407,6 +408,65 @@ def test_priced_probes_bound_what_a_drafter_that_never_pays_costs(budget):
     doubling = lost_fraction(make(probe_budget=None, max_skip=1))
     assert 0 < priced <= 1.05 * budget
     assert doubling > 2 * priced
+
+
+def test_probe_decay_halves_the_budget_per_unpaid_step_in_a_row():
+    """With probe_decay, the k-th unpaid drafted step in a row is priced at probe_budget / 2^(k-1): its skip
+    run is ceil(L / (budget / 2^(k-1) * t_plain) - 1); without it every run is priced at the full budget.
+    Over a long run of a drafter that never pays, the decaying budget loses less."""
+
+    def skip_run(p):
+        n = 0
+        while not p.should_draft(1):
+            n += 1
+        return n
+
+    def make(decay, max_skip=10_000):
+        p = SpeculationPlanner(max_skip=max_skip, probe_budget=0.1, probe_decay=decay)
+        p.cost = FixedCost(5.0)  # plain forward 1 s, +5 s per node: a node never pays
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.35)
+        return p
+
+    for decay in (True, False):
+        p = make(decay)
+        runs, expect = [], []
+        for k in range(3):
+            p.plan([_chain([0.9])])  # the first step verifies nothing, the probes after it their best node
+            budget = 0.1 / (2**k if decay else 1)
+            expect.append(max(2**k, math.ceil(p.last_loss / budget - 1.0)))  # at least the doubling run
+            runs.append(skip_run(p))
+        assert runs == expect
+
+    def probes(decay, steps=127):  # a 127-step evaluation, each probe losing 0.25 of a plain step
+        p = SpeculationPlanner(probe_budget=0.03, probe_decay=decay)
+        p.cost = FixedCost(0.1)
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.2)
+        n = 0
+        for _ in range(steps):
+            if p.should_draft(1):
+                p.plan([_chain([0.05])])
+                n += 1
+        assert p.last_loss == pytest.approx(0.25)
+        return n
+
+    assert (probes(True), probes(False)) == (5, 7)  # runs 8, 16, 33, 64 against 8, 8, 8, 8, 16, 32
+
+
+def test_row_probe_verifies_its_share_of_the_whole_batch_choice():
+    """A row probe (2 of 8 sequences drafted) whose cost model is still flat up to twice the plain forward's
+    inputs: its own best choice would verify all 4 nodes (free under that guess), but the whole-batch
+    step it stands for verifies 2 x 4 nodes (12-16 inputs: flat; 20 and 24 priced at the average input
+    cost), so with probe_share the probe verifies its share, the 2 best nodes; without, all 4."""
+    empty = DraftTree.empty()
+    for share, expect in ((True, [[0], [0]]), (False, [[0, 1], [0, 1]])):
+        p = SpeculationPlanner(probe_rows=2, probe_share=share)  # the real cost model, explore="double"
+        p.cost.observe(8, 8, 1.0)
+        p.observe_draft(2, 0.02)
+        keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
+        assert keep[:2] == expect and keep[2:] == [[]] * 6
+        assert p.nodes_verified == sum(map(len, expect))
 
 
 def test_skip_on_average_keeps_drafting_through_one_unpaid_step():

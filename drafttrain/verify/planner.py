@@ -55,6 +55,11 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   beside a ~100 ms forward) is re-tried every few steps, while at batch 16 on a compute-bound CPU,
   where drafting 16 sequences and verifying 16 probe nodes costs about a whole plain step, probes
   come tens of steps apart: a drafter that never pays costs about ``probe_budget`` of plain speed.
+  With ``probe_decay`` the budget halves with every further unpaid drafted step in a row (the k-th
+  is priced at ``probe_budget / 2^(k-1)``, the same doubling as the unpriced runs), so a drafter that
+  keeps not paying costs less and less. Measured on the main job's batch-16 evaluation (127 steps, a
+  probe losing 7-38 ms against a ~80 ms plain step): the gaps between probes were 8, 6, 5, 9, 17, 33
+  steps without it (priced runs of a few steps, then the doubling runs), 7 probes in all.
 - **Row probes.** Above ``probe_rows`` sequences, a probe drafts only ``probe_rows`` of them (those the
   drafter already follows first, so a probe's catch-up is the tokens since the last one) and returns
   empty trees for the others. Whether drafting pays is then
@@ -63,6 +68,11 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   drafts every sequence, else a skip run follows. So at batch 16, where drafting rarely pays on a
   2-core CPU, a probe no longer pays the drafter's catch-up over all 16 prompts (its first drafting
   runs the drafter over every prompt and builds every SSSD state: ~0.6 s, 2-3% of a 127-step run).
+  A row probe verifies only the share of its nodes that the extrapolated whole-batch step would verify
+  (the best ``k`` of its nodes, where ``k * b / probe_rows`` is that step's choice): before, the first
+  probe at a batch size, whose cost model is still flat up to twice the plain forward's inputs, verified
+  every node of its sequences' trees (16 at batch 16: +89 ms against a ~80 ms plain step, measured),
+  which no step drafting every sequence would have done.
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
@@ -195,6 +205,10 @@ class SpeculationPlanner:
         probe_rows: at a batch size above it, a probe (the first drafting at a batch size, and the first
             after a skip run) drafts only this many sequences, not the whole batch (module doc,
             "Row probes"); None = every probe drafts the whole batch (the planner before row probes).
+        probe_decay: halve the budget of each further unpaid drafted step in a row (module doc, "Priced
+            probes"); False = every unpaid step priced at ``probe_budget`` (the planner before it).
+        probe_share: a row probe verifies only its share of what the whole-batch step would verify
+            (module doc, "Row probes"); False = the probe's own best choice (the planner before it).
 
     Raises:
         ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
@@ -208,7 +222,8 @@ class SpeculationPlanner:
 
     def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
-                 skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2):  # fmt: skip
+                 skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2,
+                 probe_decay: bool = True, probe_share: bool = True):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
@@ -216,6 +231,8 @@ class SpeculationPlanner:
         if probe_rows is not None and probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 or None, got {probe_rows}")
         self.probe_rows = None if probe_rows is None else int(probe_rows)
+        self.probe_decay = bool(probe_decay)
+        self.probe_share = bool(probe_share)
         self.cost = ForwardCostModel(explore=explore)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
@@ -381,12 +398,16 @@ class SpeculationPlanner:
                     best_k, best_rate = k, rate
             gain = best_rate / plain_rate
             if drafted < b:  # a row probe: would drafting all b sequences pay? each node stands for b / drafted
-                scale, expected, full = b / drafted, float(b), 0.0
+                scale, expected, full, k_full = b / drafted, float(b), 0.0, 0
                 t_full = self.draft_cost(b)  # measured at b, else scaled from the nearest measured count
                 for k, (neg_v, *_rest) in enumerate(cands, start=1):
                     expected -= neg_v * scale
-                    full = max(full, expected / (t_full + self.cost.predict(b, b + round(k * scale)) + o_spec))
+                    rate = expected / (t_full + self.cost.predict(b, b + round(k * scale)) + o_spec)
+                    if rate > full:
+                        full, k_full = rate, k
                 gain = full / plain_rate
+                if self.probe_share:  # the probe's share of what the whole-batch step would verify
+                    best_k = min(best_k, k_full)
         keep: list[list[int]] = [[] for _ in trees]
         gained = 0.0  # expected accepted nodes of what is verified
         for neg_v, _, i, j in cands[:best_k]:
@@ -415,8 +436,9 @@ class SpeculationPlanner:
             t_step = t_draft + self.cost.predict(b, b + best_k) + (o_spec if best_k else o_plain)
             self.last_loss = max(0.0, t_step - (b + gained) / plain_rate)
             run = self._skip_next
-            if self.probe_budget is not None:  # long enough that this step's loss is <= probe_budget of the run
-                run = max(run, math.ceil(self.last_loss / (self.probe_budget * max(t_plain + o_plain, 1e-9)) - 1.0))
+            if self.probe_budget is not None:  # long enough that this step's loss is <= the budget of the run
+                budget = self.probe_budget / (self._skip_next if self.probe_decay else 1)  # halved per unpaid step in a row
+                run = max(run, math.ceil(self.last_loss / (budget * max(t_plain + o_plain, 1e-9)) - 1.0))
             self._skip_left = min(run, self.max_skip)
             self._skip_next = min(2 * self._skip_next, self.max_skip)
             self._probe = True
