@@ -350,15 +350,17 @@ def test_bench_planner_rejects_unknown_variant(checkpoint):
         main([f"run={checkpoint}", "variants=[fancy]"])
 
 
+def _skip_run(p: SpeculationPlanner) -> int:
+    """Steps at batch 1 until the planner drafts again (the skip run under way)."""
+    n = 0
+    while not p.should_draft(1):
+        n += 1
+    return n
+
+
 def test_priced_probes_set_the_skip_run_from_the_measured_loss():
     """An unpaid drafted step that lost L seconds is followed by a skip run of ceil(L / (budget * t_plain) - 1)
     steps (at least the doubling run, at most max_skip); without a budget, the doubling runs alone."""
-
-    def skip_run(p):
-        n = 0
-        while not p.should_draft(1):
-            n += 1
-        return n
 
     def priced(budget, max_skip=64):
         p = SpeculationPlanner(max_skip=max_skip, probe_budget=budget)
@@ -370,13 +372,13 @@ def test_priced_probes_set_the_skip_run_from_the_measured_loss():
 
     p = priced(0.1)
     assert p.last_loss == pytest.approx(0.35)
-    assert skip_run(p) == 3  # ceil(0.35 / 0.1 - 1)
+    assert _skip_run(p) == 3  # ceil(0.35 / 0.1 - 1)
     p = priced(0.01, max_skip=20)
-    assert skip_run(p) == 20  # ceil(34) capped
+    assert _skip_run(p) == 20  # ceil(34) capped
     p = priced(None)
-    assert skip_run(p) == 1
+    assert _skip_run(p) == 1
     p.plan([_chain([0.9])])  # the probe verifies the best node (6 s), an unpaid step again: the run doubles
-    assert skip_run(p) == 2
+    assert _skip_run(p) == 2
     with pytest.raises(ValueError, match="probe_budget"):
         SpeculationPlanner(probe_budget=1.5)
     with pytest.raises(ValueError, match="max_skip"):
@@ -413,13 +415,7 @@ def test_priced_probes_bound_what_a_drafter_that_never_pays_costs(budget):
 def test_probe_decay_halves_the_budget_per_unpaid_step_in_a_row():
     """With probe_decay, the k-th unpaid drafted step in a row is priced at probe_budget / 2^(k-1): its skip
     run is ceil(L / (budget / 2^(k-1) * t_plain) - 1); without it every run is priced at the full budget.
-    Over a long run of a drafter that never pays, the decaying budget loses less."""
-
-    def skip_run(p):
-        n = 0
-        while not p.should_draft(1):
-            n += 1
-        return n
+    Over a 127-step evaluation of a drafter that never pays, the decaying budget probes less often."""
 
     def make(decay, max_skip=10_000):
         p = SpeculationPlanner(max_skip=max_skip, probe_budget=0.1, probe_decay=decay)
@@ -435,7 +431,7 @@ def test_probe_decay_halves_the_budget_per_unpaid_step_in_a_row():
             p.plan([_chain([0.9])])  # the first step verifies nothing, the probes after it their best node
             budget = 0.1 / (2**k if decay else 1)
             expect.append(max(2**k, math.ceil(p.last_loss / budget - 1.0)))  # at least the doubling run
-            runs.append(skip_run(p))
+            runs.append(_skip_run(p))
         assert runs == expect
 
     def probes(decay, steps=127):  # a 127-step evaluation, each probe losing 0.25 of a plain step
