@@ -167,4 +167,4 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return mod.decode_attention(q, k, v, m, float(hd**-0.5 if scale is None else scale))  # [b, h, q, hd]
 
 
-__all__ = ["BACKENDS", "HEAD_DIMS", "MAX_QUERIES", "available", "backend", "decode_attention", "unavailable_reason", "usable", "use"]
+__all__ = ["BACKENDS", "HEAD_DIMS", "MAX_QUERIES", "MAX_QUERIES_ONE", "available", "backend", "decode_attention", "unavailable_reason", "usable", "use"]

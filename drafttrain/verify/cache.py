@@ -410,8 +410,9 @@ def ragged_attention(
         ([1, N, h, hd] attention output, None).
     """
     if ragged_segments is None:
-        # decoding / verification: drafttrain's kernel (several queries only with an explicit mask: sdpa would be causal)
-        if query.shape[2] <= fastattention.MAX_QUERIES and not dropout and (attention_mask is not None or query.shape[2] == 1):
+        # decoding / verification (usable: up to MAX_QUERIES per row): drafttrain's kernel; several queries
+        # only with an explicit mask (without one sdpa would be causal)
+        if not dropout and (attention_mask is not None or query.shape[2] == 1):
             mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
             if fastattention.usable(query, key, value, mask):
                 return fastattention.decode_attention(query, key, value, mask, scaling).transpose(1, 2), None
