@@ -89,6 +89,9 @@ def summarize(run_dir: Path) -> dict:
         "eval_spec_tokens_per_s": final.get("eval/spec_tokens_per_s"),
         "eval_speedup": final.get("eval/speedup"),
         "eval_batch_size": final.get("eval/batch_size", 1),
+        # the decoding steps alone (prompt forwards left out; None for runs made before the metric)
+        "eval_speedup_decode": final.get(f"eval/speedup_decode_b{final.get('eval/batch_size', 1)}"),
+        "eval_speedup_decode_b1": final.get("eval/speedup_decode_b1"),
         "eval_tree": final.get("eval/tree"),
         "eval_tau_chain": final.get("eval/tau_chain"),
         "eval_accept_hist_chain": final.get("eval/accept_hist_chain"),
@@ -141,6 +144,10 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
             f"{_f(s['eval_plain_tokens_per_s_b1'], 1)} / {_f(s['eval_spec_tokens_per_s_b1'], 1)} "
             f"(**speedup {_f(s['eval_speedup_b1'], 2)}**, τ {_f(s['eval_tau_b1'])})")]
           if s.get("eval_speedup_b1") is not None else []),
+        *([("decoding steps alone (the prompt forwards, the same in both runs, left out): speedup at batch "
+            f"{s.get('eval_batch_size', 1)} / batch 1",
+            f"{_f(s['eval_speedup_decode'], 2)} / {_f(s.get('eval_speedup_decode_b1'), 2)}")]
+          if s.get("eval_speedup_decode") is not None else []),
         *([("SSSD candidates in the trees (trainer.spec_eval.sssd)", s["eval_sssd"])] if s.get("eval_sssd") else []),
     ]
     lines += [f"| {k} | {v} |" for k, v in table]

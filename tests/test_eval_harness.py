@@ -85,6 +85,8 @@ def test_harness_end_to_end(checkpoint, tmp_path):
     ]  # fmt: skip
     for r in runs:
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] > 0 and r["speedup_decode"] == pytest.approx(r["decode_tokens_per_s"] / next(
+            p["decode_tokens_per_s"] for p in runs if p["method"] == "plain" and p["batch_size"] == r["batch_size"]))
         if r["method"] == "plain":
             assert r["tau"] == 1.0
         else:

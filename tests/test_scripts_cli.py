@@ -117,3 +117,26 @@ def test_report_run_names_the_runs_host(tmp_path):
         "cpu_capability": "AVX2", "cpu_threads": 2, "target_linears": "onednn", "decode_attention": "kernel"}}))
     assert ("| host (the run's own) | CPU capability AVX2, 2 torch threads, target linears on onednn, decode attention "
             "on kernel |") in markdown("x", summarize(run), None, None)
+
+
+def test_report_run_shows_the_decode_only_speedups(tmp_path):
+    """The main-job page gives the decoding steps' speedup (prompt forwards left out) beside the wall-clock
+    one, at the eval batch size and at batch 1, and leaves the row out for runs made before the metric."""
+    import json
+
+    from scripts.report_run import markdown, summarize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({
+        "target": {"name": "t"}, "data": {"source": "s", "max_conversations": 1, "self_distill": True, "max_new_tokens": 8},
+        "drafter": {"name": "parallelspec", "num_mask_tokens": 2}, "optim": {"lr": 1e-3},
+        "trainer": {"micro_batch_size": 2, "mixed_precision": "no"}}))  # fmt: skip
+    final = {"step": 3, "train_seconds": 1.0, "trainable_params": 10, "eval/batch_size": 16, "eval/speedup": 0.99}
+    (run / "final_metrics.json").write_text(json.dumps(final))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0, "train/tokens_per_s": 5.0}) + "\n")
+    assert "decoding steps alone" not in markdown("x", summarize(run), None, None)
+    final.update({"eval/speedup_decode_b16": 1.004, "eval/speedup_decode_b1": 1.31})
+    (run / "final_metrics.json").write_text(json.dumps(final))
+    md = markdown("x", summarize(run), None, None)
+    assert "left out): speedup at batch 16 / batch 1 | 1.00 / 1.31 |" in md

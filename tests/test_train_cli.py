@@ -172,6 +172,8 @@ def test_short_run_logs_metrics(run3):
     assert final["eval/spec_tokens_per_s_b1"] > 0 and final["eval/plain_tokens_per_s_b1"] > 0
     line = next(x for x in output(proc).splitlines() if x.startswith("[drafttrain] eval: tau"))
     assert "batch 1: " in line and "batch 16: " in line and "every output equal to plain greedy" in line
+    assert final["eval/speedup_decode_b16"] > 0 and final["eval/speedup_decode_b1"] > 0  # prompt forwards left out
+    assert "decoding steps alone" in line
 
 
 def test_short_run_checkpoint_and_wandb(run3):

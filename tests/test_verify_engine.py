@@ -324,6 +324,44 @@ def test_continuous_batching_refills_slots(target, prompts, continuations, stops
     assert [engine.results[i].tokens for i in range(5)] == ref
 
 
+def test_decode_tokens_per_s_leaves_the_prompt_forwards_out(target, prompts, stops, monkeypatch):
+    """``EngineStats.decode_tokens_per_s``: the prompt forwards' time lands in ``prefill_seconds`` (part of
+    ``seconds``) and not in the decoding steps' rate, and the first tokens (sampled from the prompt forward)
+    are not counted as decoded. A fake clock that only moves inside target forwards (10 s per prompt
+    forward, 1 s per verification forward) makes every figure exact."""
+    import types
+
+    from drafttrain.verify import engine as engine_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    engine = SpecEngine(target, PlainProposer(), batch_size=2, max_new_tokens=NEW, stop_token_ids=stops)
+    forward, prefill, in_prefill = engine._forward, engine._prefill, []
+
+    def timed_prefill(*a, **k):
+        in_prefill.append(True)
+        try:
+            return prefill(*a, **k)
+        finally:
+            in_prefill.pop()
+
+    def timed_forward(*a, **k):
+        clock[0] += 10.0 if in_prefill else 1.0
+        return forward(*a, **k)
+
+    engine._prefill, engine._forward = timed_prefill, timed_forward
+    run = engine.run(prompts)
+    st = run.stats
+    assert [r.tokens for r in run.results] == _plain_reference(target, prompts, stops)
+    assert st.prefill_emitted == len(prompts) and st.prefill_forwards >= 4  # 5 prompts, 2 slots: refill waves
+    assert st.generated - st.prefill_emitted == sum(len(r.tokens) - 1 for r in run.results)
+    assert st.prefill_seconds == 10.0 * st.prefill_forwards
+    assert st.seconds == st.prefill_seconds + 1.0 * st.forwards
+    assert st.tokens_per_s == st.generated / st.seconds
+    assert st.decode_tokens_per_s == (st.generated - len(prompts)) / st.forwards  # 1 s per decoding step
+    assert st.to_dict()["decode_tokens_per_s"] == st.decode_tokens_per_s
+
+
 # --------------------------------------------------------------------------------- sampling
 
 

@@ -156,7 +156,9 @@ def _run_record(run, method: str, mode: str, batch_size: int) -> dict[str, Any]:
         "mode": mode,
         "batch_size": batch_size,
         "tokens_per_s": st.tokens_per_s,
+        "decode_tokens_per_s": st.decode_tokens_per_s,  # the decoding steps alone (prompt forwards left out)
         "seconds": st.seconds,
+        "prefill_seconds": st.prefill_seconds,
         "generated_tokens": st.generated,
         "tau": st.tau,
         "forwards": st.forwards,
@@ -256,7 +258,7 @@ def evaluate(cfg) -> dict[str, Any]:
     for bs in c.batch_sizes:
         plain = engine(PlainProposer(), bs, c.plain_mode).run(prompts, progress=c.progress and f"plain b={bs}")
         plain_rec = _run_record(plain, "plain", c.plain_mode, bs)
-        plain_rec["speedup"] = 1.0
+        plain_rec["speedup"] = plain_rec["speedup_decode"] = 1.0
         plain_rec["lossless"] = True
         plain_tokens = [r.tokens for r in plain.results]
         runs.append(plain_rec)
@@ -272,6 +274,7 @@ def evaluate(cfg) -> dict[str, Any]:
                 if v.finish is not None:
                     v.finish(proposer, rec, bs)
                 rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
+                rec["speedup_decode"] = rec["decode_tokens_per_s"] / max(plain_rec["decode_tokens_per_s"], 1e-9)
                 toks = [r.tokens for r in spec.results]
                 outputs[f"{v.label}/{mode}/b{bs}"] = toks
                 if sampling.greedy:

@@ -238,22 +238,25 @@ def evaluate_prompts_batched(
     its weights, so a batch of 16 costs little more than one sequence: the evaluation takes minutes
     instead of most of a training budget. τ has the same definition (tokens emitted by verification
     steps / sequence-steps, prefill excluded; DESIGN.md §3); ``speedup`` is the tokens/s ratio of the
-    two engine runs **at this batch size** (for batch-1 latency use :func:`evaluate_prompts`). Stops at
-    the target's eos, as :func:`evaluate_prompts` does. ``tree_widths`` / ``tree_budget`` verify a
-    draft tree instead of the chain (:func:`~drafttrain.verify.tree.parallelspec_tree`: candidates per
-    depth, maximum nodes; ParallelSpec Appendix A.3); greedy acceptance keeps the output lossless.
+    two engine runs **at this batch size** (for batch-1 latency use :func:`evaluate_prompts`), prompt
+    forwards included; ``speedup_decode`` the same ratio of the decoding steps alone
+    (:attr:`~drafttrain.verify.engine.EngineStats.decode_tokens_per_s`: both runs make the same prompt
+    forwards, which only add their noise). Stops at the target's eos, as :func:`evaluate_prompts` does.
+    ``tree_widths`` / ``tree_budget`` verify a draft tree instead of the chain
+    (:func:`~drafttrain.verify.tree.parallelspec_tree`: candidates per depth, maximum nodes;
+    ParallelSpec Appendix A.3); greedy acceptance keeps the output lossless.
     ``also_chain`` (with a tree) decodes the prompts a third time with the chain and adds its numbers as
     ``tau_chain``, ``speedup_chain``, ``spec_tokens_per_s_chain``, ``accept_hist_chain``;
     ``greedy_equal`` then covers both runs. ``plan`` decodes them once more with the online planner
     (:mod:`drafttrain.verify.planner`: per step only the nodes that pay, none and no drafting when
-    nothing does) and adds ``speedup_planned``, ``spec_tokens_per_s_planned``, ``tau_planned`` and
-    ``planner`` (its counters); ``tau`` stays the full tree's (the drafter's quality), ``greedy_equal``
-    covers the planned run too. ``full_tree=False`` (with ``plan``) skips the full-tree run: the planned
-    run then also gives ``tau``, ``speedup``, ``spec_tokens_per_s`` and ``accept_hist`` (a cheaper
-    latency measurement where the drafter's full-tree τ is known from another run). ``sssd`` (an
-    :class:`~drafttrain.verify.methods.sssd.SSSDDrafter`) merges up to ``sssd_nodes`` training-free
-    candidates into every tree (:class:`~drafttrain.verify.hybrid.HybridProposer`) in the tree, chain
-    and planned runs alike.
+    nothing does) and adds ``speedup_planned``, ``speedup_planned_decode``, ``spec_tokens_per_s_planned``,
+    ``tau_planned`` and ``planner`` (its counters); ``tau`` stays the full tree's (the drafter's quality),
+    ``greedy_equal`` covers the planned run too. ``full_tree=False`` (with ``plan``) skips the full-tree
+    run: the planned run then also gives ``tau``, ``speedup``, ``speedup_decode``, ``spec_tokens_per_s``
+    and ``accept_hist`` (a cheaper latency measurement where the drafter's full-tree τ is known from
+    another run). ``sssd`` (an :class:`~drafttrain.verify.methods.sssd.SSSDDrafter`) merges up to
+    ``sssd_nodes`` training-free candidates into every tree (:class:`~drafttrain.verify.hybrid.HybridProposer`)
+    in the tree, chain and planned runs alike.
 
     Timing (:func:`run_interleaved`): the runs go in the order full tree, chain, plain, planned, so that
     plain decoding and the speedup's speculative run (the planned one, else the tree) are next to each
@@ -322,6 +325,10 @@ def evaluate_prompts_batched(
                 mismatches.append(i)
         outputs.append({"tokens": s.tokens, "tau": s.tau, "equal": i not in mismatches})
     st, pt = spec.stats, plain.stats
+
+    def decode_ratio(x) -> float:  # decoding steps only: the same prompt forwards left out of both runs
+        return x.decode_tokens_per_s / max(pt.decode_tokens_per_s, 1e-9)
+
     extra = {}
     if chain is not None:
         ct = chain.stats
@@ -330,6 +337,7 @@ def evaluate_prompts_batched(
     if planned is not None:
         qt = planned.stats
         extra.update(speedup_planned=qt.tokens_per_s / max(pt.tokens_per_s, 1e-9), tau_planned=qt.tau,
+                     speedup_planned_decode=decode_ratio(qt),
                      spec_tokens_per_s_planned=qt.tokens_per_s, planner=planned_prop.planner.summary())  # fmt: skip
     return {
         "tau": st.tau,
@@ -339,6 +347,7 @@ def evaluate_prompts_batched(
         "plain_tokens_per_s": pt.tokens_per_s,
         "spec_tokens_per_s": st.tokens_per_s,
         "speedup": st.tokens_per_s / max(pt.tokens_per_s, 1e-9),
+        "speedup_decode": decode_ratio(st),
         "num_prompts": len(prompts),
         "generated_tokens": sum(len(r.tokens) for r in plain.results),
         "outputs": outputs,
