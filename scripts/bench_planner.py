@@ -23,7 +23,9 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
   whole batch from them (every variant above probes the whole batch);
 - ``row_probes_1pct``: ``row_probes`` with a probe budget of 1% of plain decoding's time instead of 3%;
 - ``decay_share``: ``row_probes`` where the budget halves with each further unpaid drafted step in a row
-  and a row probe verifies only its share of what the whole-batch step would verify (the default planner).
+  and a row probe verifies only its share of what the whole-batch step would verify;
+- ``grow``: ``decay_share`` where a row probe that pays is followed by steps drafting 4, 8, ... sequences,
+  each judged like a probe, instead of the whole batch at once (the default planner).
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -58,11 +60,13 @@ VARIANTS = {
     "average_flat": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
                          explore="flat", probe_rows=None, probe_decay=False),
     "row_probes": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                       probe_rows=2, probe_decay=False, probe_share=False),
+                       probe_rows=2, probe_decay=False, probe_share=False, probe_grow=False),
     "row_probes_1pct": dict(per_source=True, price_overhead=True, probe_budget=0.01, max_skip=64,
-                            skip_on_average=True, probe_rows=2, probe_decay=False, probe_share=False),
+                            skip_on_average=True, probe_rows=2, probe_decay=False, probe_share=False, probe_grow=False),
     "decay_share": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                        probe_rows=2, probe_decay=True, probe_share=True),  # the default SpeculationPlanner
+                        probe_rows=2, probe_decay=True, probe_share=True, probe_grow=False),
+    "grow": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
+                 probe_rows=2, probe_decay=True, probe_share=True, probe_grow=True),  # the default SpeculationPlanner
 }
 
 
@@ -74,7 +78,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["full", "row_probes", "decay_share"])
+    variants: list[str] = field(default_factory=lambda: ["full", "decay_share", "grow"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -150,7 +154,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
                 if name == "plain" and reference is None:
                     reference = outputs
                 prop = engines[name].proposer
-                rec = {"tokens_per_s": st.tokens_per_s, "seconds": round(st.seconds, 2), "tau": st.tau,
+                rec = {"tokens_per_s": st.tokens_per_s, "decode_tokens_per_s": st.decode_tokens_per_s,
+                       "seconds": round(st.seconds, 2), "tau": st.tau,
                        "nodes_per_step": st.tree_nodes / max(st.seq_steps, 1), "outputs": outputs,
                        "planner": prop.planner.summary() if isinstance(prop, PlannedProposer) else None}  # fmt: skip
                 per[name].append(rec)
@@ -163,10 +168,12 @@ def bench(cfg: BenchPlannerConfig) -> dict:
                     if a != b and a != plain_greedy(target, ps[i], max_new, stop)[0]:
                         mism.add(i)
             ratios = [v["tokens_per_s"] / p["tokens_per_s"] for v, p in zip(per[name], per["plain"])]
+            decode = [v["decode_tokens_per_s"] / p["decode_tokens_per_s"] for v, p in zip(per[name], per["plain"])]
             last = per[name][-1]
             results.append({
                 "batch_size": bs, "variant": name, "prompts": len(ps),
                 "speedup_median": statistics.median(ratios), "speedups": [round(x, 3) for x in ratios],
+                "decode_speedup_median": statistics.median(decode), "decode_speedups": [round(x, 3) for x in decode],
                 "tokens_per_s": statistics.median(v["tokens_per_s"] for v in per[name]),
                 "plain_tokens_per_s": statistics.median(p["tokens_per_s"] for p in per["plain"]),
                 "tau": statistics.median(v["tau"] for v in per[name]),
@@ -198,18 +205,22 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "`row_probes` = `average` where, above two sequences, a probe drafts two of them and judges the whole batch "
              "from them (the variants before it probe the whole batch); `row_probes_1pct` = `row_probes` with a 1% "
              "probe budget; `decay_share` = `row_probes` where the budget halves with each further unpaid drafted step "
-             "in a row and a row probe verifies only its share of what the whole-batch step would verify (the default "
-             "planner).", "",
-             "| batch | variant | prompts | speedup (median) | speedup per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "in a row and a row probe verifies only its share of what the whole-batch step would verify; `grow` = "
+             "`decay_share` where a row probe that pays is followed by steps drafting 4, 8, ... sequences, each judged "
+             "like a probe, not by the whole batch at once (the default planner). Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
+             "out of both runs' time and their first tokens out of their counts (`EngineStats.decode_tokens_per_s`).", "",
+             "| batch | variant | prompts | speedup (median) | speedup per round | decoding steps alone: speedup (median) | per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in res["rows"]:
         pl = r["planner_last_round"] or {}
         skipped = f"{pl.get('skipped_drafting', 0)}/{pl.get('steps', 0)}"
         oh = pl.get("overhead_ms", {})
         b = r["batch_size"]
         ovh = f"{oh.get(f'b{b}_plain', '')} / {oh.get(f'b{b}_drafted', '')}"
+        dec = r.get("decode_speedups")  # absent from results written before the metric
+        dec_cols = f"{r['decode_speedup_median']:.3f}x | {', '.join(f'{x:.3f}' for x in dec)}" if dec else "n/a | n/a"
         lines.append(f"| {b} | {r['variant']} | {r['prompts']} | **{r['speedup_median']:.2f}x** | "
-                     f"{', '.join(f'{x:.2f}' for x in r['speedups'])} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['speedups'])} | {dec_cols} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
                      f"{r['tau']:.3f} | {r['nodes_per_step']:.2f} | {skipped} | {ovh} | {r['greedy_equal']} |")  # fmt: skip
     lines += ["", "Reproduce (from the repository root, after a training run):", "", "```bash", command, "```", "", analysis, ""]
     return "\n".join(lines)

@@ -316,6 +316,7 @@ def test_evaluate_prompts_batched_planned_run(tiny_target, make_drafter):
     r = evaluate_prompts_batched(tiny_target, drafter, prompts, 12, batch_size=2, progress=False, plan=True)
     assert r["greedy_equal"] and r["speedup_planned"] > 0 and r["planner"]["steps"] > 0
     assert r["tau"] > 1.0  # the unplanned chain's acceptance, as before
+    assert r["speedup_decode"] > 0 and r["speedup_planned_decode"] > 0  # the decoding steps alone
 
 
 def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
@@ -333,6 +334,7 @@ def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
     assert got == [(b, v, n) for b, n in ((1, 2), (2, 3)) for v in variants]  # batch 1: 2 prompts, interleaved per prompt
     for r in res["rows"]:
         assert r["greedy_equal"] is True and len(r["speedups"]) == 2 and r["speedup_median"] > 0
+        assert len(r["decode_speedups"]) == 2 and r["decode_speedup_median"] > 0  # prompt forwards left out
         assert (r["planner_last_round"] is None) == (r["variant"] == "tree")  # the whole tree: no planner
         assert r["plain_tokens_per_s"] > 0 and r["tau"] >= 1.0
     full = next(r for r in res["rows"] if r["variant"] == "full" and r["batch_size"] == 2)["planner_last_round"]
@@ -588,8 +590,8 @@ def test_row_probes_extrapolate_to_the_whole_batch():
     probe again drafts probe_rows sequences."""
     empty = DraftTree.empty()
 
-    def make(slope, draft_s):
-        p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)
+    def make(slope, draft_s, grow=False):
+        p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2, probe_grow=grow)
         p.cost = FixedCost(slope)
         p.cost.observe(8, 8, 0.0)
         p.observe_draft(2, draft_s)
@@ -611,6 +613,47 @@ def test_row_probes_extrapolate_to_the_whole_batch():
     assert p.draft_rows(8) == 2  # the next probe drafts two again
     with pytest.raises(ValueError, match="probe_rows"):
         SpeculationPlanner(probe_rows=0)
+
+
+def test_row_probe_that_pays_grows_the_drafted_rows_by_doubling():
+    """probe_grow (default): a row probe that says drafting pays does not commit the whole batch at once
+    (two sequences are a small sample; measured at batch 16, one such jump made the next step catch the
+    drafter up over 14 prompts, +0.8 s): the next drafted steps draft 4, 8, 16 sequences, each judged for
+    the whole batch like the probe; one that does not pay starts a skip run, after which a probe drafts
+    probe_rows sequences again."""
+    empty = DraftTree.empty()
+    p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)  # probe_grow by default
+    p.cost = FixedCost(0.01)
+    p.cost.observe(16, 16, 0.0)
+    p.observe_draft(2, 0.02)
+    drafted = []
+    for _ in range(4):
+        n = p.draft_rows(16)
+        drafted.append(n)
+        assert p.should_draft(16)
+        keep, _ = p.plan([_chain([0.9, 0.8])] * n + [empty] * (16 - n), drafted=n)
+        assert all(k == [0, 1] for k in keep[:n]) and not any(keep[n:])
+    assert drafted == [2, 4, 8, 16] and p.draft_rows(16) == 16
+    assert p.summary()["row_probes"] == 3  # the steps that drafted some of the sequences
+    # growth that stops paying: a skip run, then a probe of probe_rows again
+    p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)
+    p.cost = FixedCost(0.01)
+    p.cost.observe(16, 16, 0.0)
+    p.observe_draft(2, 0.02)
+    p.should_draft(16)
+    p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 14, drafted=2)
+    assert p.draft_rows(16) == 4 and p.should_draft(16)
+    p.observe_draft(4, 4.0)  # drafting turned dear: 4 sequences in 4 s
+    held = []
+    while True:  # the moving average of the gain still pays for a step or so: no growth meanwhile
+        held.append(p.draft_rows(16))
+        p.plan([_chain([0.9, 0.8])] * 4 + [empty] * 12, drafted=4)
+        if not p.should_draft(16):
+            break
+    assert held and set(held) == {4}
+    while not p.should_draft(16):
+        pass
+    assert p.draft_rows(16) == 2
 
 
 @pytest.mark.parametrize("slope", [0.0, 50.0])

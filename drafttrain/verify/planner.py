@@ -73,6 +73,15 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   probe at a batch size, whose cost model is still flat up to twice the plain forward's inputs, verified
   every node of its sequences' trees (16 at batch 16: +89 ms against a ~80 ms plain step, measured),
   which no step drafting every sequence would have done.
+  With ``probe_grow`` a probe that pays does not commit the whole batch at once: the next drafted steps
+  draft twice as many sequences each (4, 8, ... at batch 16), each judged for the whole batch like the
+  probe, until all are drafted; a step that does not pay keeps the count (or, once the average gain
+  falls below ``min_gain``, starts a skip run, after which a probe drafts ``probe_rows`` again). Two
+  sequences are a small sample: in 2 of 6 lock-step runs of the main job's batch-16 evaluation without
+  it, a probe's extrapolation said drafting pays and the next step drafted all 16 sequences, whose
+  drafting took 565 ms (the drafter's catch-up over 14 prompts, against ~8 ms for a probe) before
+  drafting was found not to pay: +0.6 to +0.8 s against plain decoding, 5-7% of the run's time. Growing,
+  such a step catches up two more sequences.
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
@@ -209,6 +218,10 @@ class SpeculationPlanner:
             probes"); False = every unpaid step priced at ``probe_budget`` (the planner before it).
         probe_share: a row probe verifies only its share of what the whole-batch step would verify
             (module doc, "Row probes"); False = the probe's own best choice (the planner before it).
+        probe_grow: where a row probe says drafting pays, the next drafted steps double the sequences
+            drafted (2, 4, 8, ..., judged each time like a probe) instead of drafting the whole batch at
+            once (module doc, "Row probes"); False = the whole batch right after the probe (the planner
+            before it).
 
     Raises:
         ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
@@ -223,7 +236,7 @@ class SpeculationPlanner:
     def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
                  skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2,
-                 probe_decay: bool = True, probe_share: bool = True):  # fmt: skip
+                 probe_decay: bool = True, probe_share: bool = True, probe_grow: bool = True):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
@@ -233,6 +246,8 @@ class SpeculationPlanner:
         self.probe_rows = None if probe_rows is None else int(probe_rows)
         self.probe_decay = bool(probe_decay)
         self.probe_share = bool(probe_share)
+        self.probe_grow = bool(probe_grow)
+        self._grow: int | None = None  # sequences the next drafted step drafts while growing from a row probe
         self.cost = ForwardCostModel(explore=explore)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
@@ -316,9 +331,12 @@ class SpeculationPlanner:
     def draft_rows(self, batch: int) -> int:
         """How many of the ``batch`` sequences the next drafted step drafts: ``probe_rows`` for a probe
         (the first drafting at this batch size, or the first after a skip run) when the batch is larger,
-        else all."""
-        if self.probe_rows is not None and batch > self.probe_rows and (self._probe or batch not in self.gain_average):
-            return self.probe_rows
+        twice the last drafted step's count while growing from a probe that paid (``probe_grow``), else all."""
+        if self.probe_rows is not None and batch > self.probe_rows:
+            if self._probe or batch not in self.gain_average:
+                return self.probe_rows
+            if self._grow is not None and self._grow < batch:
+                return self._grow
         return batch
 
     def observe_overhead(self, batch: int, drafted: bool, seconds: float) -> None:
@@ -442,8 +460,12 @@ class SpeculationPlanner:
             self._skip_left = min(run, self.max_skip)
             self._skip_next = min(2 * self._skip_next, self.max_skip)
             self._probe = True
+            self._grow = None
         else:
             self._skip_next = 1
+            self._grow = None
+            if self.probe_grow and drafted < b:  # judged from some of the sequences: twice as many next where
+                self._grow = min(b, 2 * drafted) if gain >= self.min_gain else drafted  # this step paid, else as many
         return keep, raws
 
     def summary(self) -> dict:
