@@ -93,12 +93,9 @@ def test_report_run_records_no_path_of_the_measuring_machine(tmp_path):
     assert portable_run_dir(tmp_path / "elsewhere" / "outputs" / "run") == "outputs/run"
 
 
-def test_report_run_names_the_runs_host(tmp_path):
-    """The main-job page says on what CPU and with which linear backend its speed figures were measured
-    (the run's own launch.json), since the same code measures differently on AVX2 and AVX-512 hosts."""
+def _finished_run(tmp_path, final: dict):
+    """A run folder as report_run reads it: config.json, final_metrics.json (``final``), metrics.jsonl."""
     import json
-
-    from scripts.report_run import markdown, summarize
 
     run = tmp_path / "run"
     run.mkdir()
@@ -106,8 +103,19 @@ def test_report_run_names_the_runs_host(tmp_path):
         "target": {"name": "t"}, "data": {"source": "s", "max_conversations": 1, "self_distill": True, "max_new_tokens": 8},
         "drafter": {"name": "parallelspec", "num_mask_tokens": 2}, "optim": {"lr": 1e-3},
         "trainer": {"micro_batch_size": 2, "mixed_precision": "no"}}))  # fmt: skip
-    (run / "final_metrics.json").write_text(json.dumps({"step": 3, "train_seconds": 1.0, "trainable_params": 10}))
+    (run / "final_metrics.json").write_text(json.dumps(final))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0, "train/tokens_per_s": 5.0}) + "\n")
+    return run
+
+
+def test_report_run_names_the_runs_host(tmp_path):
+    """The main-job page says on what CPU and with which linear backend its speed figures were measured
+    (the run's own launch.json), since the same code measures differently on AVX2 and AVX-512 hosts."""
+    import json
+
+    from scripts.report_run import markdown, summarize
+
+    run = _finished_run(tmp_path, {"step": 3, "train_seconds": 1.0, "trainable_params": 10})
     assert "host (the run's own)" not in markdown("x", summarize(run), None, None)
     (run / "launch.json").write_text(json.dumps({"world_size": 1, "host": {
         "cpu_capability": "AVX512", "cpu_threads": 2, "target_linears": "kernel (avx512 build)"}}))
@@ -126,15 +134,8 @@ def test_report_run_shows_the_decode_only_speedups(tmp_path):
 
     from scripts.report_run import markdown, summarize
 
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({
-        "target": {"name": "t"}, "data": {"source": "s", "max_conversations": 1, "self_distill": True, "max_new_tokens": 8},
-        "drafter": {"name": "parallelspec", "num_mask_tokens": 2}, "optim": {"lr": 1e-3},
-        "trainer": {"micro_batch_size": 2, "mixed_precision": "no"}}))  # fmt: skip
     final = {"step": 3, "train_seconds": 1.0, "trainable_params": 10, "eval/batch_size": 16, "eval/speedup": 0.99}
-    (run / "final_metrics.json").write_text(json.dumps(final))
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0, "train/tokens_per_s": 5.0}) + "\n")
+    run = _finished_run(tmp_path, final)
     assert "decoding steps alone" not in markdown("x", summarize(run), None, None)
     final.update({"eval/speedup_decode_b16": 1.004, "eval/speedup_decode_b1": 1.31})
     (run / "final_metrics.json").write_text(json.dumps(final))
