@@ -625,7 +625,8 @@ def run(cfg) -> dict[str, Any]:
         from drafttrain.data.shards import atomic_write_text
 
         atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
-        summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
+        summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items()
+                            if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
         print(f"[drafttrain] done: {summary}", flush=True)
         if "eval/tau" in final:
             print(f"[drafttrain] {speedup_line(final)}", flush=True)
@@ -747,6 +748,9 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
         "eval/accept_hist": r["accept_hist"],
         "eval/batch_size": bs,
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
+        # what the planner did (steps skipped, nodes verified, calibration): the speedup depends on its path
+        **({f"eval/planner_b{bs}": r["planner"]} if planned else {}),
+        **({"eval/planner_b1": lat["planner"]} if lat is not None and "planner" in lat else {}),
         **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
             "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"]),
             "eval/prompts_b1": ",".join(rows[i]["id"] for i in b1)} if lat is not None else {}),

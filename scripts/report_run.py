@@ -92,6 +92,8 @@ def summarize(run_dir: Path) -> dict:
         # the decoding steps alone (prompt forwards left out; None for runs made before the metric)
         "eval_speedup_decode": final.get(f"eval/speedup_decode_b{final.get('eval/batch_size', 1)}"),
         "eval_speedup_decode_b1": final.get("eval/speedup_decode_b1"),
+        "eval_planner": {b: final[f"eval/planner_b{b}"] for b in sorted({final.get("eval/batch_size", 1), 1})
+                         if isinstance(final.get(f"eval/planner_b{b}"), dict)},  # fmt: skip
         "eval_tree": final.get("eval/tree"),
         "eval_tau_chain": final.get("eval/tau_chain"),
         "eval_accept_hist_chain": final.get("eval/accept_hist_chain"),
@@ -149,6 +151,9 @@ def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str
             f"{_f(s['eval_speedup_decode'], 2)} / {_f(s.get('eval_speedup_decode_b1'), 2)}")]
           if s.get("eval_speedup_decode") is not None else []),
         *([("SSSD candidates in the trees (trainer.spec_eval.sssd)", s["eval_sssd"])] if s.get("eval_sssd") else []),
+        *[(f"planner at batch {b}: drafted steps / steps, nodes verified / offered",
+           f"{p['drafted_steps']} / {p['steps']}, {p['nodes_verified']} / {p['nodes_offered']}")
+          for b, p in sorted((s.get("eval_planner") or {}).items(), key=lambda kv: int(kv[0]))],
     ]
     lines += [f"| {k} | {v} |" for k, v in table]
     if s["curve"]:

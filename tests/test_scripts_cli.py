@@ -141,3 +141,10 @@ def test_report_run_shows_the_decode_only_speedups(tmp_path):
     (run / "final_metrics.json").write_text(json.dumps(final))
     md = markdown("x", summarize(run), None, None)
     assert "left out): speedup at batch 16 / batch 1 | 1.00 / 1.31 |" in md
+    assert "planner at batch" not in md
+    counters = {"steps": 10, "drafted_steps": 4, "nodes_verified": 5, "nodes_offered": 9}
+    final.update({"eval/planner_b16": counters, "eval/planner_b1": {**counters, "drafted_steps": 9}})
+    (run / "final_metrics.json").write_text(json.dumps(final))
+    md = markdown("x", summarize(run), None, None)
+    assert "| planner at batch 1: drafted steps / steps, nodes verified / offered | 9 / 10, 5 / 9 |" in md
+    assert "| planner at batch 16: drafted steps / steps, nodes verified / offered | 4 / 10, 5 / 9 |" in md

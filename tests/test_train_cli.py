@@ -174,6 +174,8 @@ def test_short_run_logs_metrics(run3):
     assert "batch 1: " in line and "batch 16: " in line and "every output equal to plain greedy" in line
     assert final["eval/speedup_decode_b16"] > 0 and final["eval/speedup_decode_b1"] > 0  # prompt forwards left out
     assert "decoding steps alone" in line
+    for b in (1, 16):  # the planner's counters of both planned runs, for reading a speedup afterwards
+        assert final[f"eval/planner_b{b}"]["steps"] > 0 and "calibration" in final[f"eval/planner_b{b}"]
 
 
 def test_short_run_checkpoint_and_wandb(run3):
