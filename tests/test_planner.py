@@ -654,6 +654,10 @@ def test_row_probe_that_pays_grows_the_drafted_rows_by_doubling():
     while not p.should_draft(16):
         pass
     assert p.draft_rows(16) == 2
+    # a row probe planned before any forward was measured (direct use; the engine measures plain first)
+    p = SpeculationPlanner(probe_rows=2)
+    keep, _ = p.plan([_chain([0.9])] * 2 + [empty] * 14, drafted=2)
+    assert keep[:2] == [[0], [0]] and p._grow == 2  # nothing measured: verify everything, do not grow yet
 
 
 @pytest.mark.parametrize("slope", [0.0, 50.0])

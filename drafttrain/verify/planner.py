@@ -268,7 +268,7 @@ class SpeculationPlanner:
         self.last_loss = 0.0  # seconds the last unpaid drafted step lost against plain decoding (priced probes)
         # counters (reported by the harness / tests)
         self.steps = self.skipped_steps = self.plain_steps = self.nodes_offered = self.nodes_verified = 0
-        self.row_probes = 0  # drafted steps that drafted only probe_rows sequences
+        self.row_probes = 0  # drafted steps that drafted only some of the sequences (probes, growing steps)
 
     # -- calibration -------------------------------------------------------------------------------
     def _bin(self, raw: float) -> int:
@@ -464,8 +464,9 @@ class SpeculationPlanner:
         else:
             self._skip_next = 1
             self._grow = None
-            if self.probe_grow and drafted < b:  # judged from some of the sequences: twice as many next where
-                self._grow = min(b, 2 * drafted) if gain >= self.min_gain else drafted  # this step paid, else as many
+            if self.probe_grow and drafted < b:  # judged from some of the sequences
+                paid = gain is not None and gain >= self.min_gain  # None: nothing measured yet (explore)
+                self._grow = min(b, 2 * drafted) if paid else drafted  # twice as many where this step paid, else as many
         return keep, raws
 
     def summary(self) -> dict:
