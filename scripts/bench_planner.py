@@ -46,27 +46,25 @@ from dataclasses import dataclass, field
 
 from drafttrain.config import TargetConfig
 
+# Each variant is the one the module doc builds it on plus its change; `grow` is SpeculationPlanner()'s defaults.
+_PER_SOURCE = dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
+                   probe_rows=None)
+_FULL = {**_PER_SOURCE, "price_overhead": True}
+_PRICED = {**_FULL, "probe_budget": 0.03, "max_skip": 64, "probe_decay": False}
+_AVERAGE = {**_PRICED, "skip_on_average": True}
+_ROW_PROBES = {**_AVERAGE, "probe_rows": 2, "probe_share": False, "probe_grow": False}
+_DECAY_SHARE = {**_ROW_PROBES, "probe_decay": True, "probe_share": True}
 VARIANTS = {
-    "mixed": dict(per_source=False, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
-                  probe_rows=None),
-    "per_source": dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
-                       probe_rows=None),
-    "full": dict(per_source=True, price_overhead=True, probe_budget=None, max_skip=16, skip_on_average=False,
-                 probe_rows=None),
-    "priced": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=False,
-                   probe_rows=None, probe_decay=False),
-    "average": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                    probe_rows=None, probe_decay=False),
-    "average_flat": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                         explore="flat", probe_rows=None, probe_decay=False),
-    "row_probes": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                       probe_rows=2, probe_decay=False, probe_share=False, probe_grow=False),
-    "row_probes_1pct": dict(per_source=True, price_overhead=True, probe_budget=0.01, max_skip=64,
-                            skip_on_average=True, probe_rows=2, probe_decay=False, probe_share=False, probe_grow=False),
-    "decay_share": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                        probe_rows=2, probe_decay=True, probe_share=True, probe_grow=False),
-    "grow": dict(per_source=True, price_overhead=True, probe_budget=0.03, max_skip=64, skip_on_average=True,
-                 probe_rows=2, probe_decay=True, probe_share=True, probe_grow=True),  # the default SpeculationPlanner
+    "mixed": {**_PER_SOURCE, "per_source": False},
+    "per_source": _PER_SOURCE,
+    "full": _FULL,
+    "priced": _PRICED,
+    "average": _AVERAGE,
+    "average_flat": {**_AVERAGE, "explore": "flat"},
+    "row_probes": _ROW_PROBES,
+    "row_probes_1pct": {**_ROW_PROBES, "probe_budget": 0.01},
+    "decay_share": _DECAY_SHARE,
+    "grow": {**_DECAY_SHARE, "probe_grow": True},  # the default SpeculationPlanner
 }
 
 

@@ -450,6 +450,7 @@ class SpeculationPlanner:
             self.gain_average[b] = gain if avg is None else 0.7 * avg + 0.3 * gain
             if unpaid and self.skip_on_average:  # one unpaid step does not stop drafting that pays on average
                 unpaid = self.gain_average[b] < self.min_gain
+        self._grow = None  # set again below where a row probe (or growing step) keeps drafting
         if unpaid:  # drafting did not pay: skip the next steps' drafting
             t_step = t_draft + self.cost.predict(b, b + best_k) + (o_spec if best_k else o_plain)
             self.last_loss = max(0.0, t_step - (b + gained) / plain_rate)
@@ -460,10 +461,8 @@ class SpeculationPlanner:
             self._skip_left = min(run, self.max_skip)
             self._skip_next = min(2 * self._skip_next, self.max_skip)
             self._probe = True
-            self._grow = None
         else:
             self._skip_next = 1
-            self._grow = None
             if self.probe_grow and drafted < b:  # judged from some of the sequences
                 paid = gain is not None and gain >= self.min_gain  # None: nothing measured yet (explore)
                 self._grow = min(b, 2 * drafted) if paid else drafted  # twice as many where this step paid, else as many
