@@ -43,7 +43,7 @@ def planner(slope: float) -> SpeculationPlanner:
 
 
 def test_cost_model_interpolates_and_is_optimistic_outside():
-    c = ForwardCostModel()
+    c = ForwardCostModel(drift=False)  # absolute times: the table's own rules
     assert c.predict(1, 1) is None
     for t in (1.0, 1.2, 1.1):
         c.observe(1, 1, t)
@@ -58,11 +58,11 @@ def test_cost_model_interpolates_and_is_optimistic_outside():
 def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
     """Beyond the largest M measured at b, an extra input costs what it cost at the nearest batch size
     that measured one (continuous batching changes b whenever a sequence ends); flat only when none has."""
-    c = ForwardCostModel()
+    c = ForwardCostModel(drift=False)
     c.observe(16, 16, 1.0)
     assert c.predict(16, 32) == pytest.approx(1.0)  # nothing known anywhere: optimistic up to double, tried once
     assert c.predict(16, 100) == pytest.approx(1.0 + 68 / 16)  # beyond: each input at the average cost per input
-    flat = ForwardCostModel(explore="flat")  # the model before: flat however far
+    flat = ForwardCostModel(explore="flat", drift=False)  # the model before: flat however far
     flat.observe(16, 16, 1.0)
     assert flat.predict(16, 100) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="explore"):
@@ -76,6 +76,53 @@ def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
     c.observe(6, 6, 0.55)
     assert c.predict(6, 16) == pytest.approx(0.55 + 10 * 0.01)  # b = 4 is nearer to 6 than 15 or 16
     assert c.predict(16, 66) == pytest.approx(2.0)  # measured range: interpolation as before
+
+
+def test_cost_model_follows_the_host_speed_for_sizes_no_longer_measured():
+    """A host that slows down 20% while only plain forwards are measured: the drifting model scales the
+    drafted sizes' old times with it, the absolute one keeps them (and drafting looks 20% cheaper or, the
+    other way round, dearer than it is)."""
+    for drift in (True, False):
+        c = ForwardCostModel(drift=drift)
+        for _ in range(5):
+            c.observe(1, 1, 1.0)
+            c.observe(1, 5, 1.2)
+        assert c.predict(1, 5) == pytest.approx(1.2) and c.speed == pytest.approx(1.0)
+        for _ in range(20):  # the host slows down by 20%; only plain forwards are measured
+            c.observe(1, 1, 1.2)
+        assert c.predict(1, 1) == pytest.approx(1.2)
+        if drift:
+            assert c.speed == pytest.approx(1.2)
+            assert c.predict(1, 5) == pytest.approx(1.44)  # 1.2 x its time at the old speed
+            assert c.predict(1, 3) == pytest.approx(1.32)  # between measured sizes: scaled alike
+            assert c.measured(1) == {1: pytest.approx(1.2), 5: pytest.approx(1.44)}
+        else:
+            assert c.predict(1, 5) == pytest.approx(1.2)  # stale
+    with pytest.raises(ValueError, match="drift_window"):
+        ForwardCostModel(drift_window=0)
+
+
+def test_cost_model_speed_ignores_extrapolations_and_zero_times():
+    """Only a size measured at this batch size (or between two) is a reference for the host's speed: a
+    first forward of a new size, or a zero time (a fake clock), leaves the speed as it was."""
+    c = ForwardCostModel()
+    c.observe(1, 1, 1.0)
+    c.observe(1, 9, 5.0)  # beyond the measured range: no reference
+    c.observe(2, 2, 7.0)  # another batch size, first forward: no reference
+    assert c.speed == 1.0
+    c.observe(2, 2, 0.0)
+    assert c.speed == 1.0
+    c.observe(1, 5, 3.3)  # between 1 (1.0) and 9 (5.0): predicted 3.0
+    assert c.speed == pytest.approx(1.1)
+    p = SpeculationPlanner()
+    assert p.summary()["host_speed"] == 1.0
+    p.cost = c
+    p.observe_draft(1, 0.004)
+    summary = p.summary()
+    assert summary["host_speed"] == pytest.approx(1.1)
+    assert summary["forward_ms"] == {"b1": {1: pytest.approx(1100.0), 5: pytest.approx(3300.0), 9: pytest.approx(5500.0)},
+                                     "b2": {2: pytest.approx(3850.0)}}  # median of 7 and 0, at speed 1.1
+    assert summary["draft_ms"] == {1: 4.0}
 
 
 def _chain(scores):

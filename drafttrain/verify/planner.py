@@ -109,29 +109,81 @@ from drafttrain.verify.tree import DraftTree
 class ForwardCostModel:
     """Online estimate of ``t(b, M)``, the seconds of one verification forward (b sequences, M inputs in total).
 
+    **Host drift.** The table holds each forward's time divided by the host's speed factor at that moment
+    (``drift``): ``speed`` is the median, over the last ``drift_window`` forwards, of measured seconds over
+    what the table predicted for that (b, M) before it (a measured size, or between two measured sizes),
+    and :meth:`predict` multiplies the table by the current ``speed``. The speed reacts within a few
+    forwards (window 5) while the table's median is over more (15), so a change of the host's speed moves
+    the speed, not the table (with equal windows the table absorbed it and the speed fell back to 1). A shared CPU's speed drifts by 10-15%
+    within a minute; without it a size that stopped being chosen kept the time it was measured at, while
+    the plain forward, measured every step, followed the host. Measured on the main job's batch-1
+    evaluation: after a slow spell the drafted sizes kept their slow times, the planner decoded plainly for
+    hundreds of steps (433 of ~700 forwards plain, tau 1.35, 1.12x) and re-measured them only at its
+    one-node probes; another run of the same drafter and prompts drafted throughout (tau 1.73, 1.25x).
+
     Args:
-        window: recent measurements kept per (b, M) (their median is the estimate).
+        window: recent measurements kept per (b, M) (their median is the estimate); None = 15 with
+            ``drift``, 5 without (the model before it).
         explore: "double" (flat up to twice the largest measured M, then the average cost per input, where
             no slope is known: :meth:`predict`) or "flat" (flat however far: the model before "double").
+        drift: follow the host's speed (above); False = absolute times (the model before it).
+        drift_window: forwards whose ratios set ``speed``.
+
+    Raises:
+        ValueError: an unknown ``explore``, or ``drift_window`` < 1.
     """
 
-    def __init__(self, window: int = 5, explore: str = "double"):
+    def __init__(self, window: int | None = None, explore: str = "double", drift: bool = True, drift_window: int = 5):
         if explore not in ("double", "flat"):
             raise ValueError(f"explore must be double or flat, got {explore!r}")
-        self.window = int(window)
+        if drift_window < 1:
+            raise ValueError(f"drift_window must be >= 1, got {drift_window}")
+        self.window = int(window) if window is not None else (15 if drift else 5)
         self.explore = explore
+        self.drift = bool(drift)
+        self._ratios: deque = deque(maxlen=int(drift_window))  # measured / predicted, the last forwards
+        self.speed = 1.0  # the host's speed factor now: measured seconds over the table's (1.0 until measured)
         self._obs: dict[int, dict[int, deque]] = {}  # b -> M -> recent seconds
         self._tables: dict[int, dict[int, float]] = {}  # b -> measured(b), until the next observation at b
         self._slopes: dict[int, float | None] = {}  # b -> marginal(b), until the next observation
 
     def observe(self, batch: int, inputs: int, seconds: float) -> None:
-        self._obs.setdefault(int(batch), {}).setdefault(int(inputs), deque(maxlen=self.window)).append(float(seconds))
+        """One forward of ``batch`` sequences with ``inputs`` inputs in total took ``seconds`` (wall time)."""
+        seconds = float(seconds)
+        if self.drift:
+            ref = self._within(batch, inputs)
+            if ref is not None and ref > 0.0 and seconds > 0.0:
+                self._ratios.append(seconds / ref)
+                self.speed = statistics.median(self._ratios)
+            seconds /= self.speed
+        self._obs.setdefault(int(batch), {}).setdefault(int(inputs), deque(maxlen=self.window)).append(seconds)
         self._tables.pop(int(batch), None)
         self._slopes.clear()
 
+    def _within(self, batch: int, inputs: int) -> float | None:
+        """The table's value (speed-free) for (b, M) where M was measured at b or lies between two measured
+        sizes; None outside (an extrapolation is no reference for the host's speed)."""
+        table = self._table(batch)
+        if not table:
+            return None
+        if inputs in table:
+            return table[inputs]
+        ms = list(table)
+        i = bisect.bisect_left(ms, inputs)
+        if i == 0 or i == len(ms):
+            return None
+        lo, hi = ms[i - 1], ms[i]
+        w = (inputs - lo) / (hi - lo)
+        return (1 - w) * table[lo] + w * table[hi]
+
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes some forward was measured at."""
+        return list(self._obs)
+
     def measured(self, batch: int) -> dict[int, float]:
-        """{M: median seconds} measured at batch size ``batch``."""
-        return dict(self._table(batch))
+        """{M: seconds} measured at batch size ``batch`` (the median of the recent forwards of each size, at
+        the host's current speed)."""
+        return {m: self.speed * t for m, t in self._table(batch).items()}
 
     def _table(self, batch: int) -> dict[int, float]:
         """measured(batch), cached until the next observation (the planner asks for every candidate tree
@@ -143,8 +195,9 @@ class ForwardCostModel:
         return table
 
     def marginal(self, batch: int) -> float | None:
-        """Seconds per extra input beyond the plain forward, from the batch size nearest to ``batch`` that
-        has both t(b', b') and a larger measured size (None when none has)."""
+        """Seconds per extra input beyond the plain forward (in the table's speed-free units: times
+        ``speed`` for the host now), from the batch size nearest to ``batch`` that has both t(b', b') and a
+        larger measured size (None when none has)."""
         if batch in self._slopes:
             return self._slopes[batch]
         best = None
@@ -160,6 +213,12 @@ class ForwardCostModel:
         return self._slopes[batch]
 
     def predict(self, batch: int, inputs: int) -> float | None:
+        """Seconds for (b, M) at the host's current speed (:meth:`_predict_table`); None when nothing was
+        measured at this batch size."""
+        t = self._predict_table(batch, inputs)
+        return None if t is None else self.speed * t
+
+    def _predict_table(self, batch: int, inputs: int) -> float | None:
         """Seconds for (b, M): the median where measured, linear between measured M; beyond the largest
         measured M, the per-input slope measured at the nearest batch size (:meth:`marginal`; under
         continuous batching b changes every time a sequence ends, and each new b would otherwise get
@@ -222,6 +281,8 @@ class SpeculationPlanner:
             drafted (2, 4, 8, ..., judged each time like a probe) instead of drafting the whole batch at
             once (module doc, "Row probes"); False = the whole batch right after the probe (the planner
             before it).
+        drift: the cost model follows the host's speed (:class:`ForwardCostModel`); False = absolute
+            times (the planner before it).
 
     Raises:
         ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
@@ -236,7 +297,8 @@ class SpeculationPlanner:
     def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
                  skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2,
-                 probe_decay: bool = True, probe_share: bool = True, probe_grow: bool = True):  # fmt: skip
+                 probe_decay: bool = True, probe_share: bool = True, probe_grow: bool = True,
+                 drift: bool = True):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
@@ -248,7 +310,7 @@ class SpeculationPlanner:
         self.probe_share = bool(probe_share)
         self.probe_grow = bool(probe_grow)
         self._grow: int | None = None  # sequences the next drafted step drafts while growing from a row probe
-        self.cost = ForwardCostModel(explore=explore)
+        self.cost = ForwardCostModel(explore=explore, drift=drift)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
         self.gain_average: dict[int, float] = {}  # b -> moving average of the drafted steps' best gain
@@ -470,10 +532,15 @@ class SpeculationPlanner:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
+                "host_speed": round(self.cost.speed, 3),
                 "drafted_steps": self.steps - self.skipped_steps, "row_probes": self.row_probes,
                 "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
                 "overhead_ms": {f"b{b}_{'drafted' if d else 'plain'}": round(1e3 * v, 2)
                                 for (b, d), v in sorted(self.overhead_seconds.items())},
+                # the costs the last choices were made on: forward ms by batch size and inputs, drafting ms by sequences
+                "forward_ms": {f"b{b}": {m: round(1e3 * t, 2) for m, t in self.cost.measured(b).items()}
+                               for b in sorted(self.cost.batch_sizes())},
+                "draft_ms": {r: round(1e3 * t, 2) for r, t in sorted(self.draft_seconds.items())},
                 "calibration": {f"<={e}" if src == 0 else f"{self.SOURCE_NAMES.get(src, src)} <={e}":
                                 round((a + 1e-9) / (n + 1e-9), 3)
                                 for src in sorted(self._n) for e, a, n in zip(self.BINS, self._acc[src], self._n[src])
