@@ -19,7 +19,8 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   best K nodes of the batch are always ancestor-closed.
 - **Cost.** ``t(b, M)``: the measured seconds of one verification forward of b sequences with M inputs in
   total (every verification forward is reported by the engine: :meth:`PlannedProposer.observe_forward`),
-  median of the recent measurements per (b, M), linear interpolation between measured M (as SSSD's
+  median of the recent measurements per (b, M) in units of the host's current speed (a shared CPU's
+  speed drifts; :class:`ForwardCostModel`), linear interpolation between measured M (as SSSD's
   planner interpolates its table), beyond the measured range the per-input slope measured at the
   nearest batch size (continuous batching changes b each time a sequence ends), and where no batch
   size has measured one *optimistic* (flat) up to twice the largest measured M, so a size up to
@@ -114,9 +115,9 @@ class ForwardCostModel:
     what the table predicted for that (b, M) before it (a measured size, or between two measured sizes),
     and :meth:`predict` multiplies the table by the current ``speed``. The speed reacts within a few
     forwards (window 5) while the table's median is over more (15), so a change of the host's speed moves
-    the speed, not the table (with equal windows the table absorbed it and the speed fell back to 1). A shared CPU's speed drifts by 10-15%
-    within a minute; without it a size that stopped being chosen kept the time it was measured at, while
-    the plain forward, measured every step, followed the host. Seen in lock-step batch-1 evaluations of a
+    the speed, not the table (with equal windows the table absorbed it and the speed fell back to 1).
+    A shared CPU's speed drifts by 10-15% within a minute; without it a size that stopped being chosen
+    kept the time it was measured at, while the plain forward, measured every step, followed the host. Seen in lock-step batch-1 evaluations of a
     main job's drafter: in one, the planner decoded plainly for hundreds of steps (433 of ~700 forwards
     plain, tau 1.35, 1.12x), its table holding t(1, 2) 23% above t(1, 1) where a 2-token forward costs
     about what a 1-token one does (docs/benchmarks/forward_cost.md); another of the same drafter and
@@ -232,23 +233,19 @@ class ForwardCostModel:
         table = self._table(batch)
         if not table:
             return None
+        inside = self._within(batch, inputs)
+        if inside is not None:
+            return inside
         ms = list(table)
-        i = bisect.bisect_left(ms, inputs)
-        if i < len(ms) and ms[i] == inputs:
-            return table[inputs]
-        if i == 0:
+        if inputs < ms[0]:
             return table[ms[0]]
-        if i == len(ms):
-            top = ms[-1]
-            slope = self.marginal(batch)
-            if slope is not None:
-                return table[top] + slope * (inputs - top)
-            if self.explore == "flat":
-                return table[top]
-            return table[top] + max(0, inputs - 2 * top) * table[top] / top
-        lo, hi = ms[i - 1], ms[i]
-        w = (inputs - lo) / (hi - lo)
-        return (1 - w) * table[lo] + w * table[hi]
+        top = ms[-1]
+        slope = self.marginal(batch)
+        if slope is not None:
+            return table[top] + slope * (inputs - top)
+        if self.explore == "flat":
+            return table[top]
+        return table[top] + max(0, inputs - 2 * top) * table[top] / top
 
 
 class SpeculationPlanner:
