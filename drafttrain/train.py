@@ -637,15 +637,16 @@ def run(cfg) -> dict[str, Any]:
 
 def speedup_line(final: dict[str, Any]) -> str:
     """One sentence with what the evaluation means for a user: τ, speedup at each batch size, losslessness."""
-    parts = [f"batch {k.rsplit('_b', 1)[1]}: {v:.2f}x" for k, v in sorted(final.items(), key=lambda kv: kv[0])
-             if k.startswith("eval/speedup_b") and isinstance(v, float)]  # fmt: skip
-    parts.sort(key=lambda p: int(p.split(":")[0].split()[1]))
-    dec = sorted((int(k.rsplit("_b", 1)[1]), v) for k, v in final.items()
-                 if k.startswith("eval/speedup_decode_b") and isinstance(v, float))  # fmt: skip
+    def by_batch(prefix: str) -> str:  # "batch 1: 1.17x, batch 16: 0.98x" from the keys prefix<N>, by N
+        found = sorted((int(k[len(prefix):]), v) for k, v in final.items()
+                       if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, float))  # fmt: skip
+        return ", ".join(f"batch {b}: {v:.2f}x" for b, v in found)
+
+    parts, dec = by_batch("eval/speedup_b"), by_batch("eval/speedup_decode_b")
     eq = "every output equal to plain greedy decoding" if final.get("eval/greedy_equal") else "OUTPUTS DIFFER from plain greedy"
-    decode = f" (decoding steps alone, prompt forwards left out: {', '.join(f'batch {b}: {v:.2f}x' for b, v in dec)})" if dec else ""
+    decode = f" (decoding steps alone, prompt forwards left out: {dec})" if dec else ""
     return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step; speculative vs plain decoding, "
-            f"tokens/s in the same engine: {', '.join(parts) or 'not timed'}{decode}; {eq}")
+            f"tokens/s in the same engine: {parts or 'not timed'}{decode}; {eq}")
 
 
 def latency_subset(items: list, k: int) -> list:

@@ -117,8 +117,8 @@ class ForwardCostModel:
     forwards (window 5) while the table's median is over more (15), so a change of the host's speed moves
     the speed, not the table (with equal windows the table absorbed it and the speed fell back to 1).
     A shared CPU's speed drifts by 10-15% within a minute; without it a size that stopped being chosen
-    kept the time it was measured at, while the plain forward, measured every step, followed the host. Seen in lock-step batch-1 evaluations of a
-    main job's drafter: in one, the planner decoded plainly for hundreds of steps (433 of ~700 forwards
+    kept the time it was measured at, while the plain forward, measured every step, followed the host.
+    Seen in lock-step batch-1 evaluations of a main job's drafter: in one, the planner decoded plainly for hundreds of steps (433 of ~700 forwards
     plain, tau 1.35, 1.12x), its table holding t(1, 2) 23% above t(1, 1) where a 2-token forward costs
     about what a 1-token one does (docs/benchmarks/forward_cost.md); another of the same drafter and
     prompts drafted throughout (tau 1.73, 1.25x). Over 19 such evaluations tau spread over 1.14-1.75.
