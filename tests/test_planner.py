@@ -541,7 +541,7 @@ def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
     assert unpaid == 6
 
 
-def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter):
+def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter, monkeypatch):
     """interleave="prompt" (prompt by prompt through every run in turn) and "step" (the engines in
     lock-step): the same outputs and counters (tau, generated tokens) as whole runs, one result per
     prompt in prompt order."""
@@ -562,7 +562,19 @@ def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, mak
         planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=unit, plan=True, full_tree=False, **kw)
         assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0
     kw["batch_size"] = 2  # lock-step at batch 2: continuous batching in both engines
+    import drafttrain.eval.spec as spec_mod
+
+    warmed, inner = [], spec_mod.run_interleaved
+
+    def spy(engines, prompts, **k):  # the warm-up: an untimed prefill of the first wave, before any engine runs
+        assert all(not e.results and e.stats.forwards == 0 for e in engines.values())
+        k.pop("warm_up")()
+        warmed.append(sum(e.stats.forwards for e in engines.values()))  # it ran outside the timed engines
+        return inner(engines, prompts, **k)
+
+    monkeypatch.setattr(spec_mod, "run_interleaved", spy)
     two = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="step", plan=True, **kw)
+    assert warmed == [0]
     assert two["greedy_equal"] and two["tau"] > 1.0 and two["planner"]["steps"] > 0
     with pytest.raises(ValueError, match="unit"):
         evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="sometimes", **kw)
@@ -623,8 +635,9 @@ def test_run_interleaved_lock_step():
 
         results = {}
 
-    runs = run_interleaved({"a": Fake("a", 3), "b": Fake("b", 1)}, [[7]], unit="step")
-    assert calls == ["a", "b", "a", "a"]  # turn 0: a b; turn 1: (b done) a; turn 2: a
+    runs = run_interleaved({"a": Fake("a", 3), "b": Fake("b", 1)}, [[7]], unit="step",
+                           warm_up=lambda: calls.append("warm"))  # fmt: skip
+    assert calls == ["warm", "a", "b", "a", "a"]  # warm-up first, untimed; turn 0: a b; turn 1: (b done) a; turn 2: a
     assert runs == {"a": ("a", [[7]]), "b": ("b", [[7]])}
     with pytest.raises(ValueError, match="unit"):
         run_interleaved({}, [], unit="batch")

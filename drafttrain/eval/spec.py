@@ -15,6 +15,7 @@ forward (which emits the first token in both plain and speculative decoding) is 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -164,7 +165,7 @@ def evaluate_prompts(
 
 @torch.no_grad()
 def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", rotate: bool = False,
-                    progress: bool | str = False) -> dict:
+                    progress: bool | str = False, warm_up: Callable[[], object] | None = None) -> dict:
     """Decode ``prompts`` through every engine, side by side, for timings that hold on a drifting host.
 
     ``unit="run"``: one :meth:`~drafttrain.verify.engine.SpecEngine.run` per engine, in the dict's order.
@@ -177,12 +178,20 @@ def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", 
     other time (``rotate=False``: two neighbours in the dict stay neighbours), or rotated by one
     (``rotate=True``: every engine takes every position, for comparing many variants).
 
+    ``warm_up`` (untimed, called once before the first engine starts) evens out the first prefill: the
+    first engine's prefill ran ~8% slower than the others' on this CPU (batch 16: 2.87 vs 2.66 s and
+    2.79 vs 2.63 s with the two engines' places swapped, the same work in both; +2-3% of a batch-16
+    run's wall time, whichever engine went first); after one throwaway prefill both took the same
+    time (2.70 / 2.66 s, 2.52 / 2.49 s). :func:`evaluate_prompts_batched` passes one (a plain engine's
+    prefill of the first wave and one step).
+
     Args:
         engines: name -> :class:`~drafttrain.verify.engine.SpecEngine` (fresh: no prompts run yet).
         prompts: token ids, one list per prompt.
         unit: run | prompt | step.
         rotate: with ``unit`` prompt or step, rotate the order instead of reversing it.
         progress: a tqdm description (``True``: a default one), or ``False`` for none.
+        warm_up: called once before anything is timed (its result is dropped); None = none.
 
     Returns:
         name -> :class:`~drafttrain.verify.engine.EngineRun` covering all ``prompts`` in their order.
@@ -193,6 +202,8 @@ def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", 
     if unit not in ("run", "prompt", "step"):
         raise ValueError(f"unit must be run, prompt or step, got {unit!r}")
     order, runs = list(engines), {}
+    if warm_up is not None:
+        warm_up()
     desc = progress if isinstance(progress, str) else f"decode {'/'.join(order)}"
 
     def turn(i: int) -> list[str]:
@@ -265,6 +276,8 @@ def evaluate_prompts_batched(
     step each in turn (the order reversed every other step), each run keeping its engine, proposer and
     planner throughout: the ratios then hold on a host whose speed drifts by 10-15% within a minute
     (whole batch-16 runs ~20 s apart, both plain decoding on all but 2-3 steps, differed by up to 20%).
+    Before any of them, an untimed plain prefill of the first wave evens out the first prefill (which ran
+    ~8% slower than the next ones: ``run_interleaved``'s ``warm_up``).
 
     A speculative output that differs from the batched plain output is decoded again alone with
     :func:`plain_greedy`; only a difference from that single-sequence reference counts as a mismatch
@@ -311,7 +324,13 @@ def evaluate_prompts_batched(
             if eng.feature_layers not in seen:
                 seen.add(eng.feature_layers)
                 compile_seconds += eng.warm_up_compiled()
-    runs = run_interleaved(engines, prompts, unit=interleave,
+
+    def warm_up():  # untimed: a plain engine's prefill of the first wave and one step (run_interleaved)
+        warm = engine(PlainProposer())
+        warm.submit(prompts[:batch_size])
+        warm.advance()
+
+    runs = run_interleaved(engines, prompts, unit=interleave, warm_up=warm_up,
                            progress=progress and f"spec-eval {'/'.join(engines)} b={batch_size}")  # fmt: skip
     plain, planned = runs["plain"], runs.get("planned")
     spec = runs.get("tree", runs.get("chain") if full_tree else planned)
