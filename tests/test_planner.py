@@ -125,6 +125,60 @@ def test_cost_model_speed_ignores_extrapolations_and_zero_times():
     assert summary["draft_ms"] == {1: 4.0}
 
 
+def test_cost_model_does_not_trust_a_size_measured_once():
+    """A forward size with fewer than min_samples measurements is predicted no dearer than the well-measured
+    sizes say (between them, below the smallest, beyond them along their last slope), until its own median
+    rests on min_samples forwards; beyond a single well-measured size nothing is known and its own time stands."""
+    def model(min_samples):
+        c = ForwardCostModel(drift=False, min_samples=min_samples)
+        for _ in range(3):
+            c.observe(1, 1, 1.0)
+            c.observe(1, 3, 1.1)
+        c.observe(1, 6, 2.2)  # once, at a bad moment
+        return c
+
+    assert model(1).predict(1, 6) == pytest.approx(2.2)  # the model before: trusted from the first forward
+    c = model(3)
+    assert c.predict(1, 6) == pytest.approx(1.1 + 3 * 0.05)  # the slope of 1 -> 3 carried on
+    assert c.predict(1, 5) == pytest.approx(1.1 + 2 * 0.05)
+    assert c.measured(1)[6] == pytest.approx(1.25)
+    c.observe(1, 6, 1.2)
+    c.observe(1, 6, 1.3)
+    assert c.predict(1, 6) == pytest.approx(1.3)  # three forwards: its own median (of 2.2, 1.2, 1.3)
+    c.observe(1, 9, 0.5)  # a cheap outlier stays as measured: only dearer-than-predicted is doubted
+    assert c.predict(1, 9) == pytest.approx(0.5)
+    c.observe(1, 2, 3.0)  # between well-measured sizes: the line between them
+    assert c.predict(1, 2) == pytest.approx(1.05)
+    below = ForwardCostModel(drift=False)
+    for _ in range(3):
+        below.observe(1, 3, 1.1)
+        below.observe(1, 5, 1.3)
+    below.observe(1, 1, 2.0)  # fewer inputs than every well-measured size: no dearer than the smallest
+    assert below.predict(1, 1) == pytest.approx(1.1)
+    b16 = ForwardCostModel(drift=False)
+    for _ in range(5):
+        b16.observe(16, 16, 1.0)
+    b16.observe(16, 18, 1.5)  # beyond the only well-measured size: no slope known, its own time
+    assert b16.predict(16, 18) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="min_samples"):
+        ForwardCostModel(min_samples=0)
+
+
+def test_planner_tries_again_a_size_measured_once_at_a_bad_moment():
+    """One 5-input forward measured at 3x the plain forward (where 1-3 inputs cost the same) kept the old
+    planner at two nodes; with min_samples the size is tried again."""
+    def plan(min_samples):
+        p = SpeculationPlanner(min_samples=min_samples)
+        for _ in range(3):
+            for m in (1, 2, 3):
+                p.cost.observe(1, m, 1.0)
+        p.cost.observe(1, 5, 3.0)
+        return p.plan([_chain([0.95, 0.9, 0.85, 0.8])])[0]
+
+    assert plan(1) == [[0, 1]]  # (1 + 1.85) / 1.0 beats (1 + 3.5) / 3.0
+    assert plan(3) == [[0, 1, 2, 3]]  # predicted as cheap as the well-measured sizes say
+
+
 def _chain(scores):
     n = len(scores)
     return DraftTree(torch.arange(10, 10 + n), torch.arange(n) - 1, scores=torch.tensor(scores))

@@ -130,16 +130,23 @@ class ForwardCostModel:
             no slope is known: :meth:`predict`) or "flat" (flat however far: the model before "double").
         drift: follow the host's speed (above); False = absolute times (the model before it).
         drift_window: forwards whose ratios set ``speed``.
+        min_samples: a forward size measured fewer times than this is predicted no dearer than the
+            well-measured sizes say (:meth:`_table`); 1 = each size's own median however few its
+            measurements (the model before it).
 
     Raises:
-        ValueError: an unknown ``explore``, or ``drift_window`` < 1.
+        ValueError: an unknown ``explore``, or ``drift_window`` or ``min_samples`` < 1.
     """
 
-    def __init__(self, window: int | None = None, explore: str = "double", drift: bool = True, drift_window: int = 5):
+    def __init__(self, window: int | None = None, explore: str = "double", drift: bool = True, drift_window: int = 5,
+                 min_samples: int = 3):  # fmt: skip
         if explore not in ("double", "flat"):
             raise ValueError(f"explore must be double or flat, got {explore!r}")
         if drift_window < 1:
             raise ValueError(f"drift_window must be >= 1, got {drift_window}")
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        self.min_samples = int(min_samples)
         self.window = int(window) if window is not None else (15 if drift else 5)
         self.explore = explore
         self.drift = bool(drift)
@@ -147,25 +154,28 @@ class ForwardCostModel:
         self.speed = 1.0  # the host's speed factor now: measured seconds over the table's (1.0 until measured)
         self._obs: dict[int, dict[int, deque]] = {}  # b -> M -> recent seconds
         self._tables: dict[int, dict[int, float]] = {}  # b -> measured(b), until the next observation at b
+        self._raw: dict[int, dict[int, float]] = {}  # b -> the medians alone (no optimism), the speed's reference
         self._slopes: dict[int, float | None] = {}  # b -> marginal(b), until the next observation
 
     def observe(self, batch: int, inputs: int, seconds: float) -> None:
         """One forward of ``batch`` sequences with ``inputs`` inputs in total took ``seconds`` (wall time)."""
         seconds = float(seconds)
         if self.drift:
-            ref = self._within(batch, inputs)
+            ref = self._within(batch, inputs, self._raw_table(batch))
             if ref is not None and ref > 0.0 and seconds > 0.0:
                 self._ratios.append(seconds / ref)
                 self.speed = statistics.median(self._ratios)
             seconds /= self.speed
         self._obs.setdefault(int(batch), {}).setdefault(int(inputs), deque(maxlen=self.window)).append(seconds)
         self._tables.pop(int(batch), None)
+        self._raw.pop(int(batch), None)
         self._slopes.clear()
 
-    def _within(self, batch: int, inputs: int) -> float | None:
+    def _within(self, batch: int, inputs: int, table: dict[int, float] | None = None) -> float | None:
         """The table's value (speed-free) for (b, M) where M was measured at b or lies between two measured
-        sizes; None outside (an extrapolation is no reference for the host's speed)."""
-        table = self._table(batch)
+        sizes; None outside (an extrapolation is no reference for the host's speed). ``table``: default
+        :meth:`_table` (the one predictions use)."""
+        table = self._table(batch) if table is None else table
         if not table:
             return None
         if inputs in table:
@@ -187,12 +197,34 @@ class ForwardCostModel:
         the host's current speed)."""
         return {m: self.speed * t for m, t in self._table(batch).items()}
 
-    def _table(self, batch: int) -> dict[int, float]:
-        """measured(batch), cached until the next observation (the planner asks for every candidate tree
-        size of every step)."""
-        table = self._tables.get(int(batch))
+    def _raw_table(self, batch: int) -> dict[int, float]:
+        """{M: median of the recent forwards} at ``batch`` (speed-free), cached until the next observation."""
+        table = self._raw.get(int(batch))
         if table is None:
             table = {m: statistics.median(d) for m, d in sorted(self._obs.get(int(batch), {}).items())}
+            self._raw[int(batch)] = table
+        return table
+
+    def _table(self, batch: int) -> dict[int, float]:
+        """measured(batch) in speed-free units, cached until the next observation (the planner asks for every
+        candidate tree size of every step): the medians, where a size has fewer than ``min_samples``
+        measurements no dearer than the well-measured sizes (those with ``min_samples`` or more) predict for
+        it (:func:`_no_dearer`: between two of them, below the smallest, or beyond them along their last
+        slope; a size beyond a single well-measured one keeps its own median). One forward at a
+        bad moment (a 6-input forward measured at 2.2x a 1-input one, seen in a main job's batch-1
+        evaluation, where forward_cost.md measures 1.2x) otherwise kept that size and every size above it
+        looking dear for the rest of the run: the planner stopped choosing it, so nothing re-measured it.
+        Now such a size is tried again until its own median rests on ``min_samples`` forwards."""
+        table = self._tables.get(int(batch))
+        if table is None:
+            table = dict(self._raw_table(batch))
+            obs = self._obs.get(int(batch), {})
+            well = {m: t for m, t in table.items() if len(obs[m]) >= self.min_samples}
+            if well and len(well) < len(table):
+                for m in table:
+                    bound = None if m in well else _no_dearer(well, m)
+                    if bound is not None:
+                        table[m] = min(table[m], bound)
             self._tables[int(batch)] = table
         return table
 
@@ -248,6 +280,27 @@ class ForwardCostModel:
         return table[top] + max(0, inputs - 2 * top) * table[top] / top
 
 
+def _no_dearer(points: dict[int, float], x: int) -> float | None:
+    """What the well-measured forward sizes ``points`` ({M: seconds}, sorted by M, at least one) say a forward
+    of ``x`` inputs costs at most: linear between the two around it; before the first, the first's time (a
+    forward with fewer inputs costs no more); beyond the last, along the last two sizes' slope (not below
+    flat); None beyond a single point (no slope is known: at batch 16 only the plain forward is measured
+    often, and a flat guess there would price every draft node as free)."""
+    xs = list(points)
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[x]
+    if i == 0:
+        return points[xs[0]]
+    if i == len(xs):
+        if len(xs) == 1:
+            return None
+        x0, x1 = xs[-2], xs[-1]
+        return points[x1] + max(0.0, (points[x1] - points[x0]) / (x1 - x0)) * (x - x1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
 class SpeculationPlanner:
     """The per-step choice of how many draft nodes to verify (module docstring).
 
@@ -281,6 +334,8 @@ class SpeculationPlanner:
             before it).
         drift: the cost model follows the host's speed (:class:`ForwardCostModel`); False = absolute
             times (the planner before it).
+        min_samples: the cost model's trust in a forward size's own median (:class:`ForwardCostModel`); 1 =
+            trusted from its first measurement (the planner before it).
 
     Raises:
         ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
@@ -296,7 +351,7 @@ class SpeculationPlanner:
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
                  skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2,
                  probe_decay: bool = True, probe_share: bool = True, probe_grow: bool = True,
-                 drift: bool = True):  # fmt: skip
+                 drift: bool = True, min_samples: int = 3):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
@@ -308,7 +363,7 @@ class SpeculationPlanner:
         self.probe_share = bool(probe_share)
         self.probe_grow = bool(probe_grow)
         self._grow: int | None = None  # sequences the next drafted step drafts while growing from a row probe
-        self.cost = ForwardCostModel(explore=explore, drift=drift)
+        self.cost = ForwardCostModel(explore=explore, drift=drift, min_samples=min_samples)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
         self.gain_average: dict[int, float] = {}  # b -> moving average of the drafted steps' best gain
