@@ -28,8 +28,10 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
   each judged like a probe, instead of the whole batch at once;
 - ``drift``: ``grow`` whose forward-cost model follows the host's speed (every variant above keeps each
   forward size at the time it was measured);
-- ``sparse``: ``drift`` where a forward size measured fewer than 3 times is predicted no dearer than the
-  well-measured sizes say (every variant above trusts a size's first measurement), the default planner.
+- ``sparse``: ``drift`` where a forward size measured fewer than 3 times and over 1.3x dearer than the
+  well-measured sizes say is taken at their value (every variant above trusts a size's first measurement);
+- ``realized``: ``sparse`` where no skip run starts while the recent drafted steps measured more tokens per
+  second than plain steps (every variant above goes by the predicted gain alone), the default planner.
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -50,9 +52,9 @@ from dataclasses import dataclass, field
 
 from drafttrain.config import TargetConfig
 
-# Each variant is the one the module doc builds it on plus its change; `sparse` is SpeculationPlanner()'s defaults.
+# Each variant is the one the module doc builds it on plus its change; `realized` is SpeculationPlanner()'s defaults.
 _PER_SOURCE = dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
-                   probe_rows=None, drift=False, min_samples=1)
+                   probe_rows=None, drift=False, min_samples=1, realized=False)
 _FULL = {**_PER_SOURCE, "price_overhead": True}
 _PRICED = {**_FULL, "probe_budget": 0.03, "max_skip": 64, "probe_decay": False}
 _AVERAGE = {**_PRICED, "skip_on_average": True}
@@ -70,7 +72,8 @@ VARIANTS = {
     "decay_share": _DECAY_SHARE,
     "grow": {**_DECAY_SHARE, "probe_grow": True},
     "drift": {**_DECAY_SHARE, "probe_grow": True, "drift": True},
-    "sparse": {**_DECAY_SHARE, "probe_grow": True, "drift": True, "min_samples": 3},  # the default SpeculationPlanner
+    "sparse": {**_DECAY_SHARE, "probe_grow": True, "drift": True, "min_samples": 3},
+    "realized": {**_DECAY_SHARE, "probe_grow": True, "drift": True, "min_samples": 3, "realized": True},  # the default SpeculationPlanner
 }
 
 
@@ -82,7 +85,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["full", "drift", "sparse"])
+    variants: list[str] = field(default_factory=lambda: ["full", "sparse", "realized"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -213,8 +216,10 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "`decay_share` where a row probe that pays is followed by steps drafting 4, 8, ... sequences, each judged "
              "like a probe, not by the whole batch at once; `drift` = `grow` whose forward-cost model follows the host's "
              "speed (the variants before it keep each forward size at the time it was measured); `sparse` = `drift` where "
-             "a forward size measured fewer than 3 times is predicted no dearer than the well-measured sizes say (the "
-             "variants before it trust a size's first measurement; the default planner). Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
+             "a forward size measured fewer than 3 times and over 1.3x dearer than the well-measured sizes say is taken "
+             "at their value (the variants before it trust a size's first measurement); `realized` = `sparse` where no "
+             "skip run starts while the recent drafted steps measured more tokens per second than plain steps (the "
+             "variants before it go by the predicted gain alone; the default planner). Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
              "out of both runs' time and their first tokens out of their counts (`EngineStats.decode_tokens_per_s`).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | decoding steps alone: speedup (median) | per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -126,9 +126,10 @@ def test_cost_model_speed_ignores_extrapolations_and_zero_times():
 
 
 def test_cost_model_does_not_trust_a_size_measured_once():
-    """A forward size with fewer than min_samples measurements is predicted no dearer than the well-measured
-    sizes say (between them, below the smallest, beyond them along their last slope), until its own median
-    rests on min_samples forwards; beyond a single well-measured size nothing is known and its own time stands."""
+    """A forward size with fewer than min_samples measurements and over 1.3x dearer than the well-measured
+    sizes say (between them, below the smallest, beyond them along their last slope) is taken at their value
+    until its own median rests on min_samples forwards; a sparse size within 1.3x keeps its own time, and
+    beyond a single well-measured size nothing is known and its own time stands."""
     def model(min_samples):
         c = ForwardCostModel(drift=False, min_samples=min_samples)
         for _ in range(3):
@@ -147,6 +148,8 @@ def test_cost_model_does_not_trust_a_size_measured_once():
     assert c.predict(1, 6) == pytest.approx(1.3)  # three forwards: its own median (of 2.2, 1.2, 1.3)
     c.observe(1, 9, 0.5)  # a cheap outlier stays as measured: only dearer-than-predicted is doubted
     assert c.predict(1, 9) == pytest.approx(0.5)
+    c.observe(1, 12, 1.9)  # the well-measured sizes say <= 1.3 + 6 x 0.2 / 3 = 1.7: within 1.3x, its own time
+    assert c.predict(1, 12) == pytest.approx(1.9)
     c.observe(1, 2, 3.0)  # between well-measured sizes: the line between them
     assert c.predict(1, 2) == pytest.approx(1.05)
     below = ForwardCostModel(drift=False)
@@ -265,10 +268,17 @@ def test_planned_proposer_measures_step_overhead(tiny_target, make_drafter):
     seen = []
     orig = pl.observe_overhead
     pl.observe_overhead = lambda b, d, s: (seen.append((b, d, s)), orig(b, d, s))
+    steps = []  # whole steps for the realized rates: (b, drafted, seconds, tokens committed)
+    orig_step = pl.observe_step
+    pl.observe_step = lambda b, d, s, n: (steps.append((b, d, s, n)), orig_step(b, d, s, n))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
     eng = SpecEngine(tiny_target, prop, batch_size=2, max_new_tokens=12, stop_token_ids=-1)
     eng.run(prompts)
+    # each live sequence commits 1 to 3 + 1 tokens (one that finishes commits nothing)
+    assert steps and all(s > 0 and 0 <= n <= 4 * b for b, _, s, n in steps) and max(n for *_, n in steps) > 2
+    assert sum(n for *_, n in steps) <= 3 * 11  # 12 new tokens per prompt, the first from its prefill
+    assert any(d for _, d, _, _ in steps)
     assert seen and all(s >= 0 for _, _, s in seen)
     assert {b for b, _, _ in seen} <= {1, 2} and any(d for _, d, _ in seen)
     assert len(seen) == pl.steps  # every step, also the last before a prefill and the run's last
@@ -593,6 +603,35 @@ def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
         p.plan([bad])  # 1.93 -> 1.60, 1.37, 1.21, 1.10, 1.02, 0.96: the sixth starts a skip run
         unpaid += 1
     assert unpaid == 6
+
+
+def test_realized_rates_keep_drafting_that_pays_as_measured():
+    """A step whose predicted gain is below 1 starts no skip run while the recent drafted steps at this batch
+    size measured more tokens per second than plain steps (the prediction was wrong there); when they
+    measured fewer, or too few were seen, it does."""
+    def make(realized, drafted=(2, 1.0), plain=(1, 1.0), n=10):
+        p = SpeculationPlanner(probe_budget=None, realized=realized)
+        p.cost = FixedCost(0.1)  # plain forward 1 s, +0.1 s per node
+        p.cost.observe(1, 1, 0.0)
+        p.observe_draft(1, 0.2)  # drafting costs 0.2 s
+        for _ in range(n):
+            p.observe_step(1, True, drafted[1], drafted[0])
+            p.observe_step(1, False, plain[1], plain[0])
+        return p
+
+    bad = _chain([0.01])  # predicted: plain decoding, gain 1 / 1.2
+    assert make(True).realized_rate(1, True) == pytest.approx(2.0)
+    for p, skips in ((make(False), True),  # the prediction alone
+                     (make(True), False),  # measured: 2 tokens/s drafted against 1 plain
+                     (make(True, drafted=(1, 2.0)), True),  # measured: 0.5 against 1
+                     (make(True, n=7), True)):  # too few steps seen to judge by
+        p.plan([bad])
+        assert p.should_draft(1) is not skips
+    p = make(True, plain=(1, 1.0), n=10)
+    p._steps_seen.pop((1, False))  # no plain step seen: the cost model's plain step (1 s + 0 overhead)
+    p.plan([bad])
+    assert p.should_draft(1)
+    assert "b1_drafted" in p.summary()["realized_tok_s"]
 
 
 def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter, monkeypatch):

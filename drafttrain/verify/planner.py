@@ -84,6 +84,16 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   drafting was found not to pay: +0.6 to +0.8 s against plain decoding, 5-7% of the run's time. Growing,
   such a step catches up two more sequences.
 
+- **Realized rates.** The choice above rests on predictions: calibrated acceptance and the cost model.
+  Before a skip run starts, the planner also asks what drafting did: the tokens committed per second of
+  wall time by the last 24 steps at this batch size that verified a tree, against the same for steps that
+  did not draft (the cost model's plain step where fewer than 8 were seen). While drafting measured
+  faster, no skip run starts, whatever the predicted gain. Seen without it in batch-1 evaluations of
+  main jobs' drafters (lock-step against plain decoding): runs where the predicted gain dipped below 1
+  and the planner skipped drafting on 30-50% of the steps (395 of 799 in one main job, 1.07x) were
+  0.02-0.15x slower than runs of the same drafter and prompts that drafted on nearly every step
+  (1.22-1.26x): the predicted gain was wrong there, and the measured rates say so.
+
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
 sorted probabilities, never which tokens were drawn), so every acceptance rule keeps its guarantee.
@@ -130,13 +140,16 @@ class ForwardCostModel:
             no slope is known: :meth:`predict`) or "flat" (flat however far: the model before "double").
         drift: follow the host's speed (above); False = absolute times (the model before it).
         drift_window: forwards whose ratios set ``speed``.
-        min_samples: a forward size measured fewer times than this is predicted no dearer than the
-            well-measured sizes say (:meth:`_table`); 1 = each size's own median however few its
-            measurements (the model before it).
+        min_samples: a forward size measured fewer times than this and far dearer than the well-measured
+            sizes say is taken at their value (:meth:`_table`); 1 = each size's own median however few
+            its measurements (the model before it).
 
     Raises:
         ValueError: an unknown ``explore``, or ``drift_window`` or ``min_samples`` < 1.
     """
+
+    #: a sparsely measured size dearer than this times what the well-measured sizes say is an outlier (:meth:`_table`)
+    OUTLIER = 1.3
 
     def __init__(self, window: int | None = None, explore: str = "double", drift: bool = True, drift_window: int = 5,
                  min_samples: int = 3):  # fmt: skip
@@ -207,14 +220,17 @@ class ForwardCostModel:
 
     def _table(self, batch: int) -> dict[int, float]:
         """measured(batch) in speed-free units, cached until the next observation (the planner asks for every
-        candidate tree size of every step): the medians, where a size has fewer than ``min_samples``
-        measurements no dearer than the well-measured sizes (those with ``min_samples`` or more) predict for
-        it (:func:`_no_dearer`: between two of them, below the smallest, or beyond them along their last
-        slope; a size beyond a single well-measured one keeps its own median). One forward at a
-        bad moment (a 6-input forward measured at 2.2x a 1-input one, seen in a main job's batch-1
-        evaluation, where forward_cost.md measures 1.2x) otherwise kept that size and every size above it
-        looking dear for the rest of the run: the planner stopped choosing it, so nothing re-measured it.
-        Now such a size is tried again until its own median rests on ``min_samples`` forwards."""
+        candidate tree size of every step): the medians, except that a size with fewer than ``min_samples``
+        measurements and more than ``OUTLIER`` times dearer than the well-measured sizes (those with
+        ``min_samples`` or more) say it should be (:func:`_no_dearer`: between two of them, below the
+        smallest, or beyond them along their last slope; a size beyond a single well-measured one keeps
+        its own median) is taken at their value until its own median rests on ``min_samples`` forwards.
+        One forward at a bad moment (a 6-input forward measured at 2.2x a 1-input one, seen in a main
+        job's batch-1 evaluation, where forward_cost.md measures 1.2x) otherwise kept that size and every
+        size above it looking dear for the rest of the run: the planner stopped choosing it, so nothing
+        re-measured it. Only outliers: taking every sparsely measured size at the well-measured sizes'
+        value made the planner try every larger size three times (their slope at small sizes is nearly
+        flat), which cost ~2% of a batch-1 evaluation (docs/benchmarks/planner.md)."""
         table = self._tables.get(int(batch))
         if table is None:
             table = dict(self._raw_table(batch))
@@ -223,8 +239,8 @@ class ForwardCostModel:
             if well and len(well) < len(table):
                 for m in table:
                     bound = None if m in well else _no_dearer(well, m)
-                    if bound is not None:
-                        table[m] = min(table[m], bound)
+                    if bound is not None and table[m] > self.OUTLIER * bound:
+                        table[m] = bound
             self._tables[int(batch)] = table
         return table
 
@@ -336,6 +352,10 @@ class SpeculationPlanner:
             times (the planner before it).
         min_samples: the cost model's trust in a forward size's own median (:class:`ForwardCostModel`); 1 =
             trusted from its first measurement (the planner before it).
+        realized: before a skip run, also ask what drafting *did* (module doc, "Realized rates"): while the
+            recent drafted steps at this batch size emitted more tokens per second (measured: tokens
+            committed over each step's wall time) than plain decoding does, no skip run starts, whatever
+            the predicted gain; False = the prediction alone (the planner before it).
 
     Raises:
         ValueError: ``max_skip`` < 1, ``probe_budget`` outside (0, 1), ``probe_rows`` < 1, or an unknown
@@ -351,7 +371,7 @@ class SpeculationPlanner:
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float | None = 0.03,
                  skip_on_average: bool = True, explore: str = "double", probe_rows: int | None = 2,
                  probe_decay: bool = True, probe_share: bool = True, probe_grow: bool = True,
-                 drift: bool = True, min_samples: int = 3):  # fmt: skip
+                 drift: bool = True, min_samples: int = 3, realized: bool = True):  # fmt: skip
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if probe_budget is not None and not 0.0 < probe_budget < 1.0:
@@ -366,6 +386,9 @@ class SpeculationPlanner:
         self.cost = ForwardCostModel(explore=explore, drift=drift, min_samples=min_samples)
         self.probe_budget = None if probe_budget is None else float(probe_budget)
         self.skip_on_average = bool(skip_on_average)
+        self.realized = bool(realized)
+        # b -> recent steps' (tokens committed, wall seconds), drafted (a tree verified) and plain apart
+        self._steps_seen: dict[tuple[int, bool], deque] = {}
         self.gain_average: dict[int, float] = {}  # b -> moving average of the drafted steps' best gain
         self.per_source = bool(per_source)
         self.price_overhead = bool(price_overhead)
@@ -459,6 +482,26 @@ class SpeculationPlanner:
         key = (batch, bool(drafted))
         old = self.overhead_seconds.get(key)
         self.overhead_seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    #: recent steps per (batch size, drafted) whose tokens/s are the realized rates; fewest to judge by
+    REALIZED_WINDOW, REALIZED_MIN = 24, 8
+
+    def observe_step(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """One whole engine step: ``tokens`` committed over all its sequences in ``seconds`` of wall time
+        (drafting, forward, acceptance, bookkeeping); ``drafted``: it verified a tree."""
+        key = (int(batch), bool(drafted))
+        if key not in self._steps_seen:
+            self._steps_seen[key] = deque(maxlen=self.REALIZED_WINDOW)
+        self._steps_seen[key].append((int(tokens), float(seconds)))
+
+    def realized_rate(self, batch: int, drafted: bool) -> float | None:
+        """Tokens per second of the recent drafted (or plain) steps at ``batch`` (sum of tokens over sum of
+        seconds, last ``REALIZED_WINDOW``); None with fewer than ``REALIZED_MIN`` of them."""
+        seen = self._steps_seen.get((int(batch), bool(drafted)))
+        if not seen or len(seen) < self.REALIZED_MIN:
+            return None
+        seconds = sum(s for _, s in seen)
+        return sum(t for t, _ in seen) / seconds if seconds > 0 else None
 
     # -- the choice -----------------------------------------------------------------------------------
     def should_draft(self, batch: int) -> bool:
@@ -565,6 +608,10 @@ class SpeculationPlanner:
             self.gain_average[b] = gain if avg is None else 0.7 * avg + 0.3 * gain
             if unpaid and self.skip_on_average:  # one unpaid step does not stop drafting that pays on average
                 unpaid = self.gain_average[b] < self.min_gain
+            if unpaid and self.realized and drafted == b:  # ... nor drafting that pays as measured
+                done = self.realized_rate(b, True)
+                plain = self.realized_rate(b, False) or plain_rate
+                unpaid = done is None or done < self.min_gain * plain
         self._grow = None  # set again below where a row probe (or growing step) keeps drafting
         if unpaid:  # drafting did not pay: skip the next steps' drafting
             t_step = t_draft + self.cost.predict(b, b + best_k) + (o_spec if best_k else o_plain)
@@ -594,6 +641,9 @@ class SpeculationPlanner:
                 "forward_ms": {f"b{b}": {m: round(1e3 * t, 2) for m, t in self.cost.measured(b).items()}
                                for b in sorted(self.cost.batch_sizes())},
                 "draft_ms": {r: round(1e3 * t, 2) for r, t in sorted(self.draft_seconds.items())},
+                # what the recent steps did, tokens per second (the realized rates: module doc)
+                "realized_tok_s": {f"b{b}_{'drafted' if d else 'plain'}": round(r, 1) for (b, d) in sorted(self._steps_seen)
+                                   if (r := self.realized_rate(b, d)) is not None},
                 "calibration": {f"<={e}" if src == 0 else f"{self.SOURCE_NAMES.get(src, src)} <={e}":
                                 round((a + 1e-9) / (n + 1e-9), 3)
                                 for src in sorted(self._n) for e, a, n in zip(self.BINS, self._acc[src], self._n[src])
@@ -650,6 +700,7 @@ class PlannedProposer:
         self._verified: dict[int, tuple[DraftTree, list[float]]] = {}  # slot -> (verified tree, raw values)
         # the step in progress, for its overhead (module doc): (start, b, drafted, drafting seconds, forward seconds)
         self._step: list | None = None
+        self._step_tokens = 0  # tokens committed by the step in progress (its realized rate)
 
     def __getattr__(self, name):  # widths, budget, template, ... of the inner proposer
         if name in ("inner", "__setstate__"):
@@ -668,6 +719,8 @@ class PlannedProposer:
         if st is not None and st[4] is not None:
             start, b, drafted, t_draft, t_fwd = st
             self.planner.observe_overhead(b, drafted, max(0.0, now - start - t_draft - t_fwd))
+            if drafted or t_draft == 0.0:  # a step that drafted and verified nothing is neither kind
+                self.planner.observe_step(b, drafted, now - start, self._step_tokens)
 
     def step_done(self) -> None:
         """The engine finished this step (committed every sequence): its overhead is measured up to
@@ -680,6 +733,7 @@ class PlannedProposer:
         slots = list(slots)
         b = len(slots)
         self._verified.clear()
+        self._step_tokens = 0
         if not slots:
             return []
         if not self.planner.should_draft(b):
@@ -715,6 +769,7 @@ class PlannedProposer:
         # handed on just before the inner proposer's next draft (which may be steps away: the inner
         # proposer keeps only the last commit until it drafts)
         self._pending.setdefault(slot, []).append((list(tokens), hidden))
+        self._step_tokens += len(tokens)
 
     def release(self, slot) -> None:
         self._starts.pop(slot, None)
