@@ -89,10 +89,11 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   wall time by the last 24 steps at this batch size that verified a tree, against the same for steps that
   did not draft (the cost model's plain step where fewer than 8 were seen). While drafting measured
   faster, no skip run starts, whatever the predicted gain. Seen without it in batch-1 evaluations of
-  main jobs' drafters (lock-step against plain decoding): runs where the predicted gain dipped below 1
-  and the planner skipped drafting on 30-50% of the steps (395 of 799 in one main job, 1.07x) were
-  0.02-0.15x slower than runs of the same drafter and prompts that drafted on nearly every step
-  (1.22-1.26x): the predicted gain was wrong there, and the measured rates say so.
+  main jobs' drafters (lock-step against plain decoding): runs where the planner skipped drafting on
+  30-50% of the steps (395 of 799 in one main job, 1.07x) were 0.02-0.15x slower than runs of the same
+  drafter and prompts that drafted on nearly every step (1.22-1.26x). Whether drafting measured faster
+  than plain steps inside those runs was not recorded; the rule makes the planner ask (in a bench
+  without skip runs: 51-57 tokens/s over the last 24 drafted steps against 33-35 for plain ones).
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
@@ -228,9 +229,9 @@ class ForwardCostModel:
         One forward at a bad moment (a 6-input forward measured at 2.2x a 1-input one, seen in a main
         job's batch-1 evaluation, where forward_cost.md measures 1.2x) otherwise kept that size and every
         size above it looking dear for the rest of the run: the planner stopped choosing it, so nothing
-        re-measured it. Only outliers: taking every sparsely measured size at the well-measured sizes'
-        value made the planner try every larger size three times (their slope at small sizes is nearly
-        flat), which cost ~2% of a batch-1 evaluation (docs/benchmarks/planner.md)."""
+        re-measured it. Only outliers: a first version that took every sparsely measured size at the
+        well-measured sizes' value had the planner measure every size up to 12 inputs at batch 1 and
+        read 1.22x against 1.24x without it in one bench (docs/benchmarks/planner.md)."""
         table = self._tables.get(int(batch))
         if table is None:
             table = dict(self._raw_table(batch))
