@@ -92,8 +92,9 @@ per step**, with the drafter's own confidence in place of a fixed tau table:
   main jobs' drafters (lock-step against plain decoding): runs where the planner skipped drafting on
   30-50% of the steps (395 of 799 in one main job, 1.07x) were 0.02-0.15x slower than runs of the same
   drafter and prompts that drafted on nearly every step (1.22-1.26x). Whether drafting measured faster
-  than plain steps inside those runs was not recorded; the rule makes the planner ask (in a bench
-  without skip runs: 51-57 tokens/s over the last 24 drafted steps against 33-35 for plain ones).
+  than plain steps inside those runs was not recorded; the rule makes the planner ask. In a 10-round
+  lock-step bench at batch 1 (docs/benchmarks/planner.md): 1.27x against 1.25x without it, ahead in 7
+  rounds of 10.
 
 Lossless: the planner only chooses which nodes of the proposer's tree are verified (an ancestor-closed
 subset; under sampling the kept children of a node are its first draws and the choice reads the
