@@ -60,6 +60,9 @@ _PRICED = {**_FULL, "probe_budget": 0.03, "max_skip": 64, "probe_decay": False}
 _AVERAGE = {**_PRICED, "skip_on_average": True}
 _ROW_PROBES = {**_AVERAGE, "probe_rows": 2, "probe_share": False, "probe_grow": False}
 _DECAY_SHARE = {**_ROW_PROBES, "probe_decay": True, "probe_share": True}
+_GROW = {**_DECAY_SHARE, "probe_grow": True}
+_DRIFT = {**_GROW, "drift": True}
+_SPARSE = {**_DRIFT, "min_samples": 3}
 VARIANTS = {
     "mixed": {**_PER_SOURCE, "per_source": False},
     "per_source": _PER_SOURCE,
@@ -70,10 +73,10 @@ VARIANTS = {
     "row_probes": _ROW_PROBES,
     "row_probes_1pct": {**_ROW_PROBES, "probe_budget": 0.01},
     "decay_share": _DECAY_SHARE,
-    "grow": {**_DECAY_SHARE, "probe_grow": True},
-    "drift": {**_DECAY_SHARE, "probe_grow": True, "drift": True},
-    "sparse": {**_DECAY_SHARE, "probe_grow": True, "drift": True, "min_samples": 3},
-    "realized": {**_DECAY_SHARE, "probe_grow": True, "drift": True, "min_samples": 3, "realized": True},  # the default SpeculationPlanner
+    "grow": _GROW,
+    "drift": _DRIFT,
+    "sparse": _SPARSE,
+    "realized": {**_SPARSE, "realized": True},  # the default SpeculationPlanner
 }
 
 

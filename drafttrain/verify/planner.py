@@ -190,18 +190,7 @@ class ForwardCostModel:
         """The table's value (speed-free) for (b, M) where M was measured at b or lies between two measured
         sizes; None outside (an extrapolation is no reference for the host's speed). ``table``: default
         :meth:`_table` (the one predictions use)."""
-        table = self._table(batch) if table is None else table
-        if not table:
-            return None
-        if inputs in table:
-            return table[inputs]
-        ms = list(table)
-        i = bisect.bisect_left(ms, inputs)
-        if i == 0 or i == len(ms):
-            return None
-        lo, hi = ms[i - 1], ms[i]
-        w = (inputs - lo) / (hi - lo)
-        return (1 - w) * table[lo] + w * table[hi]
+        return _between(self._table(batch) if table is None else table, inputs)
 
     def batch_sizes(self) -> list[int]:
         """The batch sizes some forward was measured at."""
@@ -298,25 +287,35 @@ class ForwardCostModel:
         return table[top] + max(0, inputs - 2 * top) * table[top] / top
 
 
-def _no_dearer(points: dict[int, float], x: int) -> float | None:
-    """What the well-measured forward sizes ``points`` ({M: seconds}, sorted by M, at least one) say a forward
-    of ``x`` inputs costs at most: linear between the two around it; before the first, the first's time (a
-    forward with fewer inputs costs no more); beyond the last, along the last two sizes' slope (not below
-    flat); None beyond a single point (no slope is known: at batch 16 only the plain forward is measured
-    often, and a flat guess there would price every draft node as free)."""
+def _between(points: dict[int, float], x: int) -> float | None:
+    """``points[x]`` ({M: seconds}, sorted by M) where x is one of them, linear between the two around it;
+    None outside their range (or with no points)."""
+    if x in points:
+        return points[x]
     xs = list(points)
     i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return points[x]
-    if i == 0:
-        return points[xs[0]]
-    if i == len(xs):
-        if len(xs) == 1:
-            return None
-        x0, x1 = xs[-2], xs[-1]
-        return points[x1] + max(0.0, (points[x1] - points[x0]) / (x1 - x0)) * (x - x1)
+    if i == 0 or i == len(xs):
+        return None
     x0, x1 = xs[i - 1], xs[i]
     return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+def _no_dearer(points: dict[int, float], x: int) -> float | None:
+    """What the well-measured forward sizes ``points`` ({M: seconds}, sorted by M, at least one) say a forward
+    of ``x`` inputs costs at most: linear between the two around it (:func:`_between`); before the first,
+    the first's time (a forward with fewer inputs costs no more); beyond the last, along the last two sizes'
+    slope (not below flat); None beyond a single point (no slope is known: at batch 16 only the plain
+    forward is measured often, and a flat guess there would price every draft node as free)."""
+    inside = _between(points, x)
+    if inside is not None:
+        return inside
+    xs = list(points)
+    if x < xs[0]:
+        return points[xs[0]]
+    if len(xs) == 1:
+        return None
+    x0, x1 = xs[-2], xs[-1]
+    return points[x1] + max(0.0, (points[x1] - points[x0]) / (x1 - x0)) * (x - x1)
 
 
 class SpeculationPlanner:
