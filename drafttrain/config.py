@@ -636,22 +636,18 @@ _CHECKS = {TrainConfig: _check_values, GenerateConfig: _check_generate, CacheFea
 
 
 def resolve_mixed_precision(setting: str) -> str:
-    """``auto`` -> ``bf16`` where bf16 matmuls are fast (a CUDA GPU with bf16, or a CPU whose oneDNN
-    has bf16 kernels: AVX-512 / AMX), else ``no``. Other settings are returned as they are.
+    """``auto`` -> ``bf16`` where the device computes bf16 natively (:func:`drafttrain.host.native_bf16`: a
+    CUDA GPU with bf16, a CPU with AVX512_BF16 / AMX / Arm BF16, or a probe where the flags cannot be read),
+    else ``no``. Other settings are returned as they are.
 
-    Measured on a 2-core AVX2-only EPYC (no bf16 kernels): a [2048, 576] x [576, 1536] bf16 matmul
-    took 2835 ms against 35 ms in fp32, so bf16 there would make training ~80x slower.
+    Not oneDNN's ``_is_mkldnn_bf16_supported()``: it is true on any AVX-512 CPU, also where bf16 is
+    emulated and a training step runs several times slower than in fp32 (AVX2-only CPUs are far worse).
     """
     if setting != "auto":
         return setting
-    import torch
+    from drafttrain.host import native_bf16
 
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    try:
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
-    except (AttributeError, RuntimeError):
-        return "no"
+    return "bf16" if native_bf16()[0] else "no"
 
 
 def to_dict(c) -> dict[str, Any]:

@@ -418,6 +418,7 @@ def run(cfg) -> dict[str, Any]:
         prepare,
     )
     from drafttrain import fastattention, fastlinear
+    from drafttrain.host import native_bf16
     from drafttrain.data.batches import get_batch, sample_indices
     from drafttrain.data.pipeline import prepare_data
     from drafttrain.drafters import build_drafter, drafter_class, drafter_config
@@ -491,7 +492,9 @@ def run(cfg) -> dict[str, Any]:
     launch = launch_info(accelerator)
     # the host facts that decide the speed figures (docs/benchmarks/main_job.md names them)
     launch["host"] = {"cpu_capability": fastlinear.cpu_capability(), "cpu_threads": torch.get_num_threads(),
-                      "target_linears": fastlinear.describe(target.model), "decode_attention": fastattention.backend()}
+                      "target_linears": fastlinear.describe(target.model), "decode_attention": fastattention.backend(),
+                      "native_bf16": "yes" if native_bf16()[0] else "no", "native_bf16_reason": native_bf16()[1],
+                      "mixed_precision": c.trainer.mixed_precision}
     if main:
         (out_dir / "launch.json").write_text(json.dumps(launch, indent=1))
     if c.logging.wandb:
