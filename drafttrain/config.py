@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
@@ -36,8 +37,10 @@ class TargetConfig:
     # kernel (AVX2 or AVX-512VL build) where it builds, else oneDNN; on = the same but an error where neither applies;
     # kernel | onednn = that backend only; off = F.linear. Verification then costs far less (issue 16)
     fast_linear: str = "auto"
-    # tiny random target for tests: a LlamaConfig built from these (only when random_init is true)
+    # tiny random target for tests: a config of this family (drafttrain.families: llama | qwen2 | qwen3 |
+    # qwen3_moe | mistral | gemma3 | phi3 | gpt_oss) built from these (only when random_init is true)
     random_init: bool = False
+    family: str = "llama"
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -537,7 +540,8 @@ def _check_values(c: TrainConfig) -> None:
                         "trainer.spec_eval.batch_size > 1 and latency_prompts > 0")
     if se.sssd.source not in ("none", "input", "data"):
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
-    problems += _check_target(c.target)
+    uses_engine = c.trainer.spec_eval.num_prompts > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
+    problems += _check_target(c.target, uses_engine=uses_engine)
     problems += _check_backend("data.generation", c.data.generation, c.target)
     if c.optim.decay_over not in ("steps", "minutes"):
         problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
@@ -556,14 +560,44 @@ def _check_values(c: TrainConfig) -> None:
 BACKENDS = ("engine", "hf", "vllm")
 
 
-def _check_target(t: TargetConfig) -> list[str]:
-    """Problems with the target's ``dtype`` and ``fast_linear`` (train, generate and evaluate share them)."""
+def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
+    """Problems with the target's ``dtype``, ``fast_linear`` and family (train, generate and evaluate share
+    them). ``uses_engine``: the job decodes with drafttrain's engine, so a family the engine cannot run
+    exactly (:func:`drafttrain.families.check_engine_support`) is refused here, before any model loads."""
+    from drafttrain import families  # imports nothing of drafttrain's
+
     problems = []
     if t.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
     if t.fast_linear not in FAST_LINEAR_MODES:
         problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {t.fast_linear!r}")
+    if t.random_init and t.family not in families.FAMILIES:
+        problems.append(f"target.family must be one of {'|'.join(families.FAMILIES)}, got {t.family!r}")
+        return problems
+    model_config = target_model_config(t)
+    if uses_engine and model_config is not None:
+        try:
+            families.check_engine_support(model_config)
+        except ValueError as err:
+            problems.append(str(err))
     return problems
+
+
+def target_model_config(t: TargetConfig) -> dict | None:
+    """What is known of the target's model config before it loads: ``{"model_type"}`` of a tiny target's
+    family, the ``config.json`` of ``target.path``; None for the packaged model (a Llama) or a missing folder."""
+    if t.random_init:
+        from drafttrain import families
+
+        return {"model_type": families.by_name(t.family).model_types[0]}
+    if t.path:
+        f = Path(t.path).expanduser() / "config.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text())
+            except (OSError, ValueError):
+                return None
+    return None
 
 
 def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
@@ -607,7 +641,7 @@ def _check_generate(c: GenerateConfig) -> None:
                         "cannot reproduce; sample with generation.backend=hf")
     if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
         problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
-    problems += _check_target(c.target)
+    problems += _check_target(c.target, uses_engine=g.backend == "engine")
     if not c.output_dir:
         problems.append("output_dir must be set")
     if problems:
@@ -756,7 +790,7 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
             problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
         for m in dict.fromkeys(METHODS[m] for m in methods):
             problems += m.check(c) if m.check is not None else []
-    problems += _check_target(c.target)
+    problems += _check_target(c.target, uses_engine=True)
     if problems:
         raise ConfigError("; ".join(problems))
     return c

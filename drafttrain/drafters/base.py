@@ -392,6 +392,8 @@ class Drafter(nn.Module):
         name = config.pop("name")
         if name not in DRAFTERS:
             raise ValueError(f"unknown drafter '{name}' in {cfg_path}; known: {sorted(DRAFTERS)}")
+        if "draft_layer" in DRAFTERS[name].defaults and "draft_layer" not in config:
+            config["draft_layer"] = "target"  # written before draft_layer existed: the target's own layer class
         drafter = DRAFTERS[name](config, SharedTargetModules.from_target(target), init_weights=False)
         state = load_file(str(directory / DRAFTER_WEIGHTS))
         if "d2t" in state and "t2d" not in state:  # written before the offset convention: d2t held absolute ids

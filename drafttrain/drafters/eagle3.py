@@ -60,9 +60,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafttrain import families
 from drafttrain import layout as L
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
-from drafttrain.drafters.feature_layer import FeatureLayerDrafter
+from drafttrain.drafters.feature_layer import FeatureLayerDrafter, init_fresh_
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
 
@@ -132,6 +133,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         "aux_layer_ids": None,
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
+        "draft_layer": "llama",
     }
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules, init_weights: bool = True):
@@ -149,16 +151,27 @@ class Eagle3Drafter(FeatureLayerDrafter):
         self._final_slot = slot[mcfg.num_hidden_layers]
         d = mcfg.hidden_size
         self.fc = nn.Linear(NUM_AUX * d, d, bias=False)
-        layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
+        style = self.config["draft_layer"]
+        if style == "llama":  # the layer vLLM and SGLang build for every target family
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+            lcfg = families.llama_layer_config(mcfg, mcfg._attn_implementation)
+            layer, self.rotary = LlamaDecoderLayer(lcfg, layer_idx=0), LlamaRotaryEmbedding(config=lcfg)
+            eps = lcfg.rms_norm_eps
+        elif style == "target":  # the target's own decoder-layer class (checkpoints written before "llama")
+            layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
+            self.rotary = type(shared.rotary_emb)(config=mcfg)
+            eps = mcfg.rms_norm_eps
+        else:
+            raise ValueError(f"drafter.draft_layer must be llama|target, got {style!r}")
         attn = layer.self_attn
         for proj in ("q_proj", "k_proj", "v_proj"):  # the attention reads cat(e, g): 2d wide
             old = getattr(attn, proj)
             setattr(attn, proj, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
         norm_cls = type(layer.input_layernorm)
-        layer.hidden_norm = norm_cls(d, eps=mcfg.rms_norm_eps)
+        layer.hidden_norm = norm_cls(d, eps=eps)
         self.layers = nn.ModuleList([layer])
-        self.rotary = type(shared.rotary_emb)(config=mcfg)
-        self.norm = norm_cls(d, eps=mcfg.rms_norm_eps)
+        self.norm = norm_cls(d, eps=eps)
         self._init_draft_vocab(self.config["draft_vocab_size"])
         self.lm_head = nn.Linear(d, self.d2t.numel(), bias=False)
         if init_weights:
@@ -206,19 +219,49 @@ class Eagle3Drafter(FeatureLayerDrafter):
                 m.weight.normal_(0.0, std)
                 if m.bias is not None:
                     m.bias.zero_()
+        if self.config["draft_layer"] == "target":  # the target's class: also its non-Linear tensors (MoE, sinks)
+            init_fresh_(self.layer, std)
         for m in (self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm):
             m.weight.fill_(1.0)
         self.fc.weight[:, (NUM_AUX - 1) * d :] += torch.eye(d, dtype=self.fc.weight.dtype)
         if from_target:
-            src = self.shared.decoder_layer
-            for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(self.layer.self_attn, name).weight[:, d:] = getattr(src.self_attn, name).weight
-            self.layer.self_attn.o_proj.load_state_dict(src.self_attn.o_proj.state_dict())
-            self.layer.mlp.load_state_dict(src.mlp.state_dict())
-            self.layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
-            self.layer.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
-            self.norm.load_state_dict(self.shared.final_norm.state_dict())
+            self._copy_target_layer(self.shared.decoder_layer)
         self._copy_target_rows()
+
+    @torch.no_grad()
+    def _copy_target_layer(self, src: nn.Module) -> None:
+        """Start from the target's last layer ``src`` where its computation carries over (:meth:`reset_parameters`).
+
+        With the Llama-style layer (``draft_layer=llama``) the target's weights go in through
+        :mod:`drafttrain.families`: fused projections unfused (Phi3), norms converted to Llama's ``x * w``
+        (Gemma's ``x * (1 + w)``), biases and q/k norms left out (the engines' layer has none), the MLP copied
+        only from a dense SiLU MLP (not from an MoE layer, nor from Gemma's GELU MLP). With ``target`` the
+        layer is the target's own class and everything is copied as it is.
+        """
+        d = self.hidden_size
+        layer = self.layer
+        if self.config["draft_layer"] == "target":
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, name).weight[:, d:] = getattr(src.self_attn, name).weight
+            layer.self_attn.o_proj.load_state_dict(src.self_attn.o_proj.state_dict())
+            layer.mlp.load_state_dict(src.mlp.state_dict())
+            layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+            layer.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
+            self.norm.load_state_dict(self.shared.final_norm.state_dict())
+            return
+        w = families.split_projections(src)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, name).weight[:, d:] = w[name]
+        layer.self_attn.o_proj.weight.copy_(w["o_proj"])
+        cfg = self.shared.model_config
+        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+        if "gate_proj" in w and act == "silu":
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(w[name])
+        mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or src.post_attention_layernorm  # the MLP's input norm
+        layer.post_attention_layernorm.weight.copy_(families.effective_norm_weight(mlp_norm, d))
+        layer.hidden_norm.weight.copy_(families.effective_norm_weight(src.input_layernorm, d))
+        self.norm.weight.copy_(families.effective_norm_weight(self.shared.final_norm, d))
 
     @torch.no_grad()
     def _copy_target_rows(self) -> None:
@@ -253,8 +296,15 @@ class Eagle3Drafter(FeatureLayerDrafter):
         else:
             raise ValueError(f"EAGLE-3 features must be the target's layers {self.feature_layer_ids} "
                              f"[..., {len(self.feature_layer_ids) * d}] or the drafter's own [..., {d}], got width {w}")
-        e = self.shared.embed_tokens(next_ids).to(dtype)
-        return torch.cat([e, g], dim=-1)
+        return torch.cat([self.embed(next_ids).to(dtype), g], dim=-1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """e(x): the target's embedding rows, [b, s] int64 -> [b, s, d]. With the Llama-style layer the raw
+        rows (what the engines' draft model reads; Gemma's sqrt(d) scale is left out: ``input_layernorm``
+        makes the two the same up to its epsilon), else the target's embedding module as it is."""
+        if self.config["draft_layer"] == "llama":
+            return families.raw_embedding(self.shared.embed_tokens, ids)
+        return self.shared.embed_tokens(ids)
 
     def aux_features(self, features: torch.Tensor) -> torch.Tensor:
         """[low | mid | high] of the target features: [..., len(feature_layer_ids) * d] -> [..., 3d] (fc's input)."""
@@ -277,7 +327,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         d = self.hidden_size
         e, g = x[..., :d], x[..., d:]
         layer = self.layer
-        pos_emb = self.rotary(g, position_ids)
+        pos_emb = families.rotary_embeddings(self.rotary, g, position_ids, layer)
         a = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)  # [b, q, 2d]
         attn, _ = layer.self_attn(hidden_states=a, position_embeddings=pos_emb, attention_mask=attention_mask,
                                   cache=cache)  # fmt: skip

@@ -23,7 +23,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafttrain import families
 from drafttrain.drafters.base import Drafter, SharedTargetModules
+
+
+@torch.no_grad()
+def init_fresh_(module: nn.Module, std: float) -> None:
+    """A fresh init of a decoder layer built outside ``from_pretrained`` (whose ``torch.empty`` parameters,
+    such as gpt-oss's attention sinks or an MoE layer's expert tensors, would otherwise hold whatever memory
+    held): every tensor of 2+ dims ~ N(0, std), other non-norm parameters (biases, sinks) 0; norms keep
+    the values their class starts from (ones, or zeros for Gemma's ``x * (1 + w)``)."""
+    norms = {id(p) for m in module.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)}
+    for p in module.parameters():
+        if id(p) in norms:
+            continue
+        if p.dim() >= 2:
+            p.normal_(0.0, std)
+        else:
+            p.zero_()
 
 
 class FeatureLayerDrafter(Drafter):
@@ -67,9 +84,7 @@ class FeatureLayerDrafter(Drafter):
         if from_target:
             self.layer.load_state_dict(self.shared.decoder_layer.state_dict())
         else:
-            for m in self.layer.modules():
-                if isinstance(m, nn.Linear):
-                    m.weight.normal_(0.0, std)
+            init_fresh_(self.layer, std)
 
     # -- building blocks ------------------------------------------------------------------------
     def items(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -109,7 +124,7 @@ class FeatureLayerDrafter(Drafter):
         With a transformers ``Cache`` in ``cache`` and ``use_cache``, the q new keys/values are
         appended to it (kv = cached + q). Returns the layer's hidden states [b, q, d] (pre-norm).
         """
-        pos_emb = self.rotary(x, position_ids)
+        pos_emb = families.rotary_embeddings(self.rotary, x, position_ids, self.layer)
         return self.layer(
             x,
             attention_mask=attention_mask,

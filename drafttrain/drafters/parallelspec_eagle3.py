@@ -70,6 +70,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         "aux_layer_ids": None,
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
+        "draft_layer": "llama",
     }
 
     layouts = ParallelSpecDrafter.layouts
@@ -107,7 +108,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
     def draft_inputs(self) -> torch.Tensor:
         """The K mask-slot inputs, all the same cat(e(mask_token_id), fc(mask_hidden)): [K, 2d]."""
         tok = torch.tensor([self.mask_token_id], device=self.mask_hidden.device)
-        e = self.shared.embed_tokens(tok).to(self.fc.weight.dtype)  # [1, d]
+        e = self.embed(tok).to(self.fc.weight.dtype)  # [1, d]
         g = self.fc(self.mask_hidden[None].to(self.fc.weight.dtype))  # [1, d]: mask_hidden is fc's input itself
         return torch.cat([e, g], dim=-1).expand(self.num_mask_tokens, -1)
 

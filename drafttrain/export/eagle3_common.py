@@ -1,5 +1,6 @@
 """What the two EAGLE-3 folder formats (vLLM's speculators format, SGLang's) share: the checks that the
-drafter computes what the engines compute, the layer-id conventions, and the one-layer Llama config.
+drafter computes what the engines compute, the layer-id conventions, and the one-layer Llama config
+(for a target of any family: the draft layer is Llama-style whatever the target is, as in the engines).
 
 The network both engines run (vLLM ``model_executor/models/llama_eagle3.py`` 0.32, SGLang
 ``srt/models/llama_eagle3.py``): g = fc([low; mid; high]) (no bias); layer 0 attends over
@@ -44,6 +45,12 @@ def check_drafter(drafter) -> None:
     """
     if drafter.name not in ("eagle3", "parallelspec_eagle3"):
         raise ExportError(f"the EAGLE-3 formats write eagle3 / parallelspec_eagle3 drafters, not '{drafter.name}'")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if not isinstance(drafter.layer, LlamaDecoderLayer):
+        raise ExportError(f"this drafter's layer is the target's own {type(drafter.layer).__name__} (draft_layer="
+                          f"{drafter.config.get('draft_layer')!r}, a checkpoint from before the Llama-style layer), "
+                          "not the Llama layer the engines build; retrain with drafter.draft_layer=llama")  # fmt: skip
     if drafter.fc.bias is not None:
         raise ExportError("fc has a bias; vLLM's and SGLang's EAGLE-3 fc have none")
     attn = drafter.layer.self_attn
@@ -87,13 +94,19 @@ def sglang_captured_ids(config: dict, num_target_layers: int) -> list[int]:
 
 
 def layer_config(target_config) -> dict:
-    """The one draft decoder layer as a Llama config dict (the target's hyper-parameters, 1 layer, untied)."""
-    mc = {k: v for k, v in target_config.to_dict().items() if k not in _DROP}
-    if mc.get("model_type") != "llama":
-        raise ExportError(f"the EAGLE-3 folders are written for Llama-architecture targets (vLLM's "
-                          f"Eagle3LlamaForCausalLM), not model_type '{mc.get('model_type')}'")  # fmt: skip
-    mc.update(num_hidden_layers=1, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    mc.setdefault("head_dim", target_config.hidden_size // target_config.num_attention_heads)
+    """The one draft decoder layer as a Llama config dict, for a target of any family
+    (:func:`drafttrain.families.draft_layer_config`: the target's sizes, SiLU, no biases, 1 layer, untied),
+    plus the bos/eos/pad ids the engines' tokenizer-side code reads."""
+    from drafttrain import families
+
+    mc = families.draft_layer_config(target_config)
+    rope = mc["rope_parameters"]
+    mc["rope_theta"] = rope.get("rope_theta", 10000.0)  # readers of transformers 4 (SGLang) take these two
+    mc["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(target_config, key, None)
+        if value is not None:
+            mc[key] = value
     return mc
 
 

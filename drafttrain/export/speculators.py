@@ -111,9 +111,11 @@ def load(directory: Path, target):
     if cfg.get("norm_before_residual", True) or cfg.get("norm_before_fc") or cfg.get("fc_norm") or cfg.get("norm_output"):
         raise ExportError(f"{directory}: a norm variant drafttrain's EAGLE-3 network does not compute")
     w = load_tensors(directory / WEIGHTS)
-    extra = {"mask_token_id": int(cfg["mask_token_id"])} if kind == "peagle" else None
+    depth = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    # peagle: one pass drafts the last item's guess + K mask slots, so K = speculative tokens - 1 (K is a
+    # decoding choice there: every mask slot shares one mask_hidden)
+    extra = {"mask_token_id": int(cfg["mask_token_id"]), "num_mask_tokens": depth - 1} if kind == "peagle" else None
     return build_drafter(directory, target, aux_ids=cfg["eagle_aux_hidden_state_layer_ids"],
-                         draft_vocab_size=int(cfg["draft_vocab_size"]),
-                         depth=cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+                         draft_vocab_size=int(cfg["draft_vocab_size"]), depth=depth,
                          layer_prefix="layers.0", weights=w,
                          recipe="parallelspec_eagle3" if kind == "peagle" else "eagle3", extra=extra)  # fmt: skip

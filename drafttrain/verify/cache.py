@@ -409,6 +409,8 @@ def ragged_attention(
     Returns:
         ([1, N, h, hd] attention output, None).
     """
+    if kwargs.get("s_aux") is not None or kwargs.get("softcap"):  # the engine refuses these families up front
+        raise NotImplementedError("attention sinks / logit soft-capping are not in drafttrain's engine attention")
     if ragged_segments is None:
         # decoding / verification (usable: up to MAX_QUERIES per row): drafttrain's kernel; several queries
         # only with an explicit mask (without one sdpa would be causal)

@@ -62,6 +62,11 @@ from drafttrain.verify.tree import DraftTree
 MODES = ("unpadded", "unpadded_kv", "padded")
 
 
+#: draft positions a verification step may add past the committed tokens (deeper than any draft tree built
+#: here): a target with a sliding window must fit prompt + new tokens + this much in the window
+WINDOW_SLACK = 64
+
+
 @dataclass
 class SequenceResult:
     """One prompt's output.
@@ -266,6 +271,11 @@ class SpecEngine:
         self.compile_target = bool(compile_target)
         if batch_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
+        from drafttrain import families
+
+        families.check_engine_support(target.config)  # sinks / soft-capping: refused, never decoded wrongly
+        self.window = families.attention_window(target.config)  # a sliding window: sequences must fit in it
+        self.family = families.family_of(target.config).name
         self.target = target
         self.proposer = proposer
         from drafttrain.target import resolve_feature_layers
@@ -315,7 +325,10 @@ class SpecEngine:
             max_new_tokens: one cap per prompt (each >= 1); default the engine's ``max_new_tokens``.
 
         Raises:
-            ValueError: an empty prompt, or caps that do not match the prompts or are < 1.
+            ValueError: an empty prompt, caps that do not match the prompts or are < 1, or (a target with a
+                sliding window, :func:`drafttrain.families.attention_window`) a prompt + cap + ``WINDOW_SLACK``
+                draft positions longer than the window: the engine's masks have no window, so it refuses
+                rather than decode differently from the target.
         """
         caps = [self.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(n) for n in max_new_tokens]
         if len(caps) != len(prompts) or min(caps, default=1) < 1:
@@ -326,6 +339,10 @@ class SpecEngine:
             p = [int(t) for t in p]
             if not p:
                 raise ValueError(f"prompt {base + i} is empty")
+            if self.window is not None and len(p) + cap + WINDOW_SLACK > self.window:
+                raise ValueError(f"prompt {base + i}: {len(p)} tokens + {cap} new + {WINDOW_SLACK} draft positions "
+                                 f"exceed the {self.family} target's sliding window of {self.window} tokens; the "
+                                 "engine attends without a window, so it would decode differently: shorten it")  # fmt: skip
             self.queue.append((base + i, p, cap))
         self.stats.prompts += len(prompts)
 
