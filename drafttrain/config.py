@@ -2,7 +2,7 @@
 
 Library code never sees a DictConfig: :func:`validate` merges the composed Hydra config into these
 dataclasses (OmegaConf structured merge), so a typo'd key or a wrong type fails with a message naming
-the key before any model loads (DESIGN.md section 6).
+the key before any model loads (docs/design.md, "Configuration conventions").
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ class TargetConfig:
     name: str = "smollm2-135m-instruct"
     path: str | None = None
     gguf_file: str | None = None  # a GGUF file to convert instead of the packaged one
+    # a packaged target by name (drafttrain.assets.PACKAGED_TARGETS: smollm2-135m-instruct |
+    # qwen2.5-coder-0.5b-instruct), converted once from its GGUF; null = smollm2-135m-instruct
+    packaged: str | None = None
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     # linear layers on prepacked weights (drafttrain.fastlinear): auto = for float32 on CPU, drafttrain's
     # kernel (AVX2 or AVX-512VL build) where it builds, else oneDNN; on = the same but an error where neither applies;
-    # kernel | onednn = that backend only; off = F.linear. Verification then costs far less (issue 16)
+    # kernel | onednn = that backend only; off = F.linear. Verification then costs far less
     fast_linear: str = "auto"
     # tiny random target for tests: a config of this family (drafttrain.families: llama | qwen2 | qwen3 |
     # qwen3_moe | mistral | gemma3 | phi3 | gpt_oss) built from these (only when random_init is true)

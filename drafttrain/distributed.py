@@ -4,7 +4,7 @@ One loop (:mod:`drafttrain.train`) runs unchanged on one CPU process, several CP
 gloo), GPUs (DDP over NCCL) and DeepSpeed ZeRO-2/3 on either. The launcher decides which
 (``accelerate launch --config_file conf/accelerate/NAME.yaml``); this module turns that choice into
 the right :class:`accelerate.Accelerator` and keeps the DeepSpeed config consistent with the trainer
-config. Decisions, each seen to matter on these machines (PLATFORM.md):
+config. Decisions, each seen to matter on these machines (docs/design.md, "Platform notes"):
 
 - ``Accelerator(cpu=True)`` on a machine without CUDA, or several launched processes each train
   alone; but ``cpu=True`` also turns DeepSpeed off, so under a DeepSpeed launch it stays False and

@@ -1,7 +1,7 @@
 """ParallelSpec's group-wise parallel layout and its attention masks, as pure functions.
 
 Source: ParallelSpec (Xiao et al.), section 4.1 "Group-wise Parallel Training", Figures 2-3; the layout
-is defined in DESIGN.md section 3. A parallel group is an anchor item followed by K [MASK] slots.
+is defined in docs/design.md, "Definitions". A parallel group is an anchor item followed by K [MASK] slots.
 The paper interleaves ``[x_t, MASK_1..MASK_K]`` groups and masks out "[MASK] tokens from previous
 parallel groups"; here the T context items come first and the mask slots of every anchor follow, so
 the context is computed once and only the K * |A| slots are extra:
@@ -69,8 +69,8 @@ def select_anchors(
 
     Candidates are the items a whose group has at least one mask-slot label (some y_{a+j} != -100,
     j in 1..K); groups without one add nothing to the loss. ``ratio`` = 1 keeps every candidate; a
-    smaller ratio keeps ``ceil(ratio * #candidates)`` of them at random (the DESIGN.md anchor
-    subsampling that trades coverage for compute).
+    smaller ratio keeps ``ceil(ratio * #candidates)`` of them at random (the anchor subsampling of
+    docs/design.md that trades coverage for compute).
 
     Args:
         labels: [t] int64 item labels y_0..y_{t-1} (-100 = no label).
@@ -123,7 +123,7 @@ def subsample(candidates: torch.Tensor, ratio: float, generator: torch.Generator
 
 
 def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tokens: int) -> GroupLayout:
-    """Build the group-wise layout of one sequence of t items (DESIGN.md section 3).
+    """Build the group-wise layout of one sequence of t items (docs/design.md, "Definitions").
 
     Args:
         labels: [t] int64 item labels y_i (-100 where there is none).
@@ -182,7 +182,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Returns:
         [..., q, kv] ``dtype``: 0 where allowed, ``torch.finfo(dtype).min`` elsewhere. (Boolean masks
-        are silently wrong with eager attention: PLATFORM.md.)
+        are silently wrong with eager attention: docs/design.md, "Platform notes".)
     """
     out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -242,7 +242,7 @@ def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype) -> BatchLayo
 def item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Labels of the drafter items of one sequence: y_i = x_{i+2} where the loss mask is on.
 
-    Item i combines the target feature f_i with the embedding of x_{i+1} (DESIGN.md section 3), so a
+    Item i combines the target feature f_i with the embedding of x_{i+1} (docs/design.md, "Definitions"), so a
     sequence of L tokens has t = L - 1 items and item i must guess x_{i+2}.
 
     Args:

@@ -1,4 +1,4 @@
-"""Training-time acceptance metrics (DESIGN.md section 3), as sums and counts that reduce across ranks.
+"""Training-time acceptance metrics (docs/design.md, "Definitions"), as sums and counts that reduce across ranks.
 
 - acc_k: top-1 accuracy at group position k (0 = anchor item, 1..K = mask slots).
 - cond_acc_k: the same, counted only over groups whose positions < k were all correct.

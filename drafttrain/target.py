@@ -399,7 +399,13 @@ def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path:
-    """HF folder of the target: ``cfg.path`` if given, else the (converted, cached) packaged GGUF."""
+    """HF folder of the target: ``cfg.path`` if given, else the (converted, cached) GGUF: ``cfg.gguf_file``, or
+    the packaged target ``cfg.packaged`` names (default SmolLM2-135M-Instruct).
+
+    Raises:
+        FileNotFoundError: ``cfg.path`` is not a model folder. MissingAssetError: a packaged target's packages
+            are missing. ValueError: an unknown ``cfg.packaged``.
+    """
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not path.exists():
@@ -411,7 +417,9 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target.path={path} is not a Hugging Face model folder (no config.json)")
         return path
-    return assets.converted_target_dir(Path(cfg.gguf_file) if cfg.gguf_file else None)
+    if cfg.gguf_file:
+        return assets.converted_target_dir(Path(cfg.gguf_file))
+    return assets.converted_target_dir(assets.packaged_gguf(cfg.packaged) if cfg.packaged else None)
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:

@@ -1,6 +1,6 @@
 """W&B objects beyond scalars: the speculative-evaluation table and the accepted-length histogram.
 
-Scalars go through ``accelerator.log`` in the loop (names as DESIGN.md section 3: ``train/loss``,
+Scalars go through ``accelerator.log`` in the loop (names as in docs/design.md, "Definitions": ``train/loss``,
 ``train/acc_k``, ``train/cond_acc_k``, ``train/tau_sim``, ``eval/tau``, ``eval/speedup``, ...). After
 every speculative evaluation the loop also logs, at the same step:
 

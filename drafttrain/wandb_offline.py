@@ -2,7 +2,7 @@
 
 wandb 0.31 ships no reader for its offline files (``wandb.Api()`` needs a server and the old
 ``wandb.sdk.internal.datastore`` is gone), so tests and notebooks read them here. The format
-(PLATFORM.md, and checked against files written by wandb 0.31):
+(docs/design.md, "Platform notes", and checked against files written by wandb 0.31):
 
 - a 7-byte header: ``b":W&B"``, magic 0xBEE1 (uint16, little endian), version 0 (uint8);
 - then the LevelDB log framing, counted from the start of the file: 32 KiB blocks; each chunk has a

@@ -2,7 +2,7 @@
 
     python -m scripts.bench_compile
 
-Issue 16 item 1 asks for a k-token target forward close to a one-token one, "prepacked weights,
+The goal is a k-token target forward close to a one-token one, "prepacked weights,
 ``torch.compile`` with freezing, or better". The engine uses prepacked weights (:mod:`drafttrain.fastlinear`);
 this script measures the other option on the same weights, so the choice rests on numbers.
 

@@ -1,5 +1,5 @@
-"""Drafting time per engine step: the ParallelSpec proposer's greedy hot path before and after issue 16 item 2,
-and with the drafter on prepacked weights.
+"""Drafting time per engine step: the ParallelSpec proposer's greedy hot path before and after its
+rework (batched draft-vocabulary trees, memoized templates), and with the drafter on prepacked weights.
 
     python -m scripts.bench_draft_cost
 
@@ -98,7 +98,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     m = res["machine"]
     shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
     lines = [
-        "# Drafting time per step: ParallelSpec greedy trees before / after the hot-path work and on prepacked weights (issue 16 item 2)",
+        "# Drafting time per step: ParallelSpec greedy trees before / after the hot-path work and on prepacked weights",
         "",
         f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
         f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"

@@ -16,7 +16,7 @@ throughput, and reports the roofline of each forward: max(bytes read / bandwidth
 where bytes = every weight once + the K/V cache rows read, FLOPs = 2 x parameters x tokens.
 
 Writes ``<out>.json`` and ``<out>.md`` (a hand-written section between ``<!-- analysis -->`` markers
-is kept). Issue 16's goal: a 9-token forward <= 1.3x a 1-token forward.
+is kept). The goal: a 9-token forward <= 1.3x a 1-token forward.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     variants = res.get("variants") or ["plain", "packed"]
     if nine:
         parts = [f"{v}: **{nine[f'{v}_vs_1token']:.2f}x** ({nine[f'{v}_ms']:.1f} vs {b1[1][f'{v}_ms']:.1f} ms)" for v in variants]
-        lines += ["**Goal (issue 16): a 9-token forward <= 1.3x a 1-token forward.** " + "; ".join(parts) + ". "
+        lines += ["**Goal: a 9-token forward <= 1.3x a 1-token forward.** " + "; ".join(parts) + ". "
                   + "Against plain decoding's 1-token forward: "
                   + ", ".join(f"{v} {nine[f'{v}_vs_plain_1token']:.2f}x" for v in variants if v != "plain") + ".", ""]
     lines += ["| batch | tokens per row | " + " | ".join(f"{v} ms" for v in variants) + " | "

@@ -1,4 +1,4 @@
-"""The online planner's variants side by side on a trained run (issue 16 item 3: speculation that never loses).
+"""The online planner's variants side by side on a trained run (speculation that never loses).
 
     python -m scripts.bench_planner run=outputs/parallelspec-smollm2-135m-instruct
 

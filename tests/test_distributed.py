@@ -47,7 +47,8 @@ def test_preset_loads_and_its_deepspeed_config_validates(preset):
     if dt == "NO":
         assert cfg.num_processes == 1
         return
-    assert cfg.use_cpu is False  # use_cpu=true would start one process / turn DeepSpeed off (PLATFORM.md)
+    # use_cpu=true would start one process / turn DeepSpeed off (docs/design.md, "Platform notes")
+    assert cfg.use_cpu is False
     if dt != "DEEPSPEED":
         return
     from deepspeed.runtime.config import DeepSpeedConfig

@@ -1,6 +1,6 @@
 """The drafter contract (drafttrain/drafters/base.py: ``DrafterSpec``) is all a new drafter needs.
 
-Why: issue 13 asked that a drafter be one module + its config, with no consumer dispatching on drafter
+Why: a drafter should be one module + its config, with no consumer dispatching on drafter
 names or probing attributes. A toy drafter defined *in this file only* (the library does not know it)
 declares that it reads two target layers, (1, 2) of the 2-layer tiny target; it is registered, trained
 3 steps through the real training loop (``drafttrain.train.run`` on a Hydra-composed config, whose

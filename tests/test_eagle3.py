@@ -91,8 +91,8 @@ def test_layer_ids_convention(tiny_target, drafter):
 
 
 def test_state_dict_is_the_speculators_format(tiny_target):
-    """Names and shapes map one-to-one to vLLM's speculators EAGLE-3 weights (../shared/SERVING.md); nothing
-    of the target (embedding, its head) is saved; parameter count = fc + layer with 2d q/k/v + norms + head."""
+    """Names and shapes map one-to-one to vLLM's speculators EAGLE-3 weights (docs/design.md, "Serving
+    formats"); nothing of the target (embedding, its head) is saved; parameter count = fc + layer with 2d q/k/v + norms + head."""
     cfg = tiny_target.config
     d, n = cfg.hidden_size, 300
     dr = make(tiny_target, draft_vocab_size=n)

@@ -270,3 +270,51 @@ def test_family_recipe_train_run_end_to_end(family, recipe, data_cache, tmp_path
     assert metrics["step"] == 2 and (tmp_path / "drafter" / "drafter.safetensors").is_file()
     if not refused:
         assert metrics["eval/greedy_equal"] is True and metrics["eval/tau"] >= 1.0
+
+
+# ------------------------------------------------------------------------------------------------ vLLM (by hand)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_serves_each_family_export_losslessly(family, tmp_path):
+    """vLLM's CPU build loads the family's tiny target and the speculators export of its EAGLE-3 drafter
+    (8 layers, head_dim 32: vLLM's CPU attention takes it), and speculative greedy == plain greedy. Where
+    vLLM itself cannot run the family's target or its EAGLE-3 (its own refusal), the test is skipped with
+    vLLM's message: docs/benchmarks/serving.md lists them. Skipped without .venv-vllm (CI)."""
+    import json
+
+    from drafttrain.export import export_drafter
+    from drafttrain.export.vllm_client import vllm_python
+    from scripts.serve_check import run_vllm
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
+    target = family_target(family, layers=8)
+    target_dir = tmp_path / "target"
+    target.model.save_pretrained(target_dir)
+    target.tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle3", {"draft_depth": 3, "draft_vocab_size": 0}, target).eval()
+    export_drafter(drafter, "speculators", tmp_path / "eagle3", verifier=str(target_dir), num_speculative_tokens=3,
+                   target_config=target.config)  # fmt: skip
+    runs = [{"speculative_config": None},
+            {"speculative_config": {"model": str(tmp_path / "eagle3"), "method": "eagle3", "num_speculative_tokens": 3}}]
+    prompts = [p[:9] for p in _prompts(target, 2)]
+    job = {"model": str(target_dir), "prompts": prompts, "max_new_tokens": 16, "stop_token_ids": [],
+           "max_model_len": 256, "eager": True, "runs": runs}  # fmt: skip
+    try:
+        results = run_vllm(py, job, threads="0-1", memory_gb=1, timeout_s=1800, log_path=tmp_path / "vllm.log")
+    except RuntimeError as err:
+        pytest.skip(f"vLLM 0.32 CPU cannot run the {family} target: {str(err)[-600:]}")
+    plain, spec = results
+    if "error" in plain:
+        pytest.skip(f"vLLM 0.32 CPU cannot run the {family} target: {plain['error'][-600:]}")
+    if "error" in spec:
+        pytest.skip(f"vLLM 0.32 CPU refuses EAGLE-3 for {family}: {spec['error'][-600:]}")
+    (tmp_path / "result.json").write_text(json.dumps(results))
+    assert spec["outputs"] == plain["outputs"]
+    assert spec["acceptance"]["num_drafts"] > 0

@@ -1,4 +1,4 @@
-"""The ParallelSpec drafting hot path (issue 16 item 2) against the reference path, through the engine.
+"""The ParallelSpec drafting hot path against the reference path, through the engine.
 
 ``ParallelSpecProposer(fast_greedy=True)`` builds its greedy trees from the draft vocabulary in one
 batched top-k with memoized shapes; ``fast_greedy=False`` is the per-sequence full-vocabulary path

@@ -1,4 +1,4 @@
-"""Tests of drafttrain.fastlinear (the target's linears on prepacked weights, issue 16 item 1): both
+"""Tests of drafttrain.fastlinear (the target's linears on prepacked weights): both
 backends, drafttrain's AVX2 kernel (where it builds) and oneDNN.
 
 The swap must be invisible except in speed: same parameters (tied LM head included, so drafters that

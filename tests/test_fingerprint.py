@@ -1,4 +1,4 @@
-"""Caches and checks identify the target by content, not by name (issue 17, item 5).
+"""Caches and checks identify the target by content, not by name.
 
 Why: the self-distillation cache was keyed by the target folder's basename (two different models in
 ``a/model`` and ``b/model`` shared a cache), ``scripts.generate_data`` and the feature cache by

@@ -1,6 +1,6 @@
 """Tests of drafttrain.layout: the group-wise parallel layout, anchors, labels and masks (pure, < 3 s).
 
-The literals below were written by hand from DESIGN.md section 3, not printed from the code:
+The literals below were written by hand from docs/design.md, "Definitions", not printed from the code:
 - item i has position i and attends to items <= i;
 - mask slot j (1..K) of anchor a has position a + j, attends to items <= a and to mask slots 1..j of
   the same anchor only;
@@ -24,7 +24,7 @@ IGN = L.IGNORE_INDEX
 
 
 def reference_layout(labels: list[int], anchors: list[int], k: int) -> dict[str, list]:
-    """DESIGN.md section 3 written as nested loops over slots (no tensor tricks)."""
+    """docs/design.md, "Definitions", written as nested loops over slots (no tensor tricks)."""
     t = len(labels)
     slots = [(0, i) for i in range(t)]  # (kind, anchor): kind 0 = item i
     for a in anchors:

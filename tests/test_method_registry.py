@@ -1,6 +1,6 @@
 """A decoding method added from outside the library: registered in this file only, run by the harness.
 
-This is the extension contract of issue 13 (docs/design.md, "Adding a decoding method"): a method =
+This is the extension contract (docs/design.md, "Adding a decoding method"): a method =
 its proposer + its config section (a dataclass) + a registry entry. The toy here is prompt lookup
 decoding (draft the tokens that followed the last earlier occurrence of the context's final n-gram),
 training-free and lossless under the engine's greedy rule. Nothing under ``drafttrain/`` names it: if

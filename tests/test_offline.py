@@ -1,8 +1,8 @@
-"""Offline by construction (issue 17, item 9): every entry point sets HF_HUB_OFFLINE=1 unless the user set
+"""Offline by construction: every entry point sets HF_HUB_OFFLINE=1 unless the user set
 it, and a hub id given where a local folder is expected fails with our message and no network call.
 
 Why: transformers resolves a string that is not a local folder as a hub id and downloads it. The
-project promises no network at run time (DESIGN.md section 5); this proves it instead of trusting it.
+project promises no network at run time (docs/design.md, "Real inputs"); this proves it instead of trusting it.
 """
 
 from __future__ import annotations

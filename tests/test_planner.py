@@ -1,4 +1,4 @@
-"""Tests of drafttrain.verify.planner (issue 16 item 3: speculation that never loses).
+"""Tests of drafttrain.verify.planner (speculation that never loses).
 
 The planner only chooses which nodes of a proposer's tree are verified and whether to draft, so
 whatever it decides the output must stay plain greedy, token for token. Its decisions are driven by

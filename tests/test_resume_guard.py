@@ -1,5 +1,5 @@
-"""Resume refuses a changed job, before any model loads; a short documented list of keys may change
-(issue 17, item 3). Also the checkpoint writing helpers (atomic rename, cleanup of interrupted saves).
+"""Resume refuses a changed job, before any model loads; a short documented list of keys may change.
+Also the checkpoint writing helpers (atomic rename, cleanup of interrupted saves).
 
 Why: ``resume=true`` used to load any checkpoint in ``output_dir`` into whatever the new command
 built: another drafter width failed deep inside ``load_state`` and another data or optimizer setting

@@ -1,4 +1,4 @@
-"""Speculative sampling is lossless through the *engine*, not only through the rules (issue 17, item 7).
+"""Speculative sampling is lossless through the *engine*, not only through the rules.
 
 ``tests/test_acceptance.py`` checks the acceptance rules as pure functions. This file checks what a
 user gets: the tokens :class:`~drafttrain.verify.engine.SpecEngine` emits, with a real (random)

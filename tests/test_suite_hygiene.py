@@ -1,5 +1,5 @@
 """The suite itself: it fails (never skips) on missing real inputs, asserts no wall-clock limits, and runs
-with strict markers and a per-test timeout (issue 17, item 10).
+with strict markers and a per-test timeout.
 
 Why: in CI the README's test command installs the real model and data packages; a test that skips
 when they are missing turns a broken install step into a green run. A test asserting "took < N s"

@@ -165,7 +165,7 @@ def test_short_run_logs_metrics(run3):
     assert final["eval/tau"] >= 1
     assert final["eval/greedy_equal"] is True
     assert "eval/tau_sim" in final
-    # issue 16 item 5: speedup at the eval batch size (16, planned) and at batch 1 (first prompts, one at a time)
+    # speedup at the eval batch size (16, planned) and at batch 1 (first prompts, one at a time)
     assert final["eval/batch_size"] == 16 and final["eval/latency_prompts"] == 2  # both prompts, one at a time
     assert final["eval/prompts_b1"] == final["eval/prompts"].split(" ids ")[1]  # the ids of those two prompts
     assert final["eval/speedup_b16"] == final["eval/speedup"] > 0 and final["eval/speedup_b1"] > 0

@@ -151,7 +151,7 @@ def test_draft_candidates_sampling_without_replacement():
 
 
 # ---------------------------------------------------------------------------------------------
-# the drafting hot path (issue 16 item 2): batched draft-vocabulary trees, memoized templates
+# the drafting hot path: batched draft-vocabulary trees, memoized templates
 # ---------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 // step: 1; a draft tree's verification: its nodes) against that sequence's cached keys/values, grouped-query
 // heads (GQA) served from ONE read of their shared key/value head.
 //
-// Why (docs/benchmarks/decode_attention.md, issue 16): with few queries per sequence the attention is a
+// Why (docs/benchmarks/decode_attention.md): with few queries per sequence the attention is a
 // stream over the KV cache (B x h_kv x T x hd floats, twice), and torch's sdpa spends 2-3x that stream on
 // it on the 2-core CPU: transformers hands it GQA as [B, h_kv, group, hd] queries (its pack_gqa) or with
 // enable_gqa, and the fused CPU kernel's blocking wastes the tiny query block. At the self-distillation

@@ -3,7 +3,7 @@
 // -mavx512vl the compiler may use 32 ymm registers instead of 16, so a tile holds up to 24-27 accumulators
 // (6 rows x 32 columns, 9 x 24) instead of 12: fewer weight loads per FMA, fewer passes over a weight tile.
 //
-// Why (docs/benchmarks/forward_cost.md, issue 16): on the CPU wheel of torch, F.linear (MKL sgemm) and
+// Why (docs/benchmarks/forward_cost.md): on the CPU wheel of torch, F.linear (MKL sgemm) and
 // oneDNN's prepacked inner product both spend 2-4x the memory roofline on the few-row products a
 // decoding or verification step makes (1-17 rows against 538 MB of weights), and MKL's AVX2 path on
 // AMD cores is slow at every size. This is the textbook register-blocked GEMM micro-kernel (the

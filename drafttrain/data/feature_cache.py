@@ -2,7 +2,7 @@
 
 For every row of a dataset with ``input_ids`` (length L) the cache stores the target's hidden states
 f_0..f_{L-2} of the layers a drafter declares (``feature_layers``, :class:`drafttrain.drafters.base.DrafterSpec`;
-default the final post-norm state, the feature f_t that EAGLE-style drafters read, DESIGN.md §3;
+default the final post-norm state, the feature f_t that EAGLE-style drafters read, docs/design.md, "Definitions";
 several layers concatenated along the last dimension in the declared order) and optionally the target's top-k logits at those positions (``lm_head(f_t)``, the distribution of
 token t+1). Rows are stored in dataset order, in shards with a manifest
 (:class:`drafttrain.data.shards.ShardStore`), so an interrupted run resumes where it stopped.

@@ -15,7 +15,7 @@ consumer follows it and none looks at a drafter's name or probes its attributes:
   ``output_hidden_states[i]``; 0 = the token embeddings; id L (L = ``num_hidden_layers``) = the final
   hidden state after the target's final norm (the LM head's input, ``last_hidden_state``; HF's
   ``output_hidden_states[L]``). Negative ids count from the end as in Python: -1 = L. Every
-  drafter of the library reads ``(-1,)`` (:data:`LAST_LAYER`), the feature f of DESIGN.md §3.
+  drafter of the library reads ``(-1,)`` (:data:`LAST_LAYER`), the feature f of docs/design.md, "Definitions".
   Several ids are **concatenated along the last dimension in the declared order**: the drafter's
   features are ``[..., len(ids) * d]``, layer ids[j] at ``[..., j * d : (j + 1) * d]``
   (:func:`drafttrain.target.resolve_feature_layers` normalises ids; ``Target.forward(...,
@@ -23,7 +23,7 @@ consumer follows it and none looks at a drafter's name or probes its attributes:
   batch (``batch["features"]`` [b, L-1, len(ids) * d]), the engine and the in-training evaluation
   all hand the drafter exactly these.
 - ``step_input``: what the engine hands it per verification step. ``"items"``: the features of every
-  new item, i.e. the accepted tokens and the bonus token (DESIGN.md §3), which a drafter with its own
+  new item, i.e. the accepted tokens and the bonus token (docs/design.md, "Definitions"), which a drafter with its own
   KV cache appends; ``"last"``: only the last position's feature (Medusa heads; no drafter cache).
 - ``batched``: the drafter implements the one-decoder-layer interface of
   :class:`~drafttrain.drafters.feature_layer.FeatureLayerDrafter` (``items``, ``decode``, ``logits`` /
@@ -49,7 +49,8 @@ The target's embedding, final norm and LM head are shared *by reference* and fro
 out of the module tree (so they are neither optimised, nor wrapped by DDP, nor saved).
 
 Draft vocabulary (EAGLE-3's lever, docs/design.md): every drafter has two buffers in the serving
-engines' convention (vLLM / speculators / SGLang, ../shared/SERVING.md), the ONE convention of this codebase:
+engines' convention (vLLM / speculators / SGLang; docs/design.md, "Serving formats"), the ONE convention of
+this codebase:
 
 - ``d2t`` [N] int64, an **offset**: draft id i is target id ``i + d2t[i]`` (all zeros when unrestricted,
   N = v); :attr:`Drafter.draft_token_ids` gives the absolute ids ``arange(N) + d2t``;

@@ -5,7 +5,7 @@ via training-time test", sections 3.1-3.2), trained with the training-time test 
 position: layer ids ``aux_layer_ids`` (default ``(2, L // 2, L - 3)``, vLLM's and speculators'
 convention: **id i is the hidden state entering decoder layer i**, Hugging Face's
 ``output_hidden_states[i]``, 0 = the embeddings; SpecForge writes the same tensors as ``[1, L//2 - 1,
-L - 4]``, "output of layer i", see ../shared/SERVING.md). Targets with fewer than 6 layers clamp the
+L - 4]``, "output of layer i", see docs/design.md, "Serving formats"). Targets with fewer than 6 layers clamp the
 defaults into [0, L - 1]. It also reads the final post-norm state (id L, the LM head's input) but only
 for training: the target's next-token distribution, LM head(f_{i+1}), is the TTT loss's target. The
 features handed to it are these layers concatenated in the order of :attr:`Eagle3Drafter.feature_layer_ids`
@@ -143,7 +143,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
                 raise ValueError(f"drafter.{key} must be >= 1, got {self.config[key]}")
         mcfg = copy.deepcopy(shared.model_config)
         if getattr(mcfg, "_attn_implementation", None) not in ("sdpa", "eager"):
-            mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (PLATFORM.md)
+            mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (docs/design.md, "Platform notes")
         self.aux_layer_ids = resolve_aux_layer_ids(self.config["aux_layer_ids"], mcfg.num_hidden_layers)
         self.feature_layer_ids = feature_layer_ids(self.aux_layer_ids, mcfg.num_hidden_layers)
         slot = {layer: j for j, layer in enumerate(self.feature_layer_ids)}

@@ -1,6 +1,6 @@
 """The part EAGLE and both ParallelSpec drafters share: items fc([e(x_{i+1}); f_i]) -> one decoder layer.
 
-DESIGN.md section 3: drafter item i combines the target's last hidden state f_i and the embedding of
+docs/design.md, "Definitions": drafter item i combines the target's last hidden state f_i and the embedding of
 the token x_{i+1} it produced, u_i = fc([e(x_{i+1}); f_i]) (EAGLE, Li et al. 2024, section 4.1; ParallelSpec
 Eq. 4's pi(f~_t | f_<t, e_<t)). One decoder layer of the target's own class and hyper-parameters runs
 over the items with explicit position ids and an additive 4D mask; the target's final norm and LM head,
@@ -54,7 +54,7 @@ class FeatureLayerDrafter(Drafter):
         super().__init__(config, shared)
         mcfg = copy.deepcopy(shared.model_config)
         if getattr(mcfg, "_attn_implementation", None) not in ("sdpa", "eager"):
-            mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (PLATFORM.md)
+            mcfg._attn_implementation = "sdpa"  # float 4D masks: sdpa or eager only (docs/design.md, "Platform notes")
         d = mcfg.hidden_size
         # items read [e(x_{i+1}); f_i]: d + the declared features' width (len(feature_layers) * d)
         self.fc = nn.Linear(d + self.feature_dim, d, bias=bool(self.config["fc_bias"]))

@@ -1,7 +1,7 @@
 """ParallelSpec [MASK]-token parallel drafter, Medusa integration (ParallelSpec paper section 4.1, 4.3, Eq. 3).
 
 One decoder layer with the target's hyper-parameters reads the items u_i = fc([e(x_{i+1}); f_i])
-(DESIGN.md section 3, :mod:`drafttrain.drafters.feature_layer`) and K learned [MASK] input vectors; the
+(docs/design.md, "Definitions"; :mod:`drafttrain.drafters.feature_layer`) and K learned [MASK] input vectors; the
 target's final norm and LM head, shared and frozen, turn its outputs into distributions. One forward
 pass over the context items plus K mask slots drafts K + 1 tokens: the anchor item's output guesses
 x_{n+1}, mask slot j guesses x_{n+1+j} (Fig. 2 left). Training uses the group-wise layout

@@ -14,7 +14,7 @@ new items + K mask slots drafts K + 1 tokens (ParallelSpec Fig. 2 left, Algorith
 embedding is the target's (shared, frozen) row of ``mask_token_id``: the learned part is
 ``mask_hidden``; -1 picks the last id of the target vocabulary.
 
-Training: ParallelSpec's group-wise parallel layout (:mod:`drafttrain.layout`, DESIGN.md section 3):
+Training: ParallelSpec's group-wise parallel layout (:mod:`drafttrain.layout`; docs/design.md, "Definitions"):
 items first, then K mask slots per anchor (mask slot j of anchor a at position a + j, seeing items <= a
 and mask slots 1..j of the same anchor). Loss = the paper's EAGLE integration ("the sum of EAGLE
 losses over the tokens within the same group", section 4.3) with EAGLE-3's objective in place of

@@ -36,7 +36,7 @@ def _get(results: dict, bs: int, variant: str) -> dict | None:
 
 
 def _methods_table(results: dict) -> list[str]:
-    """One row per (batch, method, mode): the comparison of decoding methods (issue: modes report)."""
+    """One row per (batch, method, mode): the comparison of decoding methods."""
     ppl = any("perplexity" in r for r in results["runs"])
     head = "| batch | method | mode | lossless | τ | tok/s | speedup | mean tree nodes | equal to plain |"
     head += " perplexity |" if ppl else ""

@@ -6,7 +6,7 @@ the target verifies ``[last token, d_1..d_depth]`` in one forward pass, the
 longest prefix of drafts equal to the target's own argmax is accepted, and the target's argmax after
 it is the bonus token. Greedy acceptance makes the output identical to plain greedy decoding of the
 target (checked by :func:`evaluate_prompts` on every prompt). Rejected positions are cropped from
-both KV caches. The bundled batched tree verifier is a separate component (DESIGN.md section 4).
+both KV caches. The bundled batched tree verifier is a separate component (docs/design.md, "The verifier").
 
 τ (acceptance length) = tokens emitted by verification steps / verification forwards; the prefill
 forward (which emits the first token in both plain and speculative decoding) is not counted.
@@ -248,7 +248,7 @@ def evaluate_prompts_batched(
     batching, EMS-SD unpadded KV cache). On a CPU a batch-1 forward of the target is bound by reading
     its weights, so a batch of 16 costs little more than one sequence: the evaluation takes minutes
     instead of most of a training budget. τ has the same definition (tokens emitted by verification
-    steps / sequence-steps, prefill excluded; DESIGN.md §3); ``speedup`` is the tokens/s ratio of the
+    steps / sequence-steps, prefill excluded; docs/design.md, "Definitions"); ``speedup`` is the tokens/s ratio of the
     two engine runs **at this batch size** (for batch-1 latency use :func:`evaluate_prompts`), prompt
     forwards included; ``speedup_decode`` the same ratio of the decoding steps alone
     (:attr:`~drafttrain.verify.engine.EngineStats.decode_tokens_per_s`: both runs make the same prompt

@@ -1,4 +1,4 @@
-"""Export a trained drafter to the folders serving engines load (issue 15; ../shared/SERVING.md).
+"""Export a trained drafter to the folders serving engines load (docs/design.md, "Serving formats").
 
 One module per format; each has ``export(drafter, out_dir, **options) -> engine config`` and
 ``load(directory, target) -> Drafter`` (drafttrain's own reader of the exported folder, so tests can hold

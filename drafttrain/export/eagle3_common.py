@@ -9,7 +9,7 @@ cat(input_layernorm(e), hidden_norm(g)) with 2d-wide q/k/v; the residual is g it
 lm_head(norm(h)) over the draft vocabulary, scattered to target ids i + d2t[i]; the next step's g is h
 before ``norm``. :class:`drafttrain.drafters.eagle3.Eagle3Drafter` computes this with the same names.
 
-Layer ids (../shared/SERVING.md). drafttrain and vLLM: id i = the hidden state *entering* decoder layer
+Layer ids (docs/design.md, "Serving formats"). drafttrain and vLLM: id i = the hidden state *entering* decoder layer
 i (HF ``output_hidden_states[i]``); vLLM captures them while walking the layers in order, so its fc
 input is [h_i for i in sorted(set(ids))]: ids must be strictly increasing or vLLM concatenates them in
 another order (or fewer of them). SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and

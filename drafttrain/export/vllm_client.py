@@ -5,7 +5,7 @@ transformers/datasets than drafttrain). drafttrain never imports it: :mod:`draft
 plain file that imports only vLLM and the standard library) runs under that venv's python.
 
 - :func:`vllm_python`: the venv's python (explicit, ``$DRAFTTRAIN_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).
-- :func:`vllm_env`: the environment vLLM's CPU backend needs on a small machine (../shared/PLATFORM.md: it
+- :func:`vllm_env`: the environment vLLM's CPU backend needs on a small machine (docs/design.md, "Platform notes": it
   binds one core and reserves the other unless told otherwise).
 - :class:`VllmGenerator`: one engine for a whole generation job (``generation.backend=vllm``), started on the
   first request, answering greedy requests over JSON lines (``vllm_runner.py --serve``), shut down by

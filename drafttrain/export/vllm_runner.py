@@ -17,7 +17,7 @@ OUT: one result per run ``{"outputs": [[ids...]...], "seconds": s, "generated": 
 (``LLM(disable_log_stats=False).get_metrics()``): mean acceptance length = 1 + accepted / drafts (tokens
 emitted per verification step, drafttrain's tau), per-position rate = accepted at position i / drafts.
 
-CPU settings (../shared/PLATFORM.md): VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU come from
+CPU settings (docs/design.md, "Platform notes"): VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU come from
 the caller's environment; the engine spawns processes, hence the ``__main__`` guard.
 """
 

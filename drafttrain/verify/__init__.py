@@ -1,6 +1,7 @@
-"""The bundled batched verifier (DESIGN.md §4): trees, acceptance rules, the ragged KV cache, proposers, engine.
+"""The bundled batched verifier (docs/design.md, "The verifier"): trees, acceptance rules, the ragged KV
+cache, proposers, engine.
 
-The extra decoding modes (issue 6) live beside it as self-contained building blocks:
+The extra decoding modes live beside it as self-contained building blocks:
 :mod:`~drafttrain.verify.methods.sssd_datastore` (suffix-array datastore), :mod:`~drafttrain.verify.methods.sssd`
 (SSSD drafting, membership acceptance, speculation-length planner), :mod:`~drafttrain.verify.methods.mcsd`
 (improved MCSD topology, sliced mask, decision model) and :mod:`~drafttrain.verify.methods.mtad` (MTAD beam

@@ -1,4 +1,4 @@
-"""The batched speculative-decoding engine (DESIGN.md §4; EMS-SD; ParallelSpec Algorithm 1).
+"""The batched speculative-decoding engine (docs/design.md, "The verifier"; EMS-SD; ParallelSpec Algorithm 1).
 
 One engine runs a queue of prompts through the frozen target, ``batch_size`` sequences at a time,
 each with its own KV-cache length. A step (:meth:`SpecEngine.step`) is::
@@ -101,7 +101,7 @@ class EngineStats:
     """Counters of one run. Tokens are counted per sequence; ``forwards`` per batched target call.
 
     τ = ``emitted / seq_steps`` (tokens emitted per sequence per verification forward, bonus included,
-    prefill excluded; DESIGN.md §3). Padding (EMS-SD): ``input_padding`` = padded input slots of the
+    prefill excluded; docs/design.md, "Definitions"). Padding (EMS-SD): ``input_padding`` = padded input slots of the
     verification forwards, ``kv_padding`` = cache slots skipped to keep rows aligned (verification
     and refills); ratios are padded / real (``input_tokens``, ``kv_tokens`` = committed tokens).
     """

@@ -5,7 +5,7 @@ small integer naming one live sequence (0..batch_size-1, reused after :meth:`~Pr
 
 1. ``start(slot, prompt_ids, hidden, first_token)`` after the prompt's prefill: ``hidden`` [P, d]
    are the target's last hidden states f_0..f_{P-1} at the prompt positions and ``first_token`` the
-   token the target produced after the prompt. In the item convention of DESIGN.md §3 the
+   token the target produced after the prompt. In the item convention of docs/design.md, "Definitions", the
    sequence's first items are (x_{i+1}, f_i) = zip(prompt_ids[1:] + [first_token], hidden).
 2. ``draft(slots, sampling, generator) -> list[DraftTree]``: one tree per slot, rooted at the
    slot's last emitted token (the root is not in the tree). Under sampling (``not

@@ -17,7 +17,7 @@ from drafttrain.verify.methods.registry import Method, MethodContext, Variant, r
 
 @dataclass
 class TreeConfig:
-    """Draft tree of the drafter's proposer (DESIGN.md §4, ParallelSpec Appendix A.3): ``tree.*`` in
+    """Draft tree of the drafter's proposer (docs/design.md, "The verifier"; ParallelSpec Appendix A.3): ``tree.*`` in
     ``conf/evaluate.yaml``.
 
     ``widths``: candidates per depth (null = a chain over all K + 1 depths); ``budget``: maximum nodes

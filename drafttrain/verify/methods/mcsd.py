@@ -1,7 +1,7 @@
 """Improved multi-candidate speculative decoding (MCSD): target-initialized multi-candidate trees,
 the dynamic sliced topology-aware mask, and the early-stopping decision model.
 
-Source: Lu et al., "Improving Multi-candidate Speculative Decoding" (../shared/papers/MCSD-improved.txt).
+Source: Lu et al., "Improving Multi-candidate Speculative Decoding".
 
 Tree topology (§3.1, §4.1). A configuration ``(W_t, k_1, ..., k_gamma)``: W_t tokens are sampled from
 the *target's* distribution at the current position ("target model initialized multi-candidate
@@ -200,7 +200,7 @@ def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Boolean keep-mask -> additive float mask (0 where True, ``finfo(dtype).min`` where False), built
-    in the model dtype (see PLATFORM.md: boolean masks are silently wrong with eager attention)."""
+    in the model dtype (see docs/design.md, "Platform notes": boolean masks are silently wrong with eager attention)."""
     out = torch.zeros(mask.shape, dtype=dtype)
     return out.masked_fill_(~mask, torch.finfo(dtype).min)
 

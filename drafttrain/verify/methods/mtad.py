@@ -1,8 +1,7 @@
 """MTAD: multi-token assisted decoding — beam drafting with joint draft likelihoods, joint-likelihood
 acceptance of the longest passing prefix (lossy), and output perplexity under the target.
 
-Source: "Optimized Multi-Token Joint Decoding with Auxiliary Model for LLM Inference"
-(../shared/papers/MTAD.txt).
+Source: "Optimized Multi-Token Joint Decoding with Auxiliary Model for LLM Inference".
 
 Drafting (§3.2): the auxiliary model's joint distribution q(x_{1:K} | context) approximates the
 target's; "it is still infeasible to directly generate draft tokens from the joint distribution ... so

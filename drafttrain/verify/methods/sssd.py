@@ -1,7 +1,7 @@
 """SSSD: training-free drafting from the input and a datastore, membership acceptance, and the
 speculation-length planner.
 
-Source: Marzollo et al., "SSSD: Simply-Scalable Speculative Decoding" (../shared/papers/SSSD.txt).
+Source: Marzollo et al., "SSSD: Simply-Scalable Speculative Decoding".
 
 Drafting (§3.1). Two sources of n-gram continuations of the recent context:
 
