@@ -1,27 +1,27 @@
-"""Typed configuration: one dataclass per Hydra group, validated at start-up.
+"""Typed configuration: one dataclass per Hydra group, the schemas of every entry point.
 
-Library code never sees a DictConfig: :func:`validate` merges the composed Hydra config into these
-dataclasses (OmegaConf structured merge), so a typo'd key or a wrong type fails with a message naming
-the key before any model loads (docs/design.md, "Configuration conventions").
+This module holds the schemas only (dataclasses, numeric ranges, moved keys) and imports nothing of
+drafttrain's but the CLI helpers (:mod:`drafttrain.cliconfig`), so anything may import it.
+:mod:`drafttrain.validation` is where a composed config meets the registries (drafters, decoding methods,
+backends, target families): :func:`drafttrain.validation.validate` merges a composed Hydra config into
+these dataclasses, so a typo'd key or a wrong type fails with a message naming the key before any model
+loads (docs/design.md, "Configuration conventions").
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from pathlib import Path
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 
-from drafttrain.cliconfig import ConfigError, validate_into
+from drafttrain.cliconfig import ConfigError
 
 # target.fast_linear (drafttrain.fastlinear.resolve says what each does)
 FAST_LINEAR_MODES = ("auto", "on", "off", "kernel", "onednn")
 
-__all__ = ["ConfigError", "validate", "validate_eval", "validate_into"]  # ConfigError's home: drafttrain.cliconfig
+__all__ = ["ConfigError"]  # ConfigError's home: drafttrain.cliconfig; validation: drafttrain.validation
 
 
 @dataclass
@@ -100,52 +100,6 @@ LEGACY_DRAFTER_KEYS: dict[str, Any] = {
     "init_from_target_layer": True, "fc_bias": True, "draft_vocab_size": 0, "kd_weight": 0.0, "reg_weight": 1.0,
     "cls_weight": 0.1, "feature_noise": 0.1,
 }  # fmt: skip
-
-_SCHEMAS: dict[type, type] = {}
-
-
-def drafter_schema(name: str) -> type:
-    """The config dataclass of drafter ``name``: :class:`DrafterConfig` (``name``) plus one field per key of
-    the class's ``defaults``, typed by its default value (bool, int, float, str; a list or None: any).
-
-    Raises:
-        ConfigError: no drafter of that name is registered.
-    """
-    from dataclasses import make_dataclass
-
-    from drafttrain.drafters import DRAFTERS  # torch, no model: still before anything loads
-
-    if name not in DRAFTERS:
-        raise ConfigError(f"drafter.name '{name}' is not one of {sorted(DRAFTERS)} (a drafter defined elsewhere "
-                          f"must be registered with drafttrain.drafters.register_drafter before validation)")  # fmt: skip
-    cls = DRAFTERS[name]
-    if cls not in _SCHEMAS:
-        cols = []
-        for key, value in cls.defaults.items():
-            typ = type(value) if isinstance(value, (bool, int, float, str)) else Any
-            default = field(default_factory=lambda v=value: list(v)) if isinstance(value, list) else field(default=value)
-            cols.append((key, typ, default))
-        _SCHEMAS[cls] = make_dataclass(f"{cls.__name__}Config", cols, bases=(DrafterConfig,))
-        _SCHEMAS[cls].__module__ = __name__
-    return _SCHEMAS[cls]
-
-
-def _validate_drafter(section: dict[str, Any]) -> DrafterConfig:
-    """The ``drafter`` section merged into its drafter's schema (unknown keys and wrong types name the key)."""
-    section = dict(section or {})
-    name = section.get("name", DrafterConfig.name)
-    schema = drafter_schema(name)
-    own = {f.name for f in fields(schema)}
-    section = {k: v for k, v in section.items() if k in own or LEGACY_DRAFTER_KEYS.get(k, object()) != v}
-    from dataclasses import make_dataclass
-
-    wrapper = make_dataclass("DrafterSection", [("drafter", schema, field(default_factory=schema))])  # keys: drafter.*
-    try:
-        out = validate_into(wrapper, {"drafter": section}).drafter
-    except ConfigError as e:
-        raise ConfigError(f"{e} (drafter {name} reads {sorted(own - {'name'})})") from None
-    out.name = name
-    return out
 
 
 @dataclass
@@ -305,7 +259,7 @@ class SamplingConfig:
 @dataclass
 class VllmConfig:
     """``generation.vllm``: the vLLM engine of ``generation.backend=vllm`` (a second venv, run as a subprocess:
-    :class:`drafttrain.export.vllm_client.VllmGenerator`). Operational settings: none is part of a job's key."""
+    :class:`drafttrain.generation.vllm.VllmGenerator`). Operational settings: none is part of a job's key."""
 
     python: str | None = None  # the vLLM venv's python (null: $DRAFTTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)
     threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (null: every core this process may use)
@@ -334,7 +288,7 @@ class GenerationConfig:
     check_template: bool = True  # check the template renders the regenerated text as the ids we assemble
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # engine: greedy generation through the bundled engine (preallocated ragged KV cache, no per-step cache
-    # copy, drafttrain/verify/recorder.py); hf: Target.generate (HF DynamicCache; also what sampling uses);
+    # copy, drafttrain/generation/engine.py); hf: Target.generate (HF DynamicCache; also what sampling uses);
     # vllm: greedy through vLLM in its own venv (scripts/install_vllm.sh), features from a teacher-forced pass
     backend: str = "engine"
     vllm: VllmConfig = field(default_factory=VllmConfig)  # backend=vllm only
@@ -406,32 +360,6 @@ def upgrade_saved(d: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(p, {})
         node[nleaf] = value
     return d
-
-
-def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
-    """Merge a composed config into ``schema`` (default :class:`TrainConfig`).
-
-    Hydra's own ``hydra`` node is ignored. Raises:
-        ConfigError: a key is unknown (the message names it with its full path), a value has the
-            wrong type, or a value is out of range.
-    """
-    drafter = None
-    if schema is TrainConfig and not isinstance(cfg, TrainConfig):  # the drafter section: against its own class
-        if isinstance(cfg, DictConfig):
-            try:
-                cfg = OmegaConf.to_container(cfg, resolve=True)
-            except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
-                raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}") from None
-        cfg = dict(cfg)
-        drafter = cfg.pop("drafter", None) or {}
-    out = validate_into(schema, cfg, MOVED_KEYS if schema is TrainConfig else None)
-    if drafter is not None:
-        out.drafter = _validate_drafter(drafter)
-    problems = numeric_problems(out)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    _CHECKS[schema](out)
-    return out
 
 
 @dataclass(frozen=True)
@@ -525,166 +453,7 @@ def numeric_problems(obj, prefix: str = "") -> list[str]:
     return problems
 
 
-def _check_values(c: TrainConfig) -> None:
-    problems = []
-    if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
-        problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
-    if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
-        problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
-    se = c.trainer.spec_eval
-    tw, tb = se.tree.widths, se.tree.budget
-    if (tw is not None or tb is not None) and se.batch_size == 1:
-        problems.append("trainer.spec_eval.tree.widths/budget need trainer.spec_eval.batch_size > 1 (the batch-1 "
-                        "evaluation decodes a chain); set them to null")
-    if tw is not None and not tw:
-        problems.append("trainer.spec_eval.tree.widths must be a non-empty list of positive ints (or null)")
-    if se.compile_target and (se.batch_size == 1 or se.latency_prompts == 0):
-        problems.append("trainer.spec_eval.compile_target applies to the batch-1 latency runs: it needs "
-                        "trainer.spec_eval.batch_size > 1 and latency_prompts > 0")
-    if se.sssd.source not in ("none", "input", "data"):
-        problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
-    uses_engine = c.trainer.spec_eval.num_prompts > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
-    problems += _check_target(c.target, uses_engine=uses_engine)
-    problems += _check_backend("data.generation", c.data.generation, c.target)
-    if c.optim.decay_over not in ("steps", "minutes"):
-        problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
-    elif c.optim.decay_over == "minutes" and c.trainer.max_minutes is None:
-        problems.append("optim.decay_over=minutes needs trainer.max_minutes (the time the cosine runs over)")
-    if c.data.features not in ("auto", "live", "cache"):
-        problems.append("data.features must be auto|live|cache")
-    if c.data.features == "cache" and not c.data.feature_cache:
-        problems.append("data.features=cache needs data.feature_cache=<folder written by scripts.cache_features>")
-    if c.data.source == "generated" and not c.data.path:
-        problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
 BACKENDS = ("engine", "hf", "vllm")
-
-
-def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
-    """Problems with the target's ``dtype``, ``fast_linear`` and family (train, generate and evaluate share
-    them). ``uses_engine``: the job decodes with drafttrain's engine, so a family the engine cannot run
-    exactly (:func:`drafttrain.families.check_engine_support`) is refused here, before any model loads."""
-    from drafttrain import families  # imports nothing of drafttrain's
-
-    problems = []
-    if t.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append("target.dtype must be float32|bfloat16|float16")
-    if t.fast_linear not in FAST_LINEAR_MODES:
-        problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {t.fast_linear!r}")
-    if t.random_init and t.family not in families.FAMILIES:
-        problems.append(f"target.family must be one of {'|'.join(families.FAMILIES)}, got {t.family!r}")
-        return problems
-    model_config = target_model_config(t)
-    if uses_engine and model_config is not None:
-        try:
-            families.check_engine_support(model_config)
-        except ValueError as err:
-            problems.append(str(err))
-    return problems
-
-
-def target_model_config(t: TargetConfig) -> dict | None:
-    """What is known of the target's model config before it loads: ``{"model_type"}`` of a tiny target's
-    family, the ``config.json`` of ``target.path``; None for the packaged model (a Llama) or a missing folder."""
-    if t.random_init:
-        from drafttrain import families
-
-        return {"model_type": families.by_name(t.family).model_types[0]}
-    if t.path:
-        f = Path(t.path).expanduser() / "config.json"
-        if f.is_file():
-            try:
-                return json.loads(f.read_text())
-            except (OSError, ValueError):
-                return None
-    return None
-
-
-def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
-    """Problems of ``g.backend`` (a GenerationConfig or DistillConfig at ``key``); for ``vllm``, the ones that would
-    otherwise fail after the target has loaded: no vLLM python, no HF folder of the target for vLLM to load."""
-    if g.backend not in BACKENDS:
-        return [f"{key}.backend must be {'|'.join(BACKENDS)}, got {g.backend!r}"]
-    if g.backend != "vllm":
-        return []
-    from drafttrain.export.vllm_client import vllm_python
-
-    problems, v = [], g.vllm
-    if vllm_python(v.python) is None:
-        where = f"{key}.vllm.python={v.python} is not a file" if v.python else "no .venv-vllm/bin/python (nor $DRAFTTRAIN_VLLM_PYTHON)"
-        problems.append(f"{key}.backend=vllm needs vLLM's venv: {where}; run `bash scripts/install_vllm.sh` "
-                        f"(creates .venv-vllm) or set {key}.vllm.python=<its python>")
-    if target.random_init:
-        problems.append(f"{key}.backend=vllm loads the target from its Hugging Face folder, and a random target "
-                        "(target.random_init=true) has none: save it (save_pretrained) and pass target.path=<folder>")
-    if v.kv_cache_gb < 1 or not 0 < v.memory_utilization <= 1 or v.timeout_s < 1:
-        problems.append(f"{key}.vllm.kv_cache_gb and timeout_s must be >= 1, memory_utilization in (0, 1]")
-    return problems
-
-
-def _check_generate(c: GenerateConfig) -> None:
-    g, problems = c.generation, []
-    if g.max_new_tokens < 1 or g.max_length < 2 or g.batch_size < 1:
-        problems.append("generation.max_new_tokens, generation.batch_size must be >= 1 and generation.max_length >= 2")
-    if g.max_batch_tokens is not None and g.max_batch_tokens < 1:
-        problems.append("generation.max_batch_tokens must be >= 1 or null")
-    if g.shard_size is not None and g.shard_size < 1:
-        problems.append("generation.shard_size must be >= 1")
-    if g.max_turns is not None and g.max_turns < 1:
-        problems.append("generation.max_turns must be >= 1 or null")
-    if g.on_length not in ("close", "stop"):
-        problems.append("generation.on_length must be close|stop")
-    problems += _check_backend("generation", g, c.target)
-    if g.backend == "vllm" and g.sampling.temperature > 0:
-        problems.append("generation.backend=vllm is greedy only (generation.sampling.temperature=0): sampled rows draw "
-                        "from a generator seeded per conversation and turn (generation.sampling.seed), which vLLM "
-                        "cannot reproduce; sample with generation.backend=hf")
-    if g.sampling.temperature < 0 or not 0 < g.sampling.top_p <= 1:
-        problems.append("generation.sampling.temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
-    problems += _check_target(c.target, uses_engine=g.backend == "engine")
-    if not c.output_dir:
-        problems.append("output_dir must be set")
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def _check_cache(c: CacheFeaturesConfig) -> None:
-    problems = []
-    if not c.dataset:
-        problems.append("dataset=<folder> is required (a scripts.generate_data output_dir or a saved dataset)")
-    if c.dtype not in ("float16", "bfloat16"):
-        problems.append("dtype must be float16|bfloat16")
-    if c.top_k < 0 or c.batch_size < 1 or c.shard_size < 1:
-        problems.append("top_k must be >= 0, batch_size and shard_size >= 1")
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def _check_decision(c: DecisionModelConfig) -> None:
-    if not c.data:
-        raise ConfigError("data=[<decision log>.jsonl, ...] is required (scripts.evaluate mcsd.decisions_out=... writes them)")
-
-
-_CHECKS = {TrainConfig: _check_values, GenerateConfig: _check_generate, CacheFeaturesConfig: _check_cache,
-           DecisionModelConfig: _check_decision}  # fmt: skip
-
-
-def resolve_mixed_precision(setting: str) -> str:
-    """``auto`` -> ``bf16`` where the device computes bf16 natively (:func:`drafttrain.host.native_bf16`: a
-    CUDA GPU with bf16, a CPU with AVX512_BF16 / AMX / Arm BF16, or a probe where the flags cannot be read),
-    else ``no``. Other settings are returned as they are.
-
-    Not oneDNN's ``_is_mkldnn_bf16_supported()``: it is true on any AVX-512 CPU, also where bf16 is
-    emulated and a training step runs several times slower than in fp32 (AVX2-only CPUs are far worse).
-    """
-    if setting != "auto":
-        return setting
-    from drafttrain.host import native_bf16
-
-    return "bf16" if native_bf16()[0] else "no"
 
 
 def to_dict(c) -> dict[str, Any]:
@@ -742,58 +511,3 @@ class EvalConfig:
         return list(self.methods) if self.methods is not None else [self.proposer]
 
 
-def eval_schema() -> type:
-    """:class:`EvalConfig` plus one field per registered decoding method's config section (read from
-    :data:`drafttrain.verify.methods.METHODS`; built once per set of sections)."""
-    from drafttrain.verify.methods import config_sections
-
-    return _eval_schema(tuple(config_sections().items()))
-
-
-@functools.lru_cache(maxsize=None)
-def _eval_schema(sections: tuple[tuple[str, type], ...]) -> type:
-    fields_ = [(key, cls, field(default_factory=cls)) for key, cls in sections]
-    return make_dataclass("EvalConfig", fields_, bases=(EvalConfig,), namespace={"__module__": __name__})
-
-
-def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
-    """Merge a composed ``conf/evaluate.yaml`` into :func:`eval_schema` (as :func:`validate` does for training).
-
-    Method names, whether a checkpoint is needed and each method's value checks come from the method
-    registry (:mod:`drafttrain.verify.methods`).
-
-    Raises:
-        ConfigError: unknown key, wrong type, or a bad value (before any model loads).
-    """
-    from drafttrain.verify.engine import MODES
-    from drafttrain.verify.methods import METHODS
-
-    c: EvalConfig = validate_into(eval_schema(), cfg)
-    problems = numeric_problems(c)
-    if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
-        problems.append("batch_sizes must be a non-empty list of ints >= 1")
-    bad = [m for m in list(c.modes) + [c.plain_mode] if m not in MODES]
-    if bad:
-        problems.append(f"unknown engine mode(s) {bad}; choose from {list(MODES)}")
-    if c.pack_inputs not in ("auto", "always"):
-        problems.append("pack_inputs must be auto or always")
-    if c.max_new_tokens < 1:
-        problems.append("max_new_tokens must be >= 1")
-    if c.temperature < 0 or not 0 < c.top_p <= 1:
-        problems.append("temperature must be >= 0 and top_p in (0, 1]")
-    if c.proposer not in METHODS:
-        problems.append(f"proposer must be a registered decoding method {sorted(METHODS)}, got {c.proposer!r}")
-    methods = c.method_names()
-    if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
-        problems.append(f"methods must be distinct names from {sorted(METHODS)}, got {methods}")
-    else:
-        if len({METHODS[m].name for m in methods}) != len(methods):
-            problems.append(f"methods {methods} name one method twice (an alias and its name)")
-        if c.checkpoint is None and not c.untrained_drafter and any(METHODS[m].needs_drafter for m in methods):
-            problems.append("checkpoint=PATH is required (or untrained_drafter=true to time a fresh drafter)")
-        for m in dict.fromkeys(METHODS[m] for m in methods):
-            problems += m.check(c) if m.check is not None else []
-    problems += _check_target(c.target, uses_engine=True)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return c

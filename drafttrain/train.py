@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from drafttrain.config import TrainConfig, resolve_mixed_precision, to_dict, validate
+from drafttrain.config import TrainConfig, to_dict
+from drafttrain.validation import resolve_mixed_precision, validate
 
 log = logging.getLogger(__name__)
 

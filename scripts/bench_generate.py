@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"phase must be sweep, full, backends or report, got {args.phase!r}")
     if args.phase == "backends":
         from drafttrain.config import BACKENDS
-        from drafttrain.export.vllm_client import vllm_python
+        from drafttrain.generation.vllm import vllm_python
 
         bases = [b.partition(":")[0] for b in args.backends]
         linears = {b.partition(":")[2] for b in args.backends} - {""}
@@ -382,7 +382,7 @@ def markdown(results: dict) -> str:
                   f"First {b['conversations']} ShareGPT conversations with the main job's settings (first turns, prompts "
                   "<= 256 tokens, 128 new tokens, batch 64, one batch per shard, features kept): **hf** = "
                   "`Target.generate` (HF `DynamicCache`: every layer's keys/values concatenated each step, finished rows "
-                  "compacted by copying), **engine** = `generation.backend=engine` (`drafttrain/verify/recorder.py`: "
+                  "compacted by copying), **engine** = `generation.backend=engine` (`drafttrain/generation/engine.py`: "
                   "the engine's preallocated ragged cache written in place, finished rows refilled). Runs alternate "
                   f"ABBA in one process; {b['date']}, {b['machine']['cpus']} CPUs.", "",
                   "| run | backend | generated tokens | seconds | tokens/s | load avg (start, end) |", "|---|---|---|---|---|---|"]

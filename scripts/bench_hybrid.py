@@ -33,7 +33,8 @@ class BenchHybridConfig:
 
 
 def bench(cfg: BenchHybridConfig) -> dict:
-    from drafttrain.config import ConfigError, to_dict, validate
+    from drafttrain.config import ConfigError, to_dict
+    from drafttrain.validation import validate
     from drafttrain.target import load_target
     from drafttrain.train import spec_eval
     from scripts.common import load_drafter, load_run_config, run_train_data

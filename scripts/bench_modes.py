@@ -120,7 +120,7 @@ def write_markdown(data: dict, out: Path) -> None:
 
 def replan(out: Path) -> None:
     """Re-run only the planner (forward times measured now) for the batch sizes of an existing modes.json."""
-    from drafttrain.config import validate_eval
+    from drafttrain.validation import validate_eval
     from drafttrain.eval.harness import _git_sha
     from drafttrain.verify.methods.sssd import plan_sssd_budget
     from drafttrain.target import load_target

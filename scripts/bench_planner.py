@@ -99,7 +99,8 @@ class BenchPlannerConfig:
 
 
 def bench(cfg: BenchPlannerConfig) -> dict:
-    from drafttrain.config import ConfigError, validate
+    from drafttrain.config import ConfigError
+    from drafttrain.validation import validate
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
     from drafttrain.eval.spec import plain_greedy, run_interleaved

@@ -116,7 +116,8 @@ def load_run(out: Path):
     with the run's torch thread count."""
     import torch
 
-    from drafttrain.config import upgrade_saved, validate
+    from drafttrain.config import upgrade_saved
+    from drafttrain.validation import validate
     from drafttrain.drafters import Drafter
     from drafttrain.target import load_target
 

@@ -141,7 +141,7 @@ class BenchScalingConfig:
 
 def main(argv: list[str] | None = None) -> None:
     from drafttrain.cliconfig import ConfigError, parse_cli
-    from drafttrain.config import resolve_mixed_precision
+    from drafttrain.validation import resolve_mixed_precision
     from scripts.common import reproduce, write_report
 
     args = parse_cli(BenchScalingConfig, argv)

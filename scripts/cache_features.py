@@ -17,7 +17,8 @@ import json
 import logging
 from pathlib import Path
 
-from drafttrain.config import CacheFeaturesConfig, validate
+from drafttrain.config import CacheFeaturesConfig
+from drafttrain.validation import validate
 
 log = logging.getLogger(__name__)
 

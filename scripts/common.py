@@ -40,7 +40,7 @@ def run_eval(overrides: list[str]) -> dict:
         ConfigError: an unknown key or a bad value (before any model loads).
     """
     from drafttrain.cliconfig import parse_cli
-    from drafttrain.config import eval_schema, validate_eval
+    from drafttrain.validation import eval_schema, validate_eval
     from drafttrain.eval.harness import evaluate
 
     return evaluate(validate_eval(parse_cli(eval_schema(), overrides, config_name="evaluate")))

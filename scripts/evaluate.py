@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     from drafttrain.cliconfig import parse_cli
-    from drafttrain.config import eval_schema, validate_eval
+    from drafttrain.validation import eval_schema, validate_eval
     from drafttrain.eval.harness import evaluate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

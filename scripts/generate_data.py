@@ -17,7 +17,8 @@ import json
 import logging
 from pathlib import Path
 
-from drafttrain.config import GenerateConfig, to_dict, validate
+from drafttrain.config import GenerateConfig, to_dict
+from drafttrain.validation import validate
 
 log = logging.getLogger(__name__)
 

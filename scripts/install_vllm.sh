@@ -7,7 +7,7 @@
 # transformers 5.23 / datasets 5.2 under every other script; and it pulls GPU builds of torchvision,
 # torchaudio and torchcodec that break `import transformers` beside the CPU torch (removed below).
 # The project's scripts stay in .venv and start vLLM as a subprocess with .venv-vllm/bin/python
-# (drafttrain/export/vllm_runner.py needs only vLLM and the standard library). Idempotent (stamp).
+# (drafttrain/generation/vllm_runner.py needs only vLLM and the standard library). Idempotent (stamp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DRAFTTRAIN_VLLM_VENV:-.venv-vllm}

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafttrain.export.vllm_client import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
+from drafttrain.generation.vllm import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
 
 log = logging.getLogger("drafttrain.serve_check")
 METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}

@@ -30,7 +30,7 @@ def run(cfg: Any) -> dict[str, Any]:
         ConfigError: an unknown key or a bad value (before any data is read).
         FileNotFoundError / ValueError: unreadable decision logs (:func:`drafttrain.verify.methods.mcsd_decision.read_decisions`).
     """
-    from drafttrain.config import validate
+    from drafttrain.validation import validate
     from drafttrain.verify.methods.mcsd_decision import train_decision_model
 
     return train_decision_model(validate(cfg, DecisionModelConfig))

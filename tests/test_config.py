@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 
 import helpers
 from drafttrain import assets
-from drafttrain.config import ConfigError, TrainConfig, validate
+from drafttrain.config import ConfigError, TrainConfig
+from drafttrain.validation import validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))  # drafter recipes (recipe name = drafter name)

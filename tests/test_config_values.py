@@ -15,11 +15,12 @@ import typing
 import pytest
 
 from drafttrain import config as C
+from drafttrain import validation as V
 from drafttrain.drafters import DRAFTERS
 
 # evaluate: EvalConfig plus every registered decoding method's section (their ranges live in their modules)
 SCHEMAS = {"train": C.TrainConfig, "generate": C.GenerateConfig, "cache_features": C.CacheFeaturesConfig,
-           "evaluate": C.eval_schema()}  # fmt: skip
+           "evaluate": V.eval_schema()}  # fmt: skip
 
 
 def numeric_keys(cls, prefix=""):
@@ -41,7 +42,7 @@ ALL = [(schema, *k) for schema, cls in SCHEMAS.items() for k in numeric_keys(cls
 # a drafter's keys live on its class (``defaults``); its schema (``config.drafter_schema``, a DrafterConfig
 # subclass) takes DrafterConfig's ranges: (drafter name, dotted key, field name, is_list, is_int)
 DRAFTER_KEYS = [(name, key, f, is_list, is_int) for name in sorted(DRAFTERS)
-                for key, _, f, is_list, is_int in numeric_keys(C.drafter_schema(name), "drafter.")]  # fmt: skip
+                for key, _, f, is_list, is_int in numeric_keys(V.drafter_schema(name), "drafter.")]  # fmt: skip
 
 
 def bad_value(rule: C.Range, is_int: bool):
@@ -61,8 +62,8 @@ def nested(key: str, value) -> dict:
 def validate(schema: str, key: str, value):
     d = nested(key, value)
     if schema == "evaluate":
-        return C.validate_eval({"untrained_drafter": True, **d})
-    return C.validate(d, SCHEMAS[schema])
+        return V.validate_eval({"untrained_drafter": True, **d})
+    return V.validate(d, SCHEMAS[schema])
 
 
 def test_every_numeric_key_has_a_range():
@@ -77,7 +78,7 @@ def test_every_numeric_key_has_a_range():
 def test_out_of_range_drafter_value_fails_naming_the_key(name, key, field, is_list, is_int):
     bad = bad_value(C.NUMERIC_RANGES["DrafterConfig"][field], is_int)
     with pytest.raises(C.ConfigError, match=rf"\b{key} must be"):
-        C.validate({"drafter": {"name": name, field: [bad] if is_list else bad}})
+        V.validate({"drafter": {"name": name, field: [bad] if is_list else bad}})
 
 
 @pytest.mark.parametrize("schema,key,cls,name,is_list,is_int", ALL, ids=[f"{a[0]}:{a[1]}" for a in ALL])

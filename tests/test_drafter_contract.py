@@ -105,7 +105,8 @@ def _hidden_states(target, tokens: list[int]) -> torch.Tensor:
 
 
 def test_toy_drafter_trains_through_the_loop_and_decodes_greedy_equal(tmp_path, varied_target):
-    from drafttrain.config import ConfigError, validate
+    from drafttrain.config import ConfigError
+    from drafttrain.validation import validate
     from drafttrain.train import compose_config, run
     from drafttrain.verify import PlainProposer, SpecEngine, proposer_for
 

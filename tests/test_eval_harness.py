@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import compose_dict
 
-from drafttrain.config import ConfigError, EvalConfig, validate_eval
+from drafttrain.config import ConfigError, EvalConfig
+from drafttrain.validation import validate_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

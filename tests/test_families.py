@@ -117,7 +117,7 @@ def test_family_recipe_trains_and_decodes_greedy_equal(family, recipe):
 @pytest.mark.parametrize("family", DECODED)
 def test_family_self_distillation_through_the_engine_equals_target_generate(family):
     """The engine backend of self-distillation gives Target.generate's tokens and features."""
-    from drafttrain.verify.recorder import engine_generate
+    from drafttrain.generation.engine import engine_generate
 
     target = family_target(family)
     prompts = _prompts(target, 3)
@@ -131,7 +131,7 @@ def test_family_self_distillation_through_the_engine_equals_target_generate(fami
 def test_family_the_engine_cannot_run_is_refused_at_validation():
     """gpt-oss (attention sinks): any job that decodes with the engine fails before a model loads, naming
     the family; with HF generation and no speculative evaluation it validates."""
-    from drafttrain.config import validate
+    from drafttrain.validation import validate
 
     cfg = compose_dict("train", ["+recipe=eagle3", "target=tiny", "target.family=gpt_oss"])
     with pytest.raises(ConfigError, match="gpt_oss.*sinks"):
@@ -287,7 +287,7 @@ def test_vllm_serves_each_family_export_losslessly(family, tmp_path):
     import json
 
     from drafttrain.export import export_drafter
-    from drafttrain.export.vllm_client import vllm_python
+    from drafttrain.generation.vllm import vllm_python
     from scripts.serve_check import run_vllm
 
     py = vllm_python()

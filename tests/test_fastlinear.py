@@ -155,7 +155,7 @@ def test_tiny_target_is_packed_by_default_and_off_is_plain(tiny_target):
 
 def test_config_rejects_bad_fast_linear():
     from tests.helpers import compose_dict
-    from drafttrain.config import validate
+    from drafttrain.validation import validate
 
     d = compose_dict("train", ["target=tiny", "target.fast_linear=maybe"])
     with pytest.raises(ConfigError, match="fast_linear"):

@@ -120,7 +120,7 @@ def test_prepare_data_reads_generated_dataset_and_cache(tiny_target, generated, 
     root, ds = generated
     base = {"target": {"random_init": True}, "trainer": {"progress": False},
             "data": {"source": "generated", "path": str(root), "heldout": 2}}  # fmt: skip
-    from drafttrain.config import validate
+    from drafttrain.validation import validate
 
     c = validate(base)
     train, held = prepare_data(c, tiny_target, _Acc())

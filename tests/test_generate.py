@@ -303,7 +303,7 @@ def test_template_without_assistant_marker_skips_everything_cleanly(tiny_target,
 @pytest.mark.parametrize("backend", ["hf", "engine"])
 def test_generation_errors_are_counted_as_failed(tiny_target, tmp_path, monkeypatch, backend):
     """A conversation whose generation raises is retried alone, then counted as failed; the others are kept."""
-    import drafttrain.verify.recorder as recorder
+    import drafttrain.generation.engine as recorder
 
     owner, name = (type(tiny_target), "generate") if backend == "hf" else (recorder, "engine_generate")
     real = getattr(owner, name)

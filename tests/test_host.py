@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafttrain import host
-from drafttrain.config import resolve_mixed_precision
+from drafttrain.validation import resolve_mixed_precision
 
 
 @pytest.fixture(autouse=True)

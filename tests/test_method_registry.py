@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import compose_dict
 
-from drafttrain.config import ConfigError, validate_eval
+from drafttrain.config import ConfigError
+from drafttrain.validation import validate_eval
 from drafttrain.verify.methods import METHODS, Method, MethodContext, Variant, register
 from drafttrain.verify.tree import DraftTree
 

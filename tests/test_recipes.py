@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from drafttrain import layout as L
-from drafttrain.config import drafter_schema
+from drafttrain.validation import drafter_schema
 from drafttrain.drafters import DRAFTERS, Drafter, build_drafter
 from drafttrain.eval.spec import plain_greedy, speculative_greedy
 from drafttrain.metrics import group_acceptance_sums

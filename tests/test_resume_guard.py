@@ -26,7 +26,7 @@ def _cfg(tmp_path, *overrides):
 
 
 def _fake_checkpoint(tmp_path, *overrides, step=3):
-    from drafttrain.config import resolve_mixed_precision, validate
+    from drafttrain.validation import resolve_mixed_precision, validate
 
     c = validate(_cfg(tmp_path, *overrides))
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)

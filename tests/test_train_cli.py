@@ -210,7 +210,7 @@ def check_trained_drafter_only(run_dir: Path, recipe: str):
     saved). Returns (trained state, initial state, target)."""
     from safetensors.torch import load_file
 
-    from drafttrain.config import validate
+    from drafttrain.validation import validate
     from drafttrain.data.pipeline import LocalProcess, prepare_data
     from drafttrain.data.vocab import frequent_tokens
     from drafttrain.drafters import build_drafter, drafter_config

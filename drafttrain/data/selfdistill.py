@@ -25,9 +25,9 @@ previous answers) ends the conversation there, counted as ``end_reason="template
 always ends with its last generated token.
 
 **Backends** (``generation.backend``; the rows are the same whichever generates them): ``engine`` (greedy through
-the bundled engine, :mod:`drafttrain.verify.recorder`), ``hf`` (:meth:`drafttrain.target.Target.generate`; what
+the bundled engine, :mod:`drafttrain.generation.engine`), ``hf`` (:meth:`drafttrain.target.Target.generate`; what
 sampling uses) and ``vllm`` (greedy through vLLM in its own venv, ``bash scripts/install_vllm.sh``: one engine
-process for the whole job, :class:`drafttrain.export.vllm_client.VllmGenerator`, each round sent whole; vLLM keeps
+process for the whole job, :class:`drafttrain.generation.vllm.VllmGenerator`, each round sent whole; vLLM keeps
 no hidden states, so ``features`` come from one teacher-forced target forward over each finished row). The
 backend is part of the job's key: batched floats differ between backends, hence possibly a token at a near tie.
 
@@ -64,6 +64,7 @@ import torch
 from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 from drafttrain.data.sources import LoadStats
+from drafttrain.generation import generator_for
 from drafttrain.data.template import AssistantTurn, TemplateError, end_of_turn_ids, iter_assistant_turns, render_text
 from drafttrain.sampling import SamplingParams, row_generator
 from drafttrain.target import resolve_feature_layers
@@ -229,28 +230,19 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
                     feature_layers: Sequence[int] | None = None, vllm=None) -> int:  # fmt: skip
     """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
     post-norm state, when ``gen.store_features``; the vllm backend returns none: :func:`generate_shard` computes
-    them). ``vllm``: the job's :class:`~drafttrain.export.vllm_client.VllmGenerator` (backend vllm).
+    them). ``vllm``: the job's :class:`~drafttrain.generation.vllm.VllmGenerator` (backend vllm).
     Returns the number of generated tokens."""
     sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k)
     gens = None
     if not sampling.greedy:
         gens = [row_generator(gen.sampling.seed, st.plan.index, st.plan.id, len(st.spans)) for st in states]
     caps = [min(gen.max_new_tokens, gen.max_length - len(st.ids)) for st in states]
-    if gen.backend == "engine" and sampling.greedy:  # continuous batching, preallocated cache (verify/recorder.py)
-        from drafttrain.verify.recorder import engine_generate
-
-        results = engine_generate(target, [st.ids for st in states], caps, stop_token_ids=stops,
-                                  return_features=gen.store_features, feature_layers=feature_layers,
-                                  batch_size=gen.batch_size)  # fmt: skip
-    elif gen.backend == "vllm":  # greedy only (config validation); one request, vLLM batches it itself
-        if not sampling.greedy:
-            raise ValueError("generation.backend=vllm is greedy only (generation.sampling.temperature=0)")
-        results = vllm.generate([st.ids for st in states], caps, stops)
-    else:
-        results = target.generate(
-            [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
-            sampling=sampling, generators=gens, feature_layers=feature_layers,
-        )
+    # engine: continuous batching, preallocated cache; vllm: one request, vLLM batches it itself (greedy only,
+    # config validation); hf: Target.generate, which also samples (one generator per row)
+    backend = gen.backend if (gen.backend != "engine" or sampling.greedy) else "hf"
+    results = generator_for(backend, target, batch_size=gen.batch_size, vllm=vllm).generate(
+        [st.ids for st in states], caps, stop_token_ids=stops, return_features=gen.store_features,
+        feature_layers=feature_layers, sampling=sampling, generators=gens)  # fmt: skip
     n = 0
     for st, r in zip(states, results):
         new = r["tokens"][r["num_prompt"] :]
@@ -266,7 +258,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
 
 
 def vllm_generator(target, gen: GenerationConfig, log_path: str | Path | None = None):
-    """The :class:`~drafttrain.export.vllm_client.VllmGenerator` of a ``generation.backend=vllm`` job: the target's
+    """The :class:`~drafttrain.generation.vllm.VllmGenerator` of a ``generation.backend=vllm`` job: the target's
     own Hugging Face folder and dtype, ``max_model_len = gen.max_length`` (every request fits: a turn's cap is
     ``min(max_new_tokens, max_length - context)``), ``max_num_seqs = gen.batch_size``, ``gen.vllm``'s settings.
     Nothing starts until its first request.
@@ -274,7 +266,7 @@ def vllm_generator(target, gen: GenerationConfig, log_path: str | Path | None = 
     Raises:
         ValueError: the target was not loaded from a folder (a random target): vLLM has nothing to load.
     """
-    from drafttrain.export.vllm_client import VllmGenerator
+    from drafttrain.generation.vllm import VllmGenerator
 
     folder = getattr(target, "source_dir", None)
     if folder is None:
@@ -381,21 +373,21 @@ def generate_shard(
     padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped); greedy rounds of the
     ``engine`` and ``vllm`` backends go whole to the backend, which batches them itself. A batch that raises is
     retried one conversation at a time; a conversation that still raises is recorded as failed. A vLLM engine that
-    died or hung (:class:`~drafttrain.export.vllm_client.VllmProcessError`) stops the job instead.
+    died or hung (:class:`~drafttrain.generation.vllm.VllmProcessError`) stops the job instead.
 
     ``feature_layers``: the target layers whose hidden states a row's ``features`` hold (with
     ``gen.store_features``; :func:`drafttrain.target.resolve_feature_layers`; default the final state). The
     ``vllm`` backend keeps no hidden states: its rows' features come from one teacher-forced target forward
     over the row's final ids (:func:`teacher_forced_features`; the same layers and storage dtype).
 
-    ``vllm``: the job's :class:`~drafttrain.export.vllm_client.VllmGenerator` (backend vllm; None: one started
+    ``vllm``: the job's :class:`~drafttrain.generation.vllm.VllmGenerator` (backend vllm; None: one started
     and shut down for this shard).
 
     Returns:
         ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
         for the columns), in the order of ``plans``; ``failed`` maps input index -> reason.
     """
-    from drafttrain.export.vllm_client import VllmProcessError
+    from drafttrain.generation.vllm import VllmProcessError
 
     if gen.backend == "vllm" and vllm is None:  # a direct call: an engine for this shard only
         with vllm_generator(target, gen) as own:
@@ -745,7 +737,7 @@ def self_distill(
         max_prompt_length: optional tighter cap on first-prompt tokens (long prompts make batched
             generation slow and teach the drafter little about answers); longer prompts are skipped.
         feature_layers: the target layers the drafter reads (its declaration; default the final state).
-        backend: ``engine`` (the bundled engine, :func:`drafttrain.verify.recorder.engine_generate`), ``hf``
+        backend: ``engine`` (the bundled engine, :func:`drafttrain.generation.engine.engine_generate`), ``hf``
             (:meth:`drafttrain.target.Target.generate`) or ``vllm`` (vLLM in its own venv, one process for the job;
             features from a teacher-forced pass: :func:`generate_shard`).
         vllm: ``backend=vllm``'s settings (:class:`drafttrain.config.VllmConfig`; None: its defaults).

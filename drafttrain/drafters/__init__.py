@@ -3,13 +3,13 @@
 The registry :data:`DRAFTERS` maps a name to its class. The library's drafters are registered here; a
 drafter defined anywhere else (a test file, a user's module) joins with :func:`register_drafter` and is
 then usable by name everywhere a name is read: ``drafter.name=NAME`` in a training config (its config
-keys are validated against its ``defaults``, :func:`drafttrain.config.validate`), :func:`build_drafter`,
+keys are validated against its ``defaults``, :func:`drafttrain.validation.validate`), :func:`build_drafter`,
 ``Drafter.from_pretrained`` of its checkpoints, and the verifier (which follows its ``spec``).
 """
 
 from __future__ import annotations
 
-from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import DRAFTERS, LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.eagle import EagleDrafter
 from drafttrain.drafters.eagle3 import Eagle3Drafter
 from drafttrain.drafters.medusa import MedusaDrafter
@@ -17,7 +17,8 @@ from drafttrain.drafters.parallelspec import ParallelSpecDrafter
 from drafttrain.drafters.parallelspec_eagle import ParallelSpecEagleDrafter
 from drafttrain.drafters.parallelspec_eagle3 import ParallelSpecEagle3Drafter
 
-DRAFTERS: dict[str, type[Drafter]] = {}
+# DRAFTERS (name -> class) lives in drafttrain.drafters.base, so Drafter.from_pretrained reads it without
+# importing this package's modules back; register_drafter below fills it.
 
 
 def register_drafter(cls: type[Drafter]) -> type[Drafter]:

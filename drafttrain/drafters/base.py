@@ -85,6 +85,11 @@ DRAFTING = ("parallel", "autoregressive")
 STEP_INPUTS = ("items", "last")
 
 
+#: The registry: drafter name -> class, filled by :func:`drafttrain.drafters.register_drafter` (the library's
+#: drafters are registered when :mod:`drafttrain.drafters` is imported, which any import of this module does).
+DRAFTERS: dict[str, type] = {}
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """What a drafter is, for every consumer (module docstring: the layer-id convention and shapes).
@@ -382,8 +387,6 @@ class Drafter(nn.Module):
             ValueError: the checkpoint names an unknown drafter or does not fit the target.
         """
         from safetensors.torch import load_file
-
-        from drafttrain.drafters import DRAFTERS
 
         directory = Path(directory)
         cfg_path = directory / DRAFTER_CONFIG

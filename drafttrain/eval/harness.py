@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from drafttrain.config import ConfigError, EvalConfig, eval_schema, validate_eval
+from drafttrain.config import ConfigError, EvalConfig
+from drafttrain.validation import eval_schema, validate_eval
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ class SequenceResult:
         emitted: tokens emitted by those steps (all generated tokens but the prefill's first).
         accept_lengths: accepted drafts per step (0 .. tree depth).
         features: what the proposer's optional ``finish`` hook returned for this sequence (e.g. the
-            recorded target hidden states of :class:`~drafttrain.verify.recorder.FeatureRecorder`), else None.
+            recorded target hidden states of :class:`~drafttrain.generation.engine.FeatureRecorder`), else None.
     """
 
     index: int

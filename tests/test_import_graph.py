@@ -1,0 +1,98 @@
+"""The package's import graph: configuration at the bottom, no circle, data generation that does not reach
+into the verifier or the exporters.
+
+Why: ``drafttrain.config`` once imported the drafter and method registries (lazily) while every drafter
+and method imported the config: one circle through 23 modules, so no part could be read, tested or
+replaced alone. Every import statement counts here, the lazy ones inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "drafttrain"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the drafttrain modules it imports anywhere (module level or inside a function)."""
+    mods = _modules()
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.startswith("drafttrain")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("drafttrain"):
+                for a in node.names:  # `from drafttrain import families` names a module, `from x import f` a name
+                    full = f"{node.module}.{a.name}"
+                    deps.add(owner(full) if full in mods else owner(node.module))
+        graph[name] = {d for d in deps if d and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_is_at_the_bottom():
+    """The schemas import nothing of drafttrain's but the CLI helpers."""
+    assert import_graph()["drafttrain.config"] <= {"drafttrain.cliconfig"}
+    assert import_graph()["drafttrain.cliconfig"] == set()
+
+
+def test_data_does_not_reach_into_the_verifier_or_the_exporters():
+    bad = {m: sorted(d for d in deps if d.startswith(("drafttrain.verify", "drafttrain.export")))
+           for m, deps in import_graph().items() if m.startswith("drafttrain.data")}  # fmt: skip
+    assert {m: d for m, d in bad.items() if d} == {}
