@@ -122,16 +122,24 @@ def subsample(candidates: torch.Tensor, ratio: float, generator: torch.Generator
     return candidates
 
 
-def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tokens: int) -> GroupLayout:
+def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tokens: int,
+                       block: bool = False) -> GroupLayout:  # fmt: skip
     """Build the group-wise layout of one sequence of t items (docs/design.md, "Definitions").
 
     Args:
         labels: [t] int64 item labels y_i (-100 where there is none).
         anchors: [n] int64 anchor indices (each in [0, t)), e.g. from :func:`select_anchors`.
         num_mask_tokens: K.
+        block: DFlash's block instead of ParallelSpec's group (DFlash, Chen et al. 2026, section 3: a block of
+            B = K + 1 positions drafted by denoising, attended bidirectionally). The group of anchor a is then
+            K + 1 slots of kinds 1..K+1: kind 1 holds the token x_{a+1} (the bonus token at inference), kinds
+            2..K+1 the [MASK] inputs; slot kind j sits at position a + j (as ParallelSpec's) and is labelled
+            with the token *at* its position, x_{a+j} = y_{a+j-2} (kind 1: none, the token is given). Every
+            slot of a block sees the items <= a (the context's features, which the block reads as keys only)
+            and every slot of its own block, in both directions; never another block.
 
     Returns:
-        :class:`GroupLayout` with s = t + n*K slots.
+        :class:`GroupLayout` with s = t + n*K slots (``block``: t + n*(K+1)).
 
     Example (T = 3, K = 1, anchors [0, 1]); rows are queries, 1 = may attend::
 
@@ -148,17 +156,22 @@ def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tok
     n = anchors.numel()
     if n and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
         raise ValueError(f"anchors must lie in [0, {t}), got {anchors.tolist()}")
+    g = k + 1 if block else k  # slots per group
     items = torch.arange(t, device=device)
-    j = torch.arange(1, k + 1, device=device)  # [k]
-    mask_anchor = anchors[:, None].expand(n, k).reshape(-1)  # [n*k]
-    mask_kind = j[None, :].expand(n, k).reshape(-1)  # [n*k]
+    j = torch.arange(1, g + 1, device=device)  # [g]
+    mask_anchor = anchors[:, None].expand(n, g).reshape(-1)  # [n*g]
+    mask_kind = j[None, :].expand(n, g).reshape(-1)  # [n*g]
     slot_kind = torch.cat([torch.zeros(t, dtype=torch.long, device=device), mask_kind])  # [s]
     slot_anchor = torch.cat([items, mask_anchor])  # [s]
     position_ids = slot_anchor + slot_kind  # [s]: i for items, a + j for mask slots
 
-    target_index = slot_anchor + slot_kind  # y index: i for items, a + j for mask slots
-    padded = torch.cat([labels, torch.full((k + 1,), IGNORE_INDEX, dtype=labels.dtype, device=device)])
-    slot_labels = padded[target_index]
+    # y index: i for items, a + j for ParallelSpec's mask slots; a + j - 2 for a block's (its own position's
+    # token), none for a block's kind-1 slot (the given token)
+    target_index = slot_anchor + slot_kind - (2 * (slot_kind > 0).long() if block else 0)
+    padded = torch.cat([labels, torch.full((g + 1,), IGNORE_INDEX, dtype=labels.dtype, device=device)])
+    slot_labels = padded[target_index.clamp_min(0)]
+    if block:
+        slot_labels = slot_labels.masked_fill(slot_kind == 1, IGNORE_INDEX)
 
     is_item = slot_kind == 0
     q_kind, k_kind = slot_kind[:, None], slot_kind[None, :]
@@ -166,9 +179,9 @@ def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tok
     # every slot sees items up to its anchor (items: causal; masks: items <= a)
     see_items = is_item[None, :] & (k_anchor <= q_anchor)
     # a mask slot sees mask slots 1..j of its own anchor (and never another anchor's)
-    slot_group = torch.cat([torch.full((t,), -1, device=device), torch.arange(n, device=device).repeat_interleave(k)])
+    slot_group = torch.cat([torch.full((t,), -1, device=device), torch.arange(n, device=device).repeat_interleave(g)])
     same_group = (slot_group[:, None] == slot_group[None, :]) & (slot_group[:, None] >= 0)
-    see_masks = same_group & (k_kind <= q_kind) & (q_kind > 0) & (k_kind > 0)
+    see_masks = same_group & (q_kind > 0) & (k_kind > 0) & ((k_kind <= q_kind) | block)  # a block: both ways
     allowed = see_items | see_masks
     return GroupLayout(anchors, slot_kind, slot_anchor, position_ids, slot_labels, allowed)
 

@@ -28,7 +28,7 @@ def test_there_are_recipes():
     from drafttrain.drafters import DRAFTERS
 
     assert set(RECIPES) == set(DRAFTERS) == {"medusa", "eagle", "eagle3", "parallelspec", "parallelspec_eagle",
-                                             "parallelspec_eagle3"}
+                                             "parallelspec_eagle3", "dflash"}
     assert {p.stem for p in (CONF / "recipe").glob("*.yaml")} == set(RECIPES)
 
 

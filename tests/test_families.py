@@ -26,7 +26,7 @@ from drafttrain.verify.proposers import proposer_for
 from helpers import compose_dict, make_batch, need_input
 
 FAMILIES = families.TEST_FAMILIES
-RECIPES = ("medusa", "eagle", "parallelspec", "parallelspec_eagle", "eagle3", "parallelspec_eagle3")
+RECIPES = ("medusa", "eagle", "parallelspec", "parallelspec_eagle", "eagle3", "parallelspec_eagle3", "dflash")
 REFUSED = tuple(f for f in FAMILIES if families.FAMILIES[f].engine_refusal)
 DECODED = tuple(f for f in FAMILIES if f not in REFUSED)
 CONFIGS = {
@@ -36,6 +36,7 @@ CONFIGS = {
     "parallelspec_eagle": {"num_mask_tokens": 3, "anchor_ratio": 1.0, "init_from_target_layer": False},
     "eagle3": {"draft_depth": 3, "ttt_steps": 2},
     "parallelspec_eagle3": {"num_mask_tokens": 3, "anchor_ratio": 1.0},
+    "dflash": {"block_size": 4, "num_layers": 2},
 }
 NEW = 14
 

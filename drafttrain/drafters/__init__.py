@@ -10,6 +10,7 @@ keys are validated against its ``defaults``, :func:`drafttrain.validation.valida
 from __future__ import annotations
 
 from drafttrain.drafters.base import DRAFTERS, LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.dflash import DFlashDrafter
 from drafttrain.drafters.eagle import EagleDrafter
 from drafttrain.drafters.eagle3 import Eagle3Drafter
 from drafttrain.drafters.medusa import MedusaDrafter
@@ -50,7 +51,7 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
 
 
 for _cls in (MedusaDrafter, EagleDrafter, Eagle3Drafter, ParallelSpecDrafter, ParallelSpecEagleDrafter,
-             ParallelSpecEagle3Drafter):
+             ParallelSpecEagle3Drafter, DFlashDrafter):
     register_drafter(_cls)
 
 
@@ -90,6 +91,7 @@ def drafter_config(name: str, full: dict) -> dict:
 
 __all__ = [
     "DRAFTERS",
+    "DFlashDrafter",
     "LAST_LAYER",
     "Drafter",
     "DrafterSpec",

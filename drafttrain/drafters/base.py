@@ -134,6 +134,7 @@ class SharedTargetModules:
     model_config: Any  # the target's transformers config
     decoder_layer: nn.Module | None = None  # the target's last layer (class + optional init source)
     rotary_emb: nn.Module | None = None
+    decoder_layers: tuple | None = None  # every decoder layer of the target (init sources of multi-layer drafters)
 
     @classmethod
     def from_target(cls, target) -> "SharedTargetModules":
@@ -144,6 +145,7 @@ class SharedTargetModules:
             model_config=target.config,
             decoder_layer=target.last_layer,
             rotary_emb=target.rotary_emb,
+            decoder_layers=tuple(target.model.model.layers),
         )
 
 
