@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_cli(ReportRunConfig, argv)
     s = summarize(Path(args.run_dir))
     s["command"], s["command_wall_seconds"] = args.command, args.wall_seconds
-    write_report(Path(args.out) / args.name, s, markdown(args.name, s, args.command, args.wall_seconds))
+    page = markdown(args.name, s, args.command, args.wall_seconds)
+    # the hand-written section (the runs per host kind) survives a new run's page
+    write_report(Path(args.out) / args.name, s, lambda kept: page.rstrip("\n") + "\n\n" + kept + "\n")
 
 
 if __name__ == "__main__":
