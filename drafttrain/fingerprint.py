@@ -8,6 +8,9 @@ the same model under two names gets the same one.
 Hashing is cheap after the first time: a weight file's SHA-256 is computed once and remembered in
 ``<cache_root>/file_hashes.json`` keyed by (absolute path, size, mtime), so the 517 MB SmolLM2 folder
 costs one read (~1-3 s), then nothing until the file changes.
+
+The code and the data have theirs too: :func:`git_sha` (the commit a checkpoint or an evaluation ran)
+and :func:`dataset_fingerprint` (the token rows a run trained on, the rows a feature cache holds).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -101,6 +105,37 @@ def target_fingerprint(cfg) -> str:
     return folder_fingerprint(resolve_target_dir(cfg))
 
 
-def target_label(cfg) -> str:
-    """``"<name>@<fingerprint>"``: readable in a message, exact in a key."""
-    return f"{cfg.name}@{target_fingerprint(cfg)}"
+def git_sha() -> str | None:
+    """The commit of the code checked out here (``git rev-parse HEAD``); None where git cannot tell
+    (no git, not a repository, no answer within 5 s)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.returncode == 0 and out.stdout.strip()) or None
+
+
+def dataset_fingerprint(ds, columns: tuple[str, ...], dtype: str = "int64", lengths: bool = False) -> str:
+    """sha256 (16 hex digits) of a ``datasets.Dataset``'s token ``columns``, row by row, in order.
+
+    Each row hashes its value of every column in ``columns`` the dataset has (others, e.g. features, play
+    no part), as ``dtype`` integers, each preceded by its length (8 bytes, little-endian) with ``lengths``.
+    Two formats are stored on disk and so fixed: ``train_data_sha`` (``input_ids`` and ``loss_mask``, int64)
+    and a feature cache's (``input_ids``, int32, lengths; :mod:`drafttrain.data.feature_cache`).
+    Read in Arrow batches: memory stays bounded and no Python object is made per token.
+    """
+    present = [k for k in columns if k in ds.column_names]
+    h = hashlib.sha256()
+    for batch in ds.select_columns(present).with_format("arrow").iter(batch_size=1000):
+        cols = []
+        for k in present:
+            col = batch.column(k).combine_chunks()  # a list array: row i is values[offsets[i]:offsets[i + 1]]
+            cols.append((col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False).astype(dtype)))
+        for i in range(batch.num_rows):
+            for offsets, values in cols:
+                row = values[offsets[i]:offsets[i + 1]]
+                if lengths:
+                    h.update(len(row).to_bytes(8, "little"))
+                h.update(row.tobytes())
+    return h.hexdigest()[:16]

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from drafttrain.config import TrainConfig, to_dict
+from drafttrain.fingerprint import dataset_fingerprint, git_sha
 from drafttrain.validation import resolve_mixed_precision, validate
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,6 @@ class TrainState:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.step, self.samples, self.train_seconds = int(d["step"]), int(d["samples"]), float(d["train_seconds"])
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -175,7 +167,7 @@ def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out
         (tmp / "config.json").write_text(json.dumps(to_dict(c), indent=1))
         from drafttrain.fingerprint import target_fingerprint
 
-        meta = {"git_sha": git_sha(), **state.state_dict(), "metrics_lines": metrics_lines,
+        meta = {"git_sha": git_sha() or "unknown", **state.state_dict(), "metrics_lines": metrics_lines,
                 "target_fingerprint": target_fingerprint(c.target)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     fault_point("checkpoint", state.step)
@@ -317,30 +309,6 @@ def heldout_sums(drafter, ds, target, c: TrainConfig, accelerator, feature_layer
         sums = {k: torch.zeros_like(v) for k, v in out.sums.items()}
     drafter.train()
     return sums
-
-
-def data_fingerprint(ds) -> str:
-    """Hex digest (16 chars) of a dataset's token rows: ``input_ids`` and ``loss_mask`` of every row, in order.
-
-    Two runs trained on the same sequences print the same value whatever feature columns they carry
-    (e.g. the same self-distilled answers stored with another drafter's feature layers)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for row in ds.select_columns([k for k in ("input_ids", "loss_mask") if k in ds.column_names]).with_format("numpy"):
-        for k in ("input_ids", "loss_mask"):
-            if k in row:
-                h.update(row[k].astype("int64").tobytes())
-    return h.hexdigest()[:16]
-
-
-def peak_memory_mb(device) -> float:
-    """Peak memory of this process so far, MiB: CUDA peak allocated on a GPU, else peak resident set size."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 class MetricsLog:
@@ -501,7 +469,7 @@ def run(cfg) -> dict[str, Any]:
     if c.logging.wandb:
         accelerator.init_trackers(
             c.logging.wandb_project,
-            config={**to_dict(c), "git_sha": git_sha(), "trainable_params": n_params, "launch": launch},
+            config={**to_dict(c), "git_sha": git_sha() or "unknown", "trainable_params": n_params, "launch": launch},
             init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name, "id": wandb_run_id(out_dir, resume_from) if main else None,
                                    "resume": "allow"}},
         )
@@ -605,7 +573,7 @@ def run(cfg) -> dict[str, Any]:
         "step": state.step,
         "samples": state.samples,  # training sequences seen (all ranks)
         "train_rows": len(train_ds),  # epochs = samples / train_rows
-        "train_data_sha": data_fingerprint(train_ds),  # same value = same training sequences
+        "train_data_sha": dataset_fingerprint(train_ds, ("input_ids", "loss_mask")),  # same value = same sequences
         "train_seconds": round(train_seconds, 1),
         "trainable_params": n_params,
         "stopped_by_time_budget": stopped_early,

@@ -76,7 +76,10 @@ def test_bench_recipes_bad_keys_fail_before_work(bad):
 def test_data_fingerprint_reads_tokens_not_features():
     from datasets import Dataset
 
-    from drafttrain.train import data_fingerprint
+    from drafttrain.fingerprint import dataset_fingerprint
+
+    def data_fingerprint(ds):  # as training records it (train_data_sha)
+        return dataset_fingerprint(ds, ("input_ids", "loss_mask"))
 
     rows = {"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]]}
     a = Dataset.from_dict(rows)

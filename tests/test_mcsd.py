@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafttrain.layout import additive_mask
 from drafttrain.verify.methods.mcsd import (
     MCSDConfig,
     SlicedTreeMask,
@@ -13,7 +14,6 @@ from drafttrain.verify.methods.mcsd import (
     mcsd_topology,
     sample_target_roots,
     target_initialized_accept,
-    to_additive_mask,
     tree_ancestor_mask,
 )
 from drafttrain.verify.methods.mcsd_decision import (
@@ -73,7 +73,7 @@ def test_mask_literal():
         dtype=torch.bool,
     )
     assert torch.equal(tree_ancestor_mask(topo.parents), expected)
-    add = to_additive_mask(expected, torch.bfloat16)
+    add = additive_mask(expected, torch.bfloat16)  # the MCSD mask as attention takes it
     assert add.dtype == torch.bfloat16 and add[0, 0] == 0 and add[0, 1] == torch.finfo(torch.bfloat16).min
     with pytest.raises(ValueError, match="parents"):
         tree_ancestor_mask(torch.tensor([-1, 1]))

@@ -32,10 +32,14 @@ import numpy as np
 import torch
 
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
+from drafttrain.fingerprint import dataset_fingerprint
 from drafttrain.target import resolve_feature_layers
 
 log = logging.getLogger(__name__)
 
+#: How feature_cache.json fingerprints the dataset's rows (:func:`drafttrain.fingerprint.dataset_fingerprint`):
+#: fixed, existing caches are checked against it.
+ROWS_FINGERPRINT = {"columns": ("input_ids",), "dtype": "int32", "lengths": True}
 #: Bump when the stored columns or their meaning change: older caches are refused.
 SCHEMA_VERSION = 1
 META = "feature_cache.json"
@@ -48,16 +52,6 @@ JOB_OVERHEAD = 640
 
 class FeatureCacheError(ValueError):
     """The cache does not fit the dataset (other rows, other schema version) or is incomplete."""
-
-
-def dataset_fingerprint(ds) -> str:
-    """sha256 (16 hex digits) of a dataset's ``input_ids``, row by row (order matters)."""
-    h = hashlib.sha256()
-    for ids in ds.with_format(None)["input_ids"]:
-        a = np.asarray(ids, dtype=np.int32)
-        h.update(len(a).to_bytes(8, "little"))
-        h.update(a.tobytes())
-    return h.hexdigest()[:16]
 
 
 def cache_features_schema(hidden_size: int, dtype: str, top_k: int):
@@ -181,7 +175,7 @@ def build_feature_cache(
     d = target.config.hidden_size
     layers = resolve_feature_layers(feature_layers, target.num_hidden_layers)
     lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
-    fp = dataset_fingerprint(ds)
+    fp = dataset_fingerprint(ds, **ROWS_FINGERPRINT)
     job = {"schema_version": SCHEMA_VERSION, "dataset_fingerprint": fp, "target": target_name, "dtype": dtype,
            "top_k": top_k, "shard_size": shard_size, "rows": len(ds), "hidden_size": d,
            "target_fingerprint": target_fingerprint}
@@ -275,7 +269,7 @@ def load_feature_cache(path: str | Path, ds=None, target_cfg=None, feature_layer
                 f"post-norm state); rebuild it with `python -m scripts.cache_features ... feature_layers=[{','.join(map(str, want))}]`"
             )
     if ds is not None:
-        if len(ds) != meta["rows"] or dataset_fingerprint(ds) != meta["dataset_fingerprint"]:
+        if len(ds) != meta["rows"] or dataset_fingerprint(ds, **ROWS_FINGERPRINT) != meta["dataset_fingerprint"]:
             raise FeatureCacheError(f"{path} was built for another dataset ({meta['rows']} rows, input_ids "
                                     f"fingerprint {meta['dataset_fingerprint']}); rebuild it for this one")
     n = -(-meta["rows"] // meta["shard_size"])

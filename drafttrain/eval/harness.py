@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -136,13 +135,9 @@ def _git_sha() -> str | None:
     """The code's git commit (``DRAFTTRAIN_GIT_SHA`` wins: runs from an exported copy of the repository)."""
     import os
 
-    if os.environ.get("DRAFTTRAIN_GIT_SHA"):
-        return os.environ["DRAFTTRAIN_GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    from drafttrain.fingerprint import git_sha
+
+    return os.environ.get("DRAFTTRAIN_GIT_SHA") or git_sha()
 
 
 # ---------------------------------------------------------------------------------------------

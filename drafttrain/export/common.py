@@ -77,12 +77,6 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}")
-    return json.loads(path.read_text())
-
-
 def draft_token_ids(drafter) -> torch.Tensor:
     """[N] int64 target id of every draft id of ``drafter`` (``Drafter.draft_token_ids`` where the drafter
     stores the engines' offsets, else its absolute ``d2t`` from before that convention)."""
@@ -97,15 +91,3 @@ def offsets_from_absolute(d2t: torch.Tensor) -> torch.Tensor:
     tensor([5, 0, 7])
     """
     return d2t.long() - torch.arange(d2t.numel(), dtype=torch.long)
-
-
-def absolute_from_offsets(d2t: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`offsets_from_absolute`: target ids [N] int64."""
-    return d2t.long() + torch.arange(d2t.numel(), dtype=torch.long)
-
-
-def t2d_mask(d2t_abs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``t2d`` as the EAGLE-3 engines store it: bool [v], True where the target id is in the draft vocabulary."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[d2t_abs.long()] = True
-    return mask

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.export.common import ExportError, draft_token_ids, check_consumed, load_tensors, read_json, save_tensors, write_json
+from drafttrain.export.common import ExportError, draft_token_ids, check_consumed, load_tensors, save_tensors, write_json
 
 log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
@@ -107,9 +107,10 @@ def load(directory: Path, target):
     Raises:
         ExportError: the folder is not a one-layer Medusa with a bias, or does not fit ``target``.
     """
+    from drafttrain.data.shards import read_json
     from drafttrain.drafters import MedusaDrafter, SharedTargetModules
 
-    cfg = read_json(directory / "config.json")
+    cfg = read_json(directory / "config.json", "export the drafter again")
     if cfg.get("model_type") != "medusa" or int(cfg.get("num_hidden_layers", 1)) != 1:
         raise ExportError(f"{directory} is not a one-ResBlock Medusa folder (model_type={cfg.get('model_type')})")
     if int(cfg["vocab_size"]) != target.lm_head.weight.shape[0]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, read_json, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
 from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check_drafter, drafter_tensors,
                                              layer_config, sglang_layer_ids)  # fmt: skip
 
@@ -69,7 +69,9 @@ def export(drafter, out_dir: Path, *, num_speculative_tokens: int | None = None,
 
 def load(directory: Path, target):
     """Read an SGLang EAGLE-3 folder back into drafttrain's eagle3 drafter (SGLang's ids + 1 = ours)."""
-    cfg = read_json(directory / "config.json")
+    from drafttrain.data.shards import read_json
+
+    cfg = read_json(directory / "config.json", "export the drafter again")
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"] or cfg.get("tie_word_embeddings", True):
         raise ExportError(f"{directory} is not an untied SGLang EAGLE-3 folder")
     w = load_tensors(directory / WEIGHTS)

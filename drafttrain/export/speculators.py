@@ -24,7 +24,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, read_json, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
 from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check_drafter, drafter_tensors,
                                              layer_config)  # fmt: skip
 
@@ -104,7 +104,9 @@ def export(drafter, out_dir: Path, *, verifier: str | None = None, num_speculati
 
 def load(directory: Path, target):
     """Read a speculators folder back into drafttrain's drafter (eagle3, or parallelspec_eagle3 for peagle)."""
-    cfg = read_json(directory / "config.json")
+    from drafttrain.data.shards import read_json
+
+    cfg = read_json(directory / "config.json", "export the drafter again")
     kind = cfg.get("speculators_model_type")
     if kind not in ("eagle3", "peagle"):
         raise ExportError(f"{directory}: speculators_model_type {kind!r}, expected eagle3 or peagle")

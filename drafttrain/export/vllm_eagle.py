@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, read_json, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
 
 WEIGHTS = "model.safetensors"
 ENGINE = "vLLM EAGLE-1 loader (llama_eagle.py)"
@@ -92,11 +92,12 @@ def load(directory: Path, target):
     Raises:
         ExportError: the drafter class has no config keys for vLLM's network (input_norm / output_norm).
     """
+    from drafttrain.data.shards import read_json
     from drafttrain.drafters import EagleDrafter, SharedTargetModules
 
     if "input_norm" not in EagleDrafter.defaults or "output_norm" not in EagleDrafter.defaults:
         raise ExportError("this EagleDrafter cannot compute vLLM's EAGLE-1 network (no input_norm/output_norm keys)")
-    read_json(directory / "config.json")
+    read_json(directory / "config.json", "export the drafter again")
     w = load_tensors(directory / WEIGHTS)
     drafter = EagleDrafter({"fc_bias": False, "input_norm": False, "output_norm": False},
                            SharedTargetModules.from_target(target), init_weights=False)  # fmt: skip

@@ -54,6 +54,12 @@ def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
+def target_rows(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
+    (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
+    return target_logits.float() if sampling.greedy else process_logits(target_logits, sampling)
+
+
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm((p - q)+); p itself if the residual has no mass (only when p == q, where no rejection can happen)."""
     r = (p - q).clamp_min(0)

@@ -59,8 +59,8 @@ from math import prod
 import torch
 
 from drafttrain.config import GE1, UNIT
-from drafttrain.sampling import GREEDY, SamplingParams, process_logits
-from drafttrain.verify.acceptance import Acceptance, accept
+from drafttrain.sampling import GREEDY, process_logits
+from drafttrain.verify.acceptance import Acceptance, accept, target_rows
 from drafttrain.verify.methods.mcsd_decision import level_features
 from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
 from drafttrain.verify.methods.sssd import MembershipResult, membership_walk
@@ -176,7 +176,7 @@ def mcsd_topology(ks: Sequence[int], num_target_roots: int = 1) -> MCSDTopology:
 
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """Topology-aware causal mask of a tree, built from scratch.
+    """Topology-aware causal mask of a tree, built from scratch: the node block of :meth:`DraftTree.ancestor_mask`.
 
     Args:
         parents: int64 [n], parents[i] in [-1, i).
@@ -188,21 +188,7 @@ def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``parents[i]`` not in [-1, i).
     """
-    n = int(parents.shape[0])
-    if bool(((parents < -1) | (parents >= torch.arange(n))).any()):
-        raise ValueError("parents[i] must be -1 or in [0, i)")
-    mask = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
-
-
-def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Boolean keep-mask -> additive float mask (0 where True, ``finfo(dtype).min`` where False), built
-    in the model dtype (see docs/design.md, "Platform notes": boolean masks are silently wrong with eager attention)."""
-    out = torch.zeros(mask.shape, dtype=dtype)
-    return out.masked_fill_(~mask, torch.finfo(dtype).min)
+    return DraftTree(torch.zeros_like(parents), parents).ancestor_mask()[1:, 1:].contiguous()
 
 
 class SlicedTreeMask:
@@ -423,13 +409,6 @@ def target_initialized_accept(
 # ---------------------------------------------------------------------------------------------
 # the engine proposer (MCSD-improved §3.1, §4.1; the decision model of §3.3 in mcsd_decision.py)
 # ---------------------------------------------------------------------------------------------
-def _target_probs(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
-    (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
-    return target_logits.float() if sampling.greedy else process_logits(target_logits, sampling)
-
-
-
 class MCSDProposer(ParallelSpecProposer):
     """Improved MCSD trees ``(W_t, k_1..k_γ)`` grown by a parallel drafter (module docstring).
 
@@ -521,7 +500,7 @@ class MCSDProposer(ParallelSpecProposer):
         """
         w = self.config.num_target_roots
         if self._rooted.get(slot):
-            res = target_initialized_accept(tree.tokens, tree.parents, w, _target_probs(target_logits, sampling),
+            res = target_initialized_accept(tree.tokens, tree.parents, w, target_rows(target_logits, sampling),
                                             generator, greedy=sampling.greedy)  # fmt: skip
             acc = Acceptance(res.accepted_nodes, None)
         else:

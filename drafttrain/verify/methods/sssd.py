@@ -66,8 +66,8 @@ import numpy as np
 import torch
 
 from drafttrain.config import GE0, GE1
-from drafttrain.sampling import GREEDY, SamplingParams, process_logits
-from drafttrain.verify.acceptance import Acceptance
+from drafttrain.sampling import GREEDY
+from drafttrain.verify.acceptance import Acceptance, target_rows
 from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
 from drafttrain.verify.methods.sssd_datastore import Datastore, DatastoreMatch
 from drafttrain.verify.tree import DraftTree
@@ -765,13 +765,6 @@ def plan_speculation_length(
 # ---------------------------------------------------------------------------------------------
 # the engine proposer
 # ---------------------------------------------------------------------------------------------
-def _target_probs(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
-    (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
-    return target_logits.float() if sampling.greedy else process_logits(target_logits, sampling)
-
-
-
 class SSSDProposer:
     """SSSD drafting (input trie + datastore, SSSD §3.1) with the membership rule (§4.2), lossless.
 
@@ -805,7 +798,7 @@ class SSSDProposer:
 
     def accept(self, slot, tree: DraftTree, target_logits, sampling=GREEDY, generator=None) -> Acceptance:
         """Membership rule: the target's token (argmax or a draw) at each node, kept while it is a child."""
-        res = membership_accept(tree.tokens, tree.parents, _target_probs(target_logits, sampling), generator,
+        res = membership_accept(tree.tokens, tree.parents, target_rows(target_logits, sampling), generator,
                                 greedy=sampling.greedy)  # fmt: skip
         return Acceptance(res.accepted_nodes, res.tokens[-1])
 
