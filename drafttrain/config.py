@@ -478,6 +478,9 @@ class EvalConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     checkpoint: str | None = None  # a training run folder (drafter/ + config.json) or a drafter/ folder
+    # training: run the training run's own evaluation (its trainer.spec_eval: prompts, trees, SSSD, lock-step
+    # timing) on checkpoint=<run folder>, reproducing its eval/tau (drafttrain/eval/preset.py); null = the harness
+    preset: str | None = None
     untrained_drafter: bool = False  # no checkpoint: time a fresh ParallelSpec drafter (τ is meaningless)
     proposer: str = "parallelspec"  # a registered method; parallelspec = drafter | replay (verifier benchmark)
     methods: list[str] | None = None  # null = [proposer]; registered method names (drafttrain.verify.methods), one report

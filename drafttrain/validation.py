@@ -287,6 +287,10 @@ def validate_eval(cfg: DictConfig | dict[str, Any]) -> EvalConfig:
     """
     c: EvalConfig = validate_into(eval_schema(), cfg)
     problems = numeric_problems(c)
+    if c.preset not in (None, "training"):
+        problems.append(f"preset must be training or null, got {c.preset!r}")
+    elif c.preset == "training" and not (c.checkpoint and (Path(c.checkpoint) / "config.json").is_file()):
+        problems.append("preset=training needs checkpoint=<a training run folder> (config.json + drafter/)")
     if not c.batch_sizes or any(b < 1 for b in c.batch_sizes):
         problems.append("batch_sizes must be a non-empty list of ints >= 1")
     bad = [m for m in list(c.modes) + [c.plain_mode] if m not in MODES]

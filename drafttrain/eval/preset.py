@@ -1,0 +1,63 @@
+"""The training run's own evaluation, run again on its saved drafter: ``python -m scripts.evaluate preset=training``.
+
+A training run ends with :func:`drafttrain.train.spec_eval` (``trainer.spec_eval.*`` of its config: the
+prompts, the draft tree with SSSD's candidates from a datastore over its own training answers, the
+lock-step batch-16 and batch-1 timings against plain decoding). :func:`training_eval` runs exactly that
+evaluation, through the same function, on a finished run folder: the run's saved config (validated as it
+was), its target, its saved drafter (packed for inference, as the run's final evaluation does) and, when
+the trees take SSSD candidates from the data, the run's training sequences from the self-distillation
+cache. ``eval/tau`` (the full tree's acceptance length) and the outputs are reproduced exactly; the
+speedups are timings of this host at this moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def training_eval(run: str | Path, output_dir: str | Path | None = None, num_threads: int | None = None) -> dict[str, Any]:
+    """The in-training evaluation of the run folder ``run`` (``config.json`` + ``drafter/``).
+
+    Args:
+        run: a finished training run folder.
+        output_dir: where ``eval_outputs.jsonl`` goes (default ``<run>/eval_preset``).
+        num_threads: torch threads (default the run's ``trainer.num_threads``, else torch's default).
+
+    Returns:
+        spec_eval's metrics (``eval/tau``, ``eval/greedy_equal``, ``eval/speedup_b16``, ``eval/speedup_b1``, ...).
+
+    Raises:
+        FileNotFoundError: ``run`` has no ``config.json`` or no ``drafter/``.
+    """
+    import torch
+
+    from drafttrain.config import upgrade_saved
+    from drafttrain.drafters import Drafter
+    from drafttrain.target import load_target
+    from drafttrain.train import spec_eval
+    from drafttrain.validation import validate
+
+    run = Path(run)
+    if not (run / "config.json").is_file() or not (run / "drafter").is_dir():
+        raise FileNotFoundError(f"{run} is not a finished training run folder (config.json + drafter/)")
+    c = validate(upgrade_saved(json.loads((run / "config.json").read_text())))
+    threads = num_threads or c.trainer.num_threads
+    if threads:
+        torch.set_num_threads(int(threads))
+    out = Path(output_dir) if output_dir else run / "eval_preset"
+    out.mkdir(parents=True, exist_ok=True)
+    c = dataclasses.replace(c, output_dir=str(out), trainer=dataclasses.replace(c.trainer, progress=False))
+    target = load_target(c.target)
+    drafter = Drafter.from_pretrained(run / "drafter", target).eval()
+    drafter.pack_for_inference()
+    train_ds = None
+    if c.trainer.spec_eval.batch_size > 1 and c.trainer.spec_eval.sssd.source == "data":
+        from accelerate import Accelerator
+
+        from drafttrain.data.pipeline import prepare_data
+
+        train_ds = prepare_data(c, target, Accelerator(cpu=True), tuple(drafter.feature_layers))[0]
+    return spec_eval(c, target, drafter, train_ds)
