@@ -259,7 +259,7 @@ class SamplingConfig:
 @dataclass
 class VllmConfig:
     """``generation.vllm``: the vLLM engine of ``generation.backend=vllm`` (a second venv, run as a subprocess:
-    :class:`drafttrain.generation.vllm.VllmGenerator`). Operational settings: none is part of a job's key."""
+    :class:`drafttrain.generation.vllm_client.VllmGenerator`). Operational settings: none is part of a job's key."""
 
     python: str | None = None  # the vLLM venv's python (null: $DRAFTTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python)
     threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (null: every core this process may use)

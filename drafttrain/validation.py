@@ -37,7 +37,7 @@ from drafttrain.config import (
     numeric_problems,
 )
 from drafttrain.drafters import DRAFTERS
-from drafttrain.generation.vllm import vllm_python
+from drafttrain.generation.vllm_client import vllm_python
 from drafttrain.host import native_bf16
 from drafttrain.verify.engine import MODES
 from drafttrain.verify.methods import METHODS, config_sections

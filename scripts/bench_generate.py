@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"phase must be sweep, full, backends or report, got {args.phase!r}")
     if args.phase == "backends":
         from drafttrain.config import BACKENDS
-        from drafttrain.generation.vllm import vllm_python
+        from drafttrain.generation.vllm_client import vllm_python
 
         bases = [b.partition(":")[0] for b in args.backends]
         linears = {b.partition(":")[2] for b in args.backends} - {""}

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafttrain.generation.vllm import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
+from drafttrain.generation.vllm_client import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
 
 log = logging.getLogger("drafttrain.serve_check")
-METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}
+METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}
 
 
 @dataclass
@@ -68,6 +68,11 @@ def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | 
     if fmt not in METHOD:
         raise ValueError(f"vLLM does not load the '{fmt}' format; export with format=speculators (EAGLE-3) instead")
     cfg = json.loads((export_dir / "config.json").read_text())
+    if fmt == "dflash":  # one pass drafts the block's B - 1 mask slots: vLLM's block is 1 + num_speculative_tokens
+        block = int(cfg["block_size"])
+        if int(n_spec) != block - 1:
+            raise ValueError(f"a DFlash drafter with block_size {block} drafts {block - 1} tokens per pass; "
+                             f"num_speculative_tokens={n_spec} would run another block in vLLM")  # fmt: skip
     spec = {"model": str(export_dir.resolve()), "method": METHOD[fmt], "num_speculative_tokens": int(n_spec)}
     if cfg.get("speculators_model_type") == "peagle":
         spec["parallel_drafting"] = True

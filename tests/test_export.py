@@ -246,7 +246,7 @@ def _speculators_validate(folder: Path) -> dict:
     import subprocess
     import sys
 
-    from drafttrain.generation.vllm import vllm_python
+    from drafttrain.generation.vllm_client import vllm_python
 
     if importlib.util.find_spec("speculators") is not None:
         py = sys.executable
@@ -318,7 +318,7 @@ def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
     """vLLM's CPU build loads the exported EAGLE-3 (speculators; and the SGLang folder) and Medusa folders
     of a tiny target, and its speculative greedy output equals its plain greedy output. Several minutes on 2 cores (engine
     start-ups); skipped without .venv-vllm, so CI (a fresh clone) skips it."""
-    from drafttrain.generation.vllm import vllm_python
+    from drafttrain.generation.vllm_client import vllm_python
     from scripts.serve_check import run_vllm
 
     py = vllm_python()

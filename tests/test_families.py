@@ -288,7 +288,7 @@ def test_vllm_serves_each_family_export_losslessly(family, tmp_path):
     import json
 
     from drafttrain.export import export_drafter
-    from drafttrain.generation.vllm import vllm_python
+    from drafttrain.generation.vllm_client import vllm_python
     from scripts.serve_check import run_vllm
 
     py = vllm_python()

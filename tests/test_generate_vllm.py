@@ -1,4 +1,4 @@
-"""The vLLM generation backend (``generation.backend=vllm``; drafttrain.generation.vllm, vllm_runner --serve).
+"""The vLLM generation backend (``generation.backend=vllm``; drafttrain.generation.vllm_client, vllm_runner --serve).
 
 Why: vLLM is how peers regenerate data at scale; rows it generates must be the rows our own generator writes
 (same columns, same loss masks, same features from a teacher-forced pass), one engine per job that never
@@ -16,7 +16,7 @@ from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data import selfdistill
 from drafttrain.data.selfdistill import distill_key, generate_dataset, job_fingerprint
 from drafttrain.data.template import prompt_ids
-from drafttrain.generation.vllm import VllmGenerator, VllmProcessError, group_alive, vllm_python
+from drafttrain.generation.vllm_client import VllmGenerator, VllmProcessError, group_alive, vllm_python
 from test_generate import CONVS, ids_of
 
 GEN = dict(max_new_tokens=6, max_length=256, max_turns=2, batch_size=4, shard_size=2, store_features=True)

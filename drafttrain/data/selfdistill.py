@@ -27,7 +27,7 @@ always ends with its last generated token.
 **Backends** (``generation.backend``; the rows are the same whichever generates them): ``engine`` (greedy through
 the bundled engine, :mod:`drafttrain.generation.engine`), ``hf`` (:meth:`drafttrain.target.Target.generate`; what
 sampling uses) and ``vllm`` (greedy through vLLM in its own venv, ``bash scripts/install_vllm.sh``: one engine
-process for the whole job, :class:`drafttrain.generation.vllm.VllmGenerator`, each round sent whole; vLLM keeps
+process for the whole job, :class:`drafttrain.generation.vllm_client.VllmGenerator`, each round sent whole; vLLM keeps
 no hidden states, so ``features`` come from one teacher-forced target forward over each finished row). The
 backend is part of the job's key: batched floats differ between backends, hence possibly a token at a near tie.
 
@@ -230,7 +230,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
                     feature_layers: Sequence[int] | None = None, vllm=None) -> int:  # fmt: skip
     """Generate the next turn of every state in one batch (features of ``feature_layers``, default the final
     post-norm state, when ``gen.store_features``; the vllm backend returns none: :func:`generate_shard` computes
-    them). ``vllm``: the job's :class:`~drafttrain.generation.vllm.VllmGenerator` (backend vllm).
+    them). ``vllm``: the job's :class:`~drafttrain.generation.vllm_client.VllmGenerator` (backend vllm).
     Returns the number of generated tokens."""
     sampling = SamplingParams(gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k)
     gens = None
@@ -258,7 +258,7 @@ def _generate_batch(target, states: list[_State], gen: GenerationConfig, stops: 
 
 
 def vllm_generator(target, gen: GenerationConfig, log_path: str | Path | None = None):
-    """The :class:`~drafttrain.generation.vllm.VllmGenerator` of a ``generation.backend=vllm`` job: the target's
+    """The :class:`~drafttrain.generation.vllm_client.VllmGenerator` of a ``generation.backend=vllm`` job: the target's
     own Hugging Face folder and dtype, ``max_model_len = gen.max_length`` (every request fits: a turn's cap is
     ``min(max_new_tokens, max_length - context)``), ``max_num_seqs = gen.batch_size``, ``gen.vllm``'s settings.
     Nothing starts until its first request.
@@ -266,7 +266,7 @@ def vllm_generator(target, gen: GenerationConfig, log_path: str | Path | None = 
     Raises:
         ValueError: the target was not loaded from a folder (a random target): vLLM has nothing to load.
     """
-    from drafttrain.generation.vllm import VllmGenerator
+    from drafttrain.generation.vllm_client import VllmGenerator
 
     folder = getattr(target, "source_dir", None)
     if folder is None:
@@ -373,21 +373,21 @@ def generate_shard(
     padding (:func:`batches_by_budget`; left padding, KV cache, finished rows dropped); greedy rounds of the
     ``engine`` and ``vllm`` backends go whole to the backend, which batches them itself. A batch that raises is
     retried one conversation at a time; a conversation that still raises is recorded as failed. A vLLM engine that
-    died or hung (:class:`~drafttrain.generation.vllm.VllmProcessError`) stops the job instead.
+    died or hung (:class:`~drafttrain.generation.vllm_client.VllmProcessError`) stops the job instead.
 
     ``feature_layers``: the target layers whose hidden states a row's ``features`` hold (with
     ``gen.store_features``; :func:`drafttrain.target.resolve_feature_layers`; default the final state). The
     ``vllm`` backend keeps no hidden states: its rows' features come from one teacher-forced target forward
     over the row's final ids (:func:`teacher_forced_features`; the same layers and storage dtype).
 
-    ``vllm``: the job's :class:`~drafttrain.generation.vllm.VllmGenerator` (backend vllm; None: one started
+    ``vllm``: the job's :class:`~drafttrain.generation.vllm_client.VllmGenerator` (backend vllm; None: one started
     and shut down for this shard).
 
     Returns:
         ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
         for the columns), in the order of ``plans``; ``failed`` maps input index -> reason.
     """
-    from drafttrain.generation.vllm import VllmProcessError
+    from drafttrain.generation.vllm_client import VllmProcessError
 
     if gen.backend == "vllm" and vllm is None:  # a direct call: an engine for this shard only
         with vllm_generator(target, gen) as own:

@@ -10,7 +10,7 @@ backend keeps hidden states):
 - ``engine`` (:class:`EngineGenerator`, :mod:`drafttrain.generation.engine`): plain decoding through the
   bundled engine (preallocated ragged KV cache, continuous batching), hidden states recorded from the
   generation itself. Greedy only.
-- ``vllm`` (:class:`~drafttrain.generation.vllm.VllmGenerator`, :mod:`drafttrain.generation.vllm`): vLLM's
+- ``vllm`` (:class:`~drafttrain.generation.vllm_client.VllmGenerator`, :mod:`drafttrain.generation.vllm_client`): vLLM's
   CPU build in its own venv and process, one engine per job. Greedy only; keeps no hidden states (callers
   compute features with a teacher-forced target forward).
 
@@ -77,7 +77,7 @@ class EngineGenerator:
 
 
 class VllmBackend:
-    """``vllm``: a started-on-demand :class:`~drafttrain.generation.vllm.VllmGenerator`, greedy, no features."""
+    """``vllm``: a started-on-demand :class:`~drafttrain.generation.vllm_client.VllmGenerator`, greedy, no features."""
 
     name, keeps_features = "vllm", False
 
@@ -97,7 +97,7 @@ def generator_for(backend: str, target, batch_size: int = 64, vllm=None) -> Gene
     Args:
         backend: ``engine`` | ``hf`` | ``vllm``.
         batch_size: sequences the engine decodes together.
-        vllm: the job's :class:`~drafttrain.generation.vllm.VllmGenerator` (backend ``vllm`` only).
+        vllm: the job's :class:`~drafttrain.generation.vllm_client.VllmGenerator` (backend ``vllm`` only).
 
     Raises:
         ValueError: an unknown backend, or ``vllm`` without its generator.
@@ -108,7 +108,7 @@ def generator_for(backend: str, target, batch_size: int = 64, vllm=None) -> Gene
         return EngineGenerator(target, batch_size)
     if backend == "vllm":
         if vllm is None:
-            raise ValueError("the vllm backend needs the job's VllmGenerator (drafttrain.generation.vllm)")
+            raise ValueError("the vllm backend needs the job's VllmGenerator (drafttrain.generation.vllm_client)")
         return VllmBackend(vllm)
     raise ValueError(f"unknown generation backend {backend!r}; choose from {BACKENDS}")
 

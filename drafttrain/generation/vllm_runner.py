@@ -7,7 +7,7 @@ it imports nothing of drafttrain (whose venv has newer transformers/datasets tha
     .venv-vllm/bin/python drafttrain/generation/vllm_runner.py --serve ENGINE.json   # persistent: JSON lines on stdin/stdout
 
 The second form (:func:`serve`) is the generation backend's engine (``generation.backend=vllm``): one
-engine for a whole generation job, started and stopped by :class:`drafttrain.generation.vllm.VllmGenerator`.
+engine for a whole generation job, started and stopped by :class:`drafttrain.generation.vllm_client.VllmGenerator`.
 
 JOB: ``{"runs": [overrides, ...], "model": target HF folder, "prompts": [[ids...]...], "max_new_tokens": n, "stop_token_ids": [...],
 "speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false}`` (eager: no torch.compile,
@@ -117,7 +117,7 @@ def run_all(job: dict) -> list[dict]:
 
 
 # ==================================================================================================
-# persistent mode: one engine, many requests (generation.backend=vllm; drafttrain/generation/vllm.py)
+# persistent mode: one engine, many requests (generation.backend=vllm; drafttrain/generation/vllm_client.py)
 # ==================================================================================================
 def serve(job: dict, proto_in, proto_out) -> None:
     """Build one engine from ``job`` (``model``, ``tokenizer``, ``dtype``, ``max_model_len``, ``max_num_seqs``,
