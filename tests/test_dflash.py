@@ -179,6 +179,33 @@ def test_engine_greedy_equal(deep, batch_size):
         assert [r.tokens for r in run.results] == [p["tokens"][len(q):] for p, q in zip(plain, prompts)]
 
 
+def test_a_trained_dflash_drafter_gets_drafts_accepted(tiny_target):
+    """Trained for a few dozen steps on the tiny target's own greedy output (it repeats one token), DFlash's
+    drafts are accepted by the engine: the drafted positions are the ones verification checks."""
+    from drafttrain.eval.spec import plain_greedy, speculative_greedy
+
+    torch.manual_seed(0)
+    dr = build_drafter("dflash", {"block_size": 4, "num_layers": 1, "init_from_target_layer": False}, tiny_target)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, tiny_target.config.vocab_size, (5,), generator=g).tolist() for _ in range(4)]
+    rows = [plain_greedy(tiny_target, p, 20)[0] for p in prompts]
+    ids = torch.tensor([p + r for p, r in zip(prompts, rows)])
+    lengths = torch.full((ids.shape[0],), ids.shape[1])
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 5:] = 1
+    feats = tiny_target.forward(ids, with_logits=False, feature_layers=dr.feature_layers).features[:, :-1]
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "lengths": lengths, "features": feats}
+    opt = torch.optim.Adam([p for p in dr.parameters() if p.requires_grad], lr=3e-3)
+    dr.train()
+    for _ in range(40):
+        opt.zero_grad()
+        dr.training_loss(batch, torch.Generator().manual_seed(0)).loss.backward()
+        opt.step()
+    dr.eval()
+    r = speculative_greedy(tiny_target, dr, prompts[0], 20)
+    assert r.tokens == rows[0] and sum(r.accept_lengths) > 0
+
+
 @pytest.mark.slow
 def test_dflash_recipe_train_run(tmp_path):
     """`+recipe=dflash target=tiny trainer.max_steps=3`: trains, checkpoints, evaluates greedy-equal."""

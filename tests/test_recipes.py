@@ -32,6 +32,7 @@ CONFIGS = {
     "parallelspec_eagle": {"num_mask_tokens": K, "anchor_ratio": 1.0, "init_from_target_layer": False},
     "eagle3": {"draft_depth": D, "ttt_steps": 3, "init_from_target_layer": False},
     "parallelspec_eagle3": {"num_mask_tokens": K, "anchor_ratio": 1.0, "init_from_target_layer": False},
+    "dflash": {"block_size": K + 1, "num_layers": 2, "init_from_target_layer": False},
 }
 # first training loss of make_batch(seed=1) with a seed-0 drafter and generator seed 0 (computed once, 2026-11-22)
 GOLDEN_FIRST_LOSS = {
@@ -475,8 +476,8 @@ def test_speculative_greedy_equals_plain_greedy(tiny_target, varied_target, name
         r = speculative_greedy(target, dr, prompt, 30)
         assert r.tokens == ref, (name, which, n)
         accepted += sum(r.accept_lengths)
-    if which == "tiny":
-        assert accepted > 0
+    if which == "tiny" and name != "dflash":  # an untrained DFlash drafts from [MASK] inputs through random
+        assert accepted > 0  # projections, not from the target's feature: tests/test_dflash.py trains it first
 
 
 # ---------------------------------------------------------------- config keys and layout helpers
