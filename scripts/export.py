@@ -24,13 +24,14 @@ class ExportConfig:
     """Export a trained drafter to a folder a serving engine loads.
 
     ``checkpoint``: a training run folder (``drafter/`` + ``config.json``) or a drafter folder.
-    ``format``: speculators | sglang | vllm_medusa | vllm_eagle; null = the recipe's default
-    (eagle3 / parallelspec_eagle3 -> speculators, medusa -> vllm_medusa, eagle -> vllm_eagle).
+    ``format``: speculators | sglang | vllm_medusa | vllm_eagle | dflash; null = the recipe's default
+    (eagle3 / parallelspec_eagle3 -> speculators, medusa -> vllm_medusa, eagle -> vllm_eagle, dflash -> dflash).
     ``target_path``: the target's HF folder; null = the run's own target (the converted SmolLM2 by default).
     A drafter trained on a random ``target=tiny`` needs the tiny target saved to disk and named here.
     ``verifier``: the target name written into the exported config (``vllm serve DIR`` serves it);
     null = the target's folder.
-    ``num_speculative_tokens``: the default chain length in the speculators config; null = the drafter's depth.
+    ``num_speculative_tokens``: the default chain length in the speculators config; null = the drafter's depth
+    (DFlash: B - 1, the only count its export takes).
     """
 
     checkpoint: str | None = None
@@ -91,7 +92,7 @@ def run(c) -> Path:
 
 def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: dict) -> list[str]:
     """The commands that serve the exported folder (also printed and written to export_info.json)."""
-    method = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle"}.get(fmt)
+    method = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}.get(fmt)
     if fmt == "sglang":
         return [f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {out} --speculative-num-steps {n_spec} "
@@ -100,7 +101,7 @@ def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: 
     if engine_cfg.get("speculators_model_type") == "peagle" or engine_cfg.get("parallel_drafting"):
         spec["parallel_drafting"] = True
     cmds = [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
-    if fmt == "speculators":
+    if fmt in ("speculators", "dflash"):
         cmds.insert(0, f"vllm serve {out}")
     return cmds
 

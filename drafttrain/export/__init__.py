@@ -11,6 +11,7 @@ loader consumes (engines skip unknown names silently; :func:`drafttrain.export.c
 | ``sglang`` | SGLang (``--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR``) | eagle3, parallelspec_eagle3 |
 | ``vllm_medusa`` | vLLM (``"method": "medusa"``) | medusa |
 | ``vllm_eagle`` | vLLM (``"method": "eagle"``, EAGLE-1) | eagle (only the variant vLLM's network computes) |
+| ``dflash`` | vLLM (``"method": "dflash"``, ``num_speculative_tokens`` = B - 1; speculators' DFlash format) | dflash |
 
 ParallelSpec's Medusa and EAGLE integrations (``parallelspec``, ``parallelspec_eagle``) have no engine
 format: no engine runs their mask-token drafting over a fc([e; f]) item layer.
@@ -29,6 +30,7 @@ FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sglang": ("sglang", ("eagle3", "parallelspec_eagle3")),
     "vllm_medusa": ("medusa", ("medusa",)),
     "vllm_eagle": ("vllm_eagle", ("eagle",)),
+    "dflash": ("dflash", ("dflash",)),
 }
 
 
