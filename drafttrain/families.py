@@ -43,6 +43,7 @@ Shape letters: b batch, s sequence, d hidden.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,14 @@ def tiny_config(family: str, vocab_size: int, *, hidden_size: int = 64, intermed
 # ------------------------------------------------------------------------------------------------ drafters' helpers
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_layer_type(rotary_cls: type) -> bool:
+    """Whether a rotary module class's forward takes ``layer_type`` (read once per class: drafting calls it every step)."""
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary_cls.forward).parameters
+
+
 def rotary_embeddings(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer: nn.Module | None = None):
     """(cos, sin) of ``rotary`` for inputs x [b, s, .] at positions [b, s], however its family calls it.
 
@@ -211,10 +220,7 @@ def rotary_embeddings(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Te
     ``full_attention`` (a drafter's one layer attends its whole context: the global RoPE base); every
     other family's takes (x, position_ids).
     """
-    import inspect
-
-    params = inspect.signature(rotary.forward).parameters
-    if "layer_type" in params:
+    if _takes_layer_type(type(rotary)):
         layer_type = getattr(layer, "attention_type", None) or "full_attention"
         return rotary(x, position_ids, layer_type=layer_type)
     return rotary(x, position_ids)
@@ -262,6 +268,24 @@ def split_projections(layer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def llama_init_weights(src: nn.Module, target_config, hidden_size: int) -> dict[str, torch.Tensor]:
+    """A target decoder layer's weights where they carry over into a Llama-style layer (x * w norms, SiLU MLP,
+    no biases): q/k/v/o projections (:func:`split_projections`), the dense MLP only when the target's is SiLU
+    (not an MoE layer, nor Gemma's GELU MLP), and the effective scales of its attention-input norm
+    (``input_norm``) and MLP-input norm (``mlp_norm``: Gemma's ``pre_feedforward_layernorm``, else
+    ``post_attention_layernorm``) as Llama weights [d] (:func:`effective_norm_weight`)."""
+    w = split_projections(src)
+    act = getattr(target_config, "hidden_act", None) or getattr(target_config, "hidden_activation", None)
+    if act != "silu":
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w.pop(name, None)
+    mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or src.post_attention_layernorm
+    w["input_norm"] = effective_norm_weight(src.input_layernorm, hidden_size)
+    w["mlp_norm"] = effective_norm_weight(mlp_norm, hidden_size)
+    return w
+
+
 def draft_layer_config(target_config) -> dict[str, Any]:
     """The Llama config (a dict) of the one EAGLE-3 draft decoder layer the serving engines build for a target
     of any family: sizes from the target, SiLU MLP, no biases, untied, one layer.
@@ -277,9 +301,7 @@ def draft_layer_config(target_config) -> dict[str, Any]:
     d = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     head_dim = int(get("head_dim", None) or d // heads)
-    inter = get("intermediate_size", None)
-    if get("num_experts", None) or get("num_local_experts", None) or not inter:
-        inter = get("intermediate_size", None) or 3 * d
+    inter = get("intermediate_size", None) or 3 * d  # an MoE config without a dense size: 3d, as speculators
     rope = copy.deepcopy(get("rope_parameters", None)) or {"rope_type": "default",
                                                             "rope_theta": float(get("rope_theta", 10000.0))}
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):

@@ -168,17 +168,14 @@ class DFlashDrafter(Drafter):
             return
         target_layers = list(self.shared.decoder_layers or [self.shared.decoder_layer])
         for layer, src in zip(self.layers, target_layers[-len(self.layers):]):
-            w = families.split_projections(src)
+            w = families.llama_init_weights(src, self.shared.model_config, d)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, name).weight.copy_(w[name])
-            cfg = self.shared.model_config
-            act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-            if "gate_proj" in w and act == "silu":
-                for name in ("gate_proj", "up_proj", "down_proj"):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                if name in w:
                     getattr(layer.mlp, name).weight.copy_(w[name])
-            layer.input_layernorm.weight.copy_(families.effective_norm_weight(src.input_layernorm, d))
-            mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or src.post_attention_layernorm
-            layer.post_attention_layernorm.weight.copy_(families.effective_norm_weight(mlp_norm, d))
+            layer.input_layernorm.weight.copy_(w["input_norm"])
+            layer.post_attention_layernorm.weight.copy_(w["mlp_norm"])
         self.norm.weight.copy_(families.effective_norm_weight(self.shared.final_norm, d))
 
     # -- the network ----------------------------------------------------------------------------
@@ -273,10 +270,8 @@ class DFlashDrafter(Drafter):
             kinds[i, :q], anchors[i, :q] = lay.slot_kind[blk], lay.slot_anchor[blk]
             pos[i, :q], lab[i, :q] = lay.position_ids[blk], lay.labels[blk]
             rows = lay.allowed[blk]  # [q, t + q]
-            allowed[i, :q] = False
+            allowed[i, :q, t_max : t_max + q] = rows[:, t:]  # its own diagonal included
             allowed[i, :q, :t] = rows[:, :t]
-            allowed[i, :q, t_max : t_max + q] = rows[:, t:]
-            allowed[i, q:, :t_max] = False
         return kinds, anchors, pos, lab, L.additive_mask(allowed, self.fc.weight.dtype)[:, None]
 
     def block_hidden(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):

@@ -249,18 +249,15 @@ class Eagle3Drafter(FeatureLayerDrafter):
             layer.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
             self.norm.load_state_dict(self.shared.final_norm.state_dict())
             return
-        w = families.split_projections(src)
+        w = families.llama_init_weights(src, self.shared.model_config, d)
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(layer.self_attn, name).weight[:, d:] = w[name]
         layer.self_attn.o_proj.weight.copy_(w["o_proj"])
-        cfg = self.shared.model_config
-        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-        if "gate_proj" in w and act == "silu":
-            for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if name in w:
                 getattr(layer.mlp, name).weight.copy_(w[name])
-        mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or src.post_attention_layernorm  # the MLP's input norm
-        layer.post_attention_layernorm.weight.copy_(families.effective_norm_weight(mlp_norm, d))
-        layer.hidden_norm.weight.copy_(families.effective_norm_weight(src.input_layernorm, d))
+        layer.post_attention_layernorm.weight.copy_(w["mlp_norm"])
+        layer.hidden_norm.weight.copy_(w["input_norm"])
         self.norm.weight.copy_(families.effective_norm_weight(self.shared.final_norm, d))
 
     @torch.no_grad()
