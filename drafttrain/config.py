@@ -186,6 +186,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
     spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
+    export: bool = True  # at the end, write the drafter's serving-engine folder (output_dir/export) and print its `vllm serve` line
     progress: bool = True
 
 

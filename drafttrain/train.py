@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -358,8 +359,46 @@ def wandb_run_id(out_dir: Path, resume_from: Path | None) -> str:
 # ==================================================================================================
 # run
 # ==================================================================================================
+@dataclass
+class _Run:
+    """What the stages of :func:`run` share: the validated config, the accelerator, the run folder, and what
+    each stage adds (target and data; drafter, optimizer, schedule and loop counters; the metrics log)."""
+
+    c: TrainConfig
+    accelerator: Any
+    out_dir: Path
+    t_start: float  # time.time() when the run started (after the accelerator, before the target loads)
+    target: Any = None
+    layers: Any = None  # the target layers the drafter declares (Drafter.layers_for)
+    dcfg: dict[str, Any] | None = None  # the drafter's config dict (drafter_config)
+    train_ds: Any = None
+    held_ds: Any = None
+    drafter: Any = None
+    opt: Any = None
+    sched: Any = None
+    base_lrs: list[float] | None = None
+    state: TrainState | None = None
+    n_params: int = 0
+    launch: dict[str, Any] | None = None
+    mlog: MetricsLog | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        """One row of ``metrics.jsonl`` (rank 0) and, with ``logging.wandb``, the numeric values to W&B."""
+        self.mlog.write(metrics, step)
+        if self.c.logging.wandb:
+            self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+
 def run(cfg) -> dict[str, Any]:
     """Train a drafter as configured. Returns the final metrics (also written to ``final_metrics.json``).
+
+    The stages, in order: :func:`_start_run` (accelerator, run folder, seed), :func:`_load_target_and_data`,
+    :func:`_build_drafter` (drafter, AdamW, schedule), :func:`_resume`, :func:`_start_logging`,
+    :func:`_train_steps`, :func:`_final_evaluation` (held-out metrics, checkpoint, drafter, speculative eval).
 
     Args:
         cfg: a composed Hydra ``DictConfig``, a plain dict, or a :class:`TrainConfig`.
@@ -370,36 +409,44 @@ def run(cfg) -> dict[str, Any]:
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     resume_from = check_resume(c) if c.resume else None  # a changed job fails here, before anything loads
+    r = _start_run(c)
+    _load_target_and_data(r)
+    _build_drafter(r)
+    metrics_lines = _resume(r, resume_from)
+    _start_logging(r, resume_from, metrics_lines)
+    stopped_early = _train_steps(r)
+    final = _final_evaluation(r, stopped_early)
+    accelerator, out_dir, main = r.accelerator, r.out_dir, r.main
+    if main:
+        from drafttrain.data.shards import atomic_write_text
+
+        atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
+        summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items()
+                            if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
+        print(f"[drafttrain] done: {summary}", flush=True)
+        if "eval/tau" in final:
+            print(f"[drafttrain] {speedup_line(final)}", flush=True)
+        if c.trainer.export:
+            export_for_serving(c, out_dir)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return final
+
+
+def _start_run(c: TrainConfig) -> _Run:
+    """Threads, the Accelerator (CPU/GPU, DDP or DeepSpeed: :mod:`drafttrain.distributed`), the run folder
+    with ``config.json`` and ``target.json`` (rank 0), and the seed."""
+    from accelerate.utils import set_seed
+
+    from drafttrain.distributed import close_file_logs, make_accelerator
     from drafttrain.fingerprint import target_fingerprint
 
     target_fp = target_fingerprint(c.target)  # config + weights hash (cached); recorded with every checkpoint
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    from drafttrain.distributed import (
-        close_file_logs,
-        frozen_target_context,
-        full_drafter,
-        launch_info,
-        make_accelerator,
-        per_rank,
-        peak_memory_mb,
-        prepare,
-    )
-    from drafttrain import fastattention, fastlinear
-    from drafttrain.host import native_bf16
-    from drafttrain.data.batches import get_batch, sample_indices
-    from drafttrain.data.pipeline import prepare_data
-    from drafttrain.drafters import build_drafter, drafter_class, drafter_config
-    from drafttrain.metrics import finalize, merge_sums
-    from drafttrain.target import load_target
-    from drafttrain.tracking import log_eval_table
-
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     os.environ.setdefault("WANDB_MODE", c.logging.wandb_mode)
     out_dir = Path(c.output_dir)
-    accelerator = make_accelerator(c, str(out_dir))  # CPU/GPU, DDP or DeepSpeed: see drafttrain/distributed.py
+    accelerator = make_accelerator(c, str(out_dir))
     main = accelerator.is_main_process
     if not main:
         close_file_logs()  # Hydra's train.log: rank 0's only
@@ -408,27 +455,43 @@ def run(cfg) -> dict[str, Any]:
         (out_dir / "config.json").write_text(json.dumps(to_dict(c), indent=1))
         (out_dir / "target.json").write_text(json.dumps({"name": c.target.name, "fingerprint": target_fp}, indent=1))
     set_seed(c.seed)
-    t_start = time.time()
+    return _Run(c, accelerator, out_dir, time.time())
 
-    # -- target and data -------------------------------------------------------------------------
-    with frozen_target_context(accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
-        target = load_target(c.target, device=accelerator.device)
-    dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
+
+def _load_target_and_data(r: _Run) -> None:
+    """The frozen target (whole on every rank, outside DeepSpeed), the drafter's config and declared target
+    layers, and the train / held-out datasets (:func:`drafttrain.data.pipeline.prepare_data`)."""
+    from drafttrain.data.pipeline import prepare_data
+    from drafttrain.distributed import frozen_target_context
+    from drafttrain.drafters import drafter_class, drafter_config
+    from drafttrain.target import load_target
+
+    c = r.c
+    with frozen_target_context(r.accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
+        r.target = load_target(c.target, device=r.accelerator.device)
+    r.dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
     # the target layers the drafter declares: what self-distillation stores and every batch carries
-    layers = drafter_class(c.drafter.name).layers_for(dcfg, target.num_hidden_layers)
-    train_ds, held_ds = prepare_data(c, target, accelerator, layers)
-    log.info("train sequences %d, held-out %d", len(train_ds), len(held_ds) if held_ds is not None else 0)
+    r.layers = drafter_class(c.drafter.name).layers_for(r.dcfg, r.target.num_hidden_layers)
+    r.train_ds, r.held_ds = prepare_data(c, r.target, r.accelerator, r.layers)
+    log.info("train sequences %d, held-out %d", len(r.train_ds), len(r.held_ds) if r.held_ds is not None else 0)
 
-    # -- drafter, optimizer, schedule ------------------------------------------------------------
-    drafter = build_drafter(c.drafter.name, dcfg, target)
-    draft_vocab_size = int(dcfg.get("draft_vocab_size", 0))  # a key of the drafters that restrict their vocabulary
+
+def _build_drafter(r: _Run) -> None:
+    """The drafter (its draft vocabulary from the training answers where it has one), AdamW, the warm-up +
+    cosine schedule, all prepared by the accelerator, and the loop counters registered for checkpointing."""
+    from drafttrain.distributed import prepare
+    from drafttrain.drafters import build_drafter
+
+    c, target = r.c, r.target
+    drafter = build_drafter(c.drafter.name, r.dcfg, target)
+    draft_vocab_size = int(r.dcfg.get("draft_vocab_size", 0))  # a key of the drafters that restrict their vocabulary
     if draft_vocab_size:
         from drafttrain.data.vocab import frequent_tokens
 
-        ids, coverage = frequent_tokens(train_ds, draft_vocab_size, target.lm_head.weight.shape[0])
+        ids, coverage = frequent_tokens(r.train_ds, draft_vocab_size, target.lm_head.weight.shape[0])
         drafter.set_draft_vocab(ids)
         log.info("draft vocabulary: %d tokens cover %.1f%% of training answer tokens", ids.numel(), 100 * coverage)
-    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    r.n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     opt = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad],
         lr=c.optim.lr,
@@ -438,50 +501,75 @@ def run(cfg) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, c.optim.warmup_steps, c.trainer.max_steps, c.optim.min_lr_ratio)
     )
-    drafter, opt, sched = prepare(accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
-    base_lrs = sched.scheduler.base_lrs if hasattr(sched, "scheduler") else sched.base_lrs  # (accelerate wraps it)
+    r.drafter, r.opt, r.sched = prepare(r.accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
+    r.state = TrainState()
+    r.accelerator.register_for_checkpointing(r.state)
+    r.base_lrs = r.sched.scheduler.base_lrs if hasattr(r.sched, "scheduler") else r.sched.base_lrs  # (accelerate wraps it)
 
+
+def _resume(r: _Run, resume_from: Path | None) -> int | None:
+    """Remove what an interrupted save left, then load ``resume_from`` (accelerate state, loop counters,
+    the schedule's lr). Returns the checkpoint's ``metrics_lines`` (None: a fresh run, metrics.jsonl starts empty)."""
+    c, accelerator, out_dir = r.c, r.accelerator, r.out_dir
     metrics_lines = None  # fresh run: metrics.jsonl starts empty
-    if main and (out_dir / CHECKPOINTS).is_dir():
+    if r.main and (out_dir / CHECKPOINTS).is_dir():
         remove_incomplete_checkpoints(out_dir)
     accelerator.wait_for_everyone()
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         meta = json.loads((resume_from / "meta.json").read_text())
         metrics_lines = meta.get("metrics_lines")
-        set_schedule_lr(opt, base_lrs, state.step, c, state.train_seconds)
-        log.info("resumed from %s at step %d (samples %d)", resume_from, state.step, state.samples)
+        set_schedule_lr(r.opt, r.base_lrs, r.state.step, c, r.state.train_seconds)
+        log.info("resumed from %s at step %d (samples %d)", resume_from, r.state.step, r.state.samples)
     elif c.resume:
         log.info("resume=true but no checkpoint in %s: starting fresh", out_dir / CHECKPOINTS)
-    elif main and (out_dir / CHECKPOINTS).exists():
+    elif r.main and (out_dir / CHECKPOINTS).exists():
         log.warning("%s has checkpoints from an earlier run; resume=false starts over", out_dir)
+    return metrics_lines
 
+
+def _start_logging(r: _Run, resume_from: Path | None, metrics_lines: int | None) -> None:
+    """``launch.json`` (processes and the host facts that decide the speed figures), the W&B run (a resumed
+    run continues its own) and ``metrics.jsonl`` (cut back to ``metrics_lines`` on resume)."""
+    from drafttrain import fastattention, fastlinear
+    from drafttrain.distributed import launch_info
+    from drafttrain.host import native_bf16
+
+    c, accelerator, out_dir = r.c, r.accelerator, r.out_dir
     launch = launch_info(accelerator)
     # the host facts that decide the speed figures (docs/benchmarks/main_job.md names them)
     launch["host"] = {"cpu_capability": fastlinear.cpu_capability(), "cpu_threads": torch.get_num_threads(),
-                      "target_linears": fastlinear.describe(target.model), "decode_attention": fastattention.backend(),
+                      "target_linears": fastlinear.describe(r.target.model), "decode_attention": fastattention.backend(),
                       "native_bf16": "yes" if native_bf16()[0] else "no", "native_bf16_reason": native_bf16()[1],
                       "mixed_precision": c.trainer.mixed_precision}
-    if main:
+    r.launch = launch
+    if r.main:
         (out_dir / "launch.json").write_text(json.dumps(launch, indent=1))
     if c.logging.wandb:
         accelerator.init_trackers(
             c.logging.wandb_project,
-            config={**to_dict(c), "git_sha": git_sha() or "unknown", "trainable_params": n_params, "launch": launch},
-            init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name, "id": wandb_run_id(out_dir, resume_from) if main else None,
-                                   "resume": "allow"}},
+            config={**to_dict(c), "git_sha": git_sha() or "unknown", "trainable_params": r.n_params, "launch": launch},
+            init_kwargs={"wandb": {"dir": str(out_dir), "name": c.run_name,
+                                   "id": wandb_run_id(out_dir, resume_from) if r.main else None, "resume": "allow"}},
         )
-    mlog = MetricsLog(out_dir / "metrics.jsonl", main)
-    mlog.start(metrics_lines)
+    r.mlog = MetricsLog(out_dir / "metrics.jsonl", r.main)
+    r.mlog.start(metrics_lines)
 
-    def log_metrics(metrics: dict[str, Any], step: int) -> None:
-        mlog.write(metrics, step)
-        if c.logging.wandb:
-            accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
-    # -- steps -----------------------------------------------------------------------------------
+def _train_steps(r: _Run) -> bool:
+    """Optimizer steps until ``trainer.max_steps`` or ``trainer.max_minutes`` of training time: per step
+    ``grad_accum_steps`` micro-batches (data order and anchors: module docstring), clipping, the schedule,
+    and every ``log_every`` / ``eval_every`` / ``spec_eval.every`` / ``save_every`` steps their work.
+    Returns whether the time budget stopped the run before ``max_steps``."""
+    from tqdm.auto import tqdm
+
+    from drafttrain.data.batches import get_batch, sample_indices
+    from drafttrain.distributed import full_drafter, peak_memory_mb, per_rank
+    from drafttrain.metrics import finalize, merge_sums
+    from drafttrain.tracking import log_eval_table
+
+    c, accelerator, state, drafter, opt = r.c, r.accelerator, r.state, r.drafter, r.opt
+    target, layers, train_ds, held_ds, main = r.target, r.layers, r.train_ds, r.held_ds, r.main
     world, mbs, accum = accelerator.num_processes, c.trainer.micro_batch_size, c.trainer.grad_accum_steps
     per_step = world * mbs * accum
     lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
@@ -518,13 +606,13 @@ def run(cfg) -> dict[str, Any]:
         window_n += 1
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), c.optim.max_grad_norm)
         opt.step()
-        sched.step()
+        r.sched.step()
         opt.zero_grad(set_to_none=True)
         state.step += 1
         state.samples += per_step
         state.train_seconds = base_seconds + (time.time() - seg_start)
         if c.optim.decay_over == "minutes":  # the cosine follows the clock (LambdaLR counts steps only)
-            set_schedule_lr(opt, base_lrs, state.step, c, state.train_seconds)
+            set_schedule_lr(opt, r.base_lrs, state.step, c, state.train_seconds)
         bar.update(1)
 
         if state.step % c.trainer.log_every == 0 or state.step == c.trainer.max_steps:
@@ -544,67 +632,95 @@ def run(cfg) -> dict[str, Any]:
                 "train/peak_mem_mb": max(per_rank(accelerator, peak_memory_mb(accelerator.device))),
                 **finalize(sums, "train"),
             }
-            log_metrics(metrics, state.step)
+            r.log_metrics(metrics, state.step)
             bar.set_postfix(loss=f"{loss:.3f}", tau_sim=f"{metrics.get('train/tau_sim', 0):.2f}",
                             tok_s=f"{metrics['train/tokens_per_s']:.0f}")
             window_sums, window_tokens, window_seq_tokens, window_t0 = None, 0, 0, time.time()
             window_loss, window_n = 0.0, 0
         if c.trainer.eval_every and state.step % c.trainer.eval_every == 0 and held_ds is not None:
             hs = heldout_sums(drafter, held_ds, target, c, accelerator, layers)
-            log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
+            r.log_metrics(finalize(reduce_sums(accelerator, hs), "eval"), state.step)
         se_every = c.trainer.spec_eval.every
         if se_every and state.step % se_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
-                r = spec_eval(c, target, model, train_ds)
-                log_metrics(r, state.step)
+                res = spec_eval(c, target, model, train_ds)
+                r.log_metrics(res, state.step)
                 if c.logging.wandb:
-                    log_eval_table(accelerator, r, state.step)
+                    log_eval_table(accelerator, res, state.step)
                 model.train()
             accelerator.wait_for_everyone()
             seg_start, base_seconds = time.time(), state.train_seconds  # eval time is not training time
         if c.trainer.save_every and state.step % c.trainer.save_every == 0:
-            save_checkpoint(accelerator, drafter, c, state, out_dir, mlog.lines)
+            save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines)
     bar.close()
-    train_seconds = state.train_seconds
+    return stopped_early
 
-    # -- final evaluation and save ---------------------------------------------------------------
+
+def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
+    """The final metrics: counters, held-out metrics, a last checkpoint, the drafter saved to
+    ``output_dir/drafter`` and, on rank 0, the speculative evaluation (:func:`spec_eval`) and ``wall_seconds``
+    (logged to metrics.jsonl / W&B). Every rank returns its dict; rank 0's has the evaluation."""
+    from drafttrain.distributed import full_drafter, peak_memory_mb, per_rank
+    from drafttrain.metrics import finalize
+    from drafttrain.tracking import log_eval_table
+
+    c, accelerator, state, drafter, main = r.c, r.accelerator, r.state, r.drafter, r.main
+    target, layers, train_ds, held_ds = r.target, r.layers, r.train_ds, r.held_ds
+    train_seconds = state.train_seconds
     final: dict[str, Any] = {
         "step": state.step,
         "samples": state.samples,  # training sequences seen (all ranks)
         "train_rows": len(train_ds),  # epochs = samples / train_rows
         "train_data_sha": dataset_fingerprint(train_ds, ("input_ids", "loss_mask")),  # same value = same sequences
         "train_seconds": round(train_seconds, 1),
-        "trainable_params": n_params,
+        "trainable_params": r.n_params,
         "stopped_by_time_budget": stopped_early,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator, layers)), "eval"))
-    save_checkpoint(accelerator, drafter, c, state, out_dir, mlog.lines)
+    save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines)
     final["peak_mem_mb_per_rank"] = [round(x, 1) for x in per_rank(accelerator, peak_memory_mb(accelerator.device))]
-    final["launch"] = launch
+    final["launch"] = r.launch
     model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
     if main:
-        atomic_save_pretrained(model, out_dir / "drafter")
+        atomic_save_pretrained(model, r.out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
             model.pack_for_inference()  # training is over (never mid-run: DeepSpeed updates param.data)
             final.update(spec_eval(c, target, model, train_ds))
-        final["wall_seconds"] = round(time.time() - t_start, 1)
-        log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
+        final["wall_seconds"] = round(time.time() - r.t_start, 1)
+        r.log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:
             log_eval_table(accelerator, final, state.step)
-        from drafttrain.data.shards import atomic_write_text
-
-        atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
-        summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items()
-                            if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
-        print(f"[drafttrain] done: {summary}", flush=True)
-        if "eval/tau" in final:
-            print(f"[drafttrain] {speedup_line(final)}", flush=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
     return final
+
+
+def export_for_serving(c: TrainConfig, out_dir: Path) -> Path | None:
+    """Write the trained drafter's serving-engine folder to ``out_dir/export`` and print its ``vllm serve`` line.
+
+    The recipe's default format (:func:`drafttrain.export.formats_for`); a recipe without one, or a random
+    tiny target that exists on no disk, prints why and returns None (never fails the finished run).
+    """
+    from drafttrain.config import ConfigError
+    from drafttrain.export import export_run, formats_for
+
+    name = c.drafter.name
+    if not formats_for(name):
+        print(f"[drafttrain] serve: no serving-engine format exists for '{name}' drafters (docs/serving.md)", flush=True)
+        return None
+    if c.target.random_init:
+        print("[drafttrain] serve: not exported (the random tiny target exists on no disk; scripts.export "
+              "target_path=DIR exports against a saved one)", flush=True)  # fmt: skip
+        return None
+    try:
+        out = export_run(out_dir, output_dir=out_dir / "export", overwrite=True)
+    except ConfigError as err:  # ExportError is a ConfigError
+        print(f"[drafttrain] serve: not exported: {err}", flush=True)
+        return None
+    info = json.loads((out / "export_info.json").read_text())
+    print(f"[drafttrain] serve it in vLLM ({info['format']} folder {out}): {info['commands'][-1]}", flush=True)
+    return out
 
 
 def speedup_line(final: dict[str, Any]) -> str:

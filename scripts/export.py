@@ -44,66 +44,22 @@ class ExportConfig:
 
 
 def run(c) -> Path:
-    """Export per ``c`` (an :class:`ExportConfig`); returns the folder written.
+    """Export per ``c`` (an :class:`ExportConfig`); returns the folder written
+    (:func:`drafttrain.export.export_run`).
 
     Raises:
         ConfigError: no checkpoint; a random tiny target with no ``target_path``; an existing output folder.
         ExportError: the recipe has no such format, or the format cannot hold the drafter exactly.
     """
-    from drafttrain.config import ConfigError, TargetConfig
-    from drafttrain.drafters import Drafter
-    from drafttrain.drafters.base import DRAFTER_CONFIG
-    from drafttrain.export import export_drafter, resolve_format
-    from drafttrain.export.common import drafter_dir, run_config, write_json
-    from drafttrain.target import load_target, resolve_target_dir
+    from drafttrain.config import ConfigError
+    from drafttrain.export import export_run
 
     if not c.checkpoint:
         raise ConfigError("checkpoint is required (checkpoint=outputs/<run> or a drafter folder)")
-    try:
-        ddir = drafter_dir(c.checkpoint)
-    except FileNotFoundError as err:
-        raise ConfigError(f"checkpoint={c.checkpoint}: {err}") from None
-    recipe = json.loads((ddir / DRAFTER_CONFIG).read_text())["name"]
-    fmt = resolve_format(recipe, c.format)  # before any model loads
-    run_cfg = run_config(ddir)
-    tcfg = TargetConfig(**(run_cfg or {}).get("target", {}))
-    if c.target_path:
-        tcfg.path, tcfg.random_init = c.target_path, False
-    elif tcfg.random_init:
-        raise ConfigError(f"{c.checkpoint} was trained on a random tiny target that exists on no disk: save that "
-                          "target (save_pretrained) and pass target_path=DIR")  # fmt: skip
-    out = Path(c.output_dir or f"outputs/export/{Path(c.checkpoint).resolve().name}-{fmt}")
-    if out.exists() and any(out.iterdir()) and not c.overwrite:
-        raise ConfigError(f"output_dir {out} is not empty (overwrite=true replaces its files)")
-    target_dir = resolve_target_dir(tcfg)
-    target = load_target(tcfg)
-    drafter = Drafter.from_pretrained(ddir, target).eval()
-    verifier = c.verifier or str(Path(target_dir).resolve())
-    n_spec = int(c.num_speculative_tokens or drafter.draft_depth)
-    _, engine_cfg = export_drafter(drafter, fmt, out, verifier=verifier, num_speculative_tokens=n_spec,
-                                   target_config=target.config)  # fmt: skip
-    info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(c.checkpoint).resolve()),
-            "target_path": str(Path(target_dir).resolve()), "verifier": verifier,
-            "num_speculative_tokens": n_spec, "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg)}  # fmt: skip
-    write_json(out / "export_info.json", info)
-    log.info("wrote %s (%s, from %s)", out, fmt, ddir)
+    out = export_run(c.checkpoint, c.format, c.output_dir, target_path=c.target_path, verifier=c.verifier,
+                     num_speculative_tokens=c.num_speculative_tokens, overwrite=c.overwrite)  # fmt: skip
+    log.info("wrote %s (from %s)", out, c.checkpoint)
     return out
-
-
-def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: dict) -> list[str]:
-    """The commands that serve the exported folder (also printed and written to export_info.json)."""
-    method = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}.get(fmt)
-    if fmt == "sglang":
-        return [f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {out} --speculative-num-steps {n_spec} "
-                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {n_spec + 1}"]  # fmt: skip
-    spec = {"model": str(out), "method": method, "num_speculative_tokens": n_spec}
-    if engine_cfg.get("speculators_model_type") == "peagle" or engine_cfg.get("parallel_drafting"):
-        spec["parallel_drafting"] = True
-    cmds = [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
-    if fmt in ("speculators", "dflash"):
-        cmds.insert(0, f"vllm serve {out}")
-    return cmds
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -310,6 +310,39 @@ def test_export_cli_errors_before_loading(tmp_path, tiny_target):
         main([f"checkpoint={tmp_path / 'md'}"])
 
 
+@pytest.mark.parametrize("recipe", ["parallelspec_eagle3", "medusa", "parallelspec"])
+def test_training_run_ends_with_the_serve_line(deep_target, tmp_path, capsys, recipe):
+    """train.run's last step: the run's drafter exported to output_dir/export, and the `vllm serve` line printed."""
+    from types import SimpleNamespace
+
+    from drafttrain.train import export_for_serving
+
+    target_dir = tmp_path / "target"
+    deep_target.model.save_pretrained(target_dir)
+    deep_target.tokenizer.save_pretrained(target_dir)
+    cfg = {"num_mask_tokens": 2, "draft_vocab_size": 300} if recipe != "medusa" else {"num_heads": 2}
+    drafter = build_drafter(recipe, cfg, deep_target)
+    run = tmp_path / "run"
+    drafter.save_pretrained(run / "drafter")
+    (run / "config.json").write_text(json.dumps({"target": {"name": "deep", "path": str(target_dir)}}))
+    c = SimpleNamespace(drafter=SimpleNamespace(name=recipe), target=SimpleNamespace(random_init=False))
+    out = export_for_serving(c, run)
+    printed = capsys.readouterr().out
+    if recipe == "parallelspec":  # the Medusa integration: no engine runs it, and the run says so
+        assert out is None and "no serving-engine format exists for 'parallelspec'" in printed
+        return
+    assert out == run / "export"
+    info = json.loads((out / "export_info.json").read_text())
+    assert "vllm serve" in printed and info["commands"][-1] in printed
+    method = {"parallelspec_eagle3": "eagle3", "medusa": "medusa"}[recipe]
+    assert f'"method": "{method}"' in info["commands"][-1]
+    assert ('"parallel_drafting": true' in info["commands"][-1]) == (recipe == "parallelspec_eagle3")
+    back = load_exported(out, info["format"], deep_target)
+    assert sum(p.numel() for p in back.parameters()) > 0
+    c.target.random_init = True  # a random tiny target is on no disk: nothing exported, the reason printed
+    assert export_for_serving(c, run) is None and "random tiny target" in capsys.readouterr().out
+
+
 # -- vLLM itself (optional: scripts/install_vllm.sh) ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.vllm
