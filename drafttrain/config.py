@@ -67,6 +67,9 @@ class DataConfig:
     # self-distillation: the target regenerates every answer (greedy, features kept) before training
     self_distill: bool = True
     generation: DistillConfig = field(default_factory=lambda: DistillConfig())
+    # self-distillation's time budget: minutes of generation at most, planned from the speed measured on the first
+    # shards (a slow host keeps a prefix of the shards in a fixed order, recorded with the job); null = every shard
+    self_distill_minutes: float | None = 11.0
     heldout: int = 16  # sequences held out for eval/tau_sim
     cache_dir: str | None = None  # default: <cache_root>/data
     # where the target's features come from: auto (the dataset's stored `features` column if it has
@@ -394,7 +397,7 @@ UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Ran
 NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "TargetConfig": dict(hidden_size=GE1, intermediate_size=GE1, num_hidden_layers=GE1, num_attention_heads=GE1,
                          num_key_value_heads=GE1, seed=GE0),
-    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), heldout=GE0),
+    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), heldout=GE0, self_distill_minutes=GT0),
     "DistillConfig": dict(max_new_tokens=GE1, max_prompt_length=GE1, batch_size=GE1),
     "DrafterConfig": dict(num_mask_tokens=GE0, num_heads=GE1, draft_depth=GE1, loss_decay=GT0, anchor_ratio=UNIT_OPEN_LOW,
                           draft_vocab_size=GE0, kd_weight=UNIT, reg_weight=GE0, cls_weight=GE0, feature_noise=GE0,

@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +381,7 @@ class _Run:
     n_params: int = 0
     launch: dict[str, Any] | None = None
     mlog: MetricsLog | None = None
+    data_reports: dict[str, Any] = field(default_factory=dict)  # prepare_data's (the self-distillation report)
 
     @property
     def main(self) -> bool:
@@ -421,6 +422,8 @@ def run(cfg) -> dict[str, Any]:
         from drafttrain.data.shards import atomic_write_text
 
         atomic_write_text(out_dir / "final_metrics.json", json.dumps(final, indent=1))
+        if budget_line(final, c):
+            print(f"[drafttrain] {budget_line(final, c)}", flush=True)
         summary = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items()
                             if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
         print(f"[drafttrain] done: {summary}", flush=True)
@@ -472,7 +475,7 @@ def _load_target_and_data(r: _Run) -> None:
     r.dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
     # the target layers the drafter declares: what self-distillation stores and every batch carries
     r.layers = drafter_class(c.drafter.name).layers_for(r.dcfg, r.target.num_hidden_layers)
-    r.train_ds, r.held_ds = prepare_data(c, r.target, r.accelerator, r.layers)
+    r.train_ds, r.held_ds = prepare_data(c, r.target, r.accelerator, r.layers, reports=r.data_reports)
     log.info("train sequences %d, held-out %d", len(r.train_ds), len(r.held_ds) if r.held_ds is not None else 0)
 
 
@@ -678,6 +681,11 @@ def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
         "stopped_by_time_budget": stopped_early,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
+    budget = r.data_reports.get("selfdistill", {}).get("budget")
+    if budget is not None and budget["shards"] < budget["shards_total"]:  # a slow host: self-distillation was cut
+        final["data_cut_by_time_budget"] = {
+            "conversations": budget["conversations"], "of": budget["conversations_total"],
+            "generated_tokens_per_s": round(budget["tokens_per_s"], 1), "budget_minutes": c.data.self_distill_minutes}
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator, layers)), "eval"))
     save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines)
@@ -721,6 +729,24 @@ def export_for_serving(c: TrainConfig, out_dir: Path) -> Path | None:
     info = json.loads((out / "export_info.json").read_text())
     print(f"[drafttrain] serve it in vLLM ({info['format']} folder {out}): {info['commands'][-1]}", flush=True)
     return out
+
+
+def budget_line(final: dict[str, Any], c: TrainConfig) -> str | None:
+    """One sentence saying what the host's speed cut, from ``final`` (:func:`run`'s metrics): the
+    self-distilled conversations (``data_cut_by_time_budget``, ``data.self_distill_minutes``) and the
+    optimizer steps (``stopped_by_time_budget``, ``trainer.max_minutes``). None when neither was cut."""
+    parts = []
+    data = final.get("data_cut_by_time_budget")
+    if data:
+        parts.append(f"self-distillation kept {data['conversations']} of {data['of']} conversations (measured "
+                     f"{data['generated_tokens_per_s']:.1f} generated tokens/s; data.self_distill_minutes="
+                     f"{data['budget_minutes']:g})")  # fmt: skip
+    if final.get("stopped_by_time_budget"):
+        parts.append(f"training stopped at step {final['step']} of {c.trainer.max_steps} "
+                     f"(trainer.max_minutes={c.trainer.max_minutes:g})")  # fmt: skip
+    if not parts:
+        return None
+    return "time budgets cut this run to the host's speed: " + "; ".join(parts)
 
 
 def speedup_line(final: dict[str, Any]) -> str:

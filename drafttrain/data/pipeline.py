@@ -47,7 +47,7 @@ def data_cache_dir(c: TrainConfig) -> Path:
     return Path(c.data.cache_dir).expanduser() if c.data.cache_dir else cache_root() / "data"
 
 
-def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
+def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, reports: dict | None = None):
     """Build (rank 0 first, the others then load the cache) the train and held-out datasets.
 
     Rows come from ``data.source``: self-distilled in training (``data.self_distill``, the default),
@@ -59,6 +59,9 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
     post-norm state). Self-distillation stores exactly these; a feature cache must hold exactly these
     (else :class:`~drafttrain.data.feature_cache.FeatureCacheError`); a generated dataset's stored
     features are used only when they are these (its ``report.json``), else features are computed live.
+
+    ``reports``: a dict that gets the self-distillation report as ``reports["selfdistill"]`` (with ``budget``
+    and ``budget_cut`` when ``data.self_distill_minutes`` applied; :func:`drafttrain.data.selfdistill.generate_dataset`).
     """
     from drafttrain.data.dataset import build_sft_dataset, split_heldout
     from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
@@ -98,7 +101,10 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None):
                     feature_layers=layers,
                     backend=gen.backend,
                     vllm=gen.vllm,
+                    budget_minutes=c.data.self_distill_minutes,
                 )
+                if reports is not None:
+                    reports["selfdistill"] = report
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"
                 ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)

@@ -479,8 +479,297 @@ def row_features(hidden_size: int | None):
 
 
 # ==================================================================================================
+# a time budget: how many shards the host's measured speed lets the job generate
+# ==================================================================================================
+#: Shards generated before a time budget is decided: their measured speed decides it.
+PROBE_SHARDS = 2
+
+
+def spread_order(n: int) -> list[int]:
+    """The order in which the ``n`` shards of a job with a time budget are generated: the bit-reversed
+    indices below ``n`` (n = 11: 0, 8, 4, 2, 10, 6, 1, 9, 5, 3, 7). Shards are sorted by prompt length, so
+    every prefix of this order spreads over short and long prompts alike: the probe shards' speed stands for
+    the whole job's, and the conversations a budget keeps are not only the shortest prompts.
+
+    Raises:
+        ValueError: n < 0.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    bits = (n - 1).bit_length() if n > 1 else 0
+    return [r for r in (int(format(j, f"0{bits}b")[::-1], 2) if bits else 0 for j in range(1 << bits)) if r < n]
+
+
+def budget_shards(sizes: Sequence[int], seconds_per_conversation: float, budget_seconds: float,
+                  probe: int = PROBE_SHARDS) -> int:  # fmt: skip
+    """How many shards fit in a time budget: the longest prefix of ``sizes`` (conversations per shard, in
+    generation order) whose estimated seconds (``sizes[j] * seconds_per_conversation``, summed) stay within
+    ``budget_seconds``, and never fewer than the ``probe`` shards generated to measure the speed (they are
+    already paid for) nor more than there are.
+
+    Example: sizes [4, 4, 4, 4], 2.5 s per conversation, budget 35 s -> 3 (30 s; 4 shards would take 40 s).
+    """
+    spent, kept = 0.0, 0
+    for n in sizes:
+        spent += n * seconds_per_conversation
+        if spent > budget_seconds and kept >= probe:
+            break
+        kept += 1
+    return kept
+
+
+def measure_speed(store: ShardStore, shards: Sequence[int]) -> tuple[float, float] | None:
+    """The generation speed measured on the done shards ``shards`` of ``store``: ``(generated tokens per
+    second, generated tokens per conversation)`` from the ``tokens``, ``seconds`` and ``rows`` + ``failed``
+    recorded with each shard. None when none of them has timings (shards written before they were recorded)."""
+    tokens = seconds = conversations = 0.0
+    for i in shards:
+        info = store.info(i)
+        if "tokens" in info and "seconds" in info:
+            tokens += info["tokens"]
+            seconds += info["seconds"]
+            conversations += info["rows"] + len(info["failed"])
+    if seconds <= 0 or conversations == 0:
+        return None
+    return tokens / seconds, tokens / conversations
+
+
+def _budget_record(shards: list, order: list[int], speed: tuple[float, float], probe: int, budget_seconds: float) -> dict:
+    """The budget decision stored in the job's manifest: the measured speed and the shards (in ``order``) kept."""
+    tokens_per_s, tokens_per_conversation = speed
+    per_conversation = tokens_per_conversation / max(tokens_per_s, 1e-9)
+    keep = budget_shards([len(shards[i]) for i in order], per_conversation, budget_seconds, probe)
+    total = sum(len(s) for s in shards)
+    return {"budget_seconds": budget_seconds, "tokens_per_s": tokens_per_s, "tokens_per_conversation": tokens_per_conversation,
+            "probe_shards": probe, "shards": keep, "shards_total": len(order),
+            "conversations": sum(len(shards[i]) for i in order[:keep]), "conversations_total": total,
+            "estimated_seconds": round(per_conversation * total, 1)}  # fmt: skip
+
+
+def _recorded_budget(store: ShardStore, shards: list, order: list[int], budget_seconds: float | None) -> dict | None:
+    """The budget an earlier run of this job decided (None: none yet, or no budget now). Under another
+    ``budget_seconds`` the recorded speed decides again, so the shards kept never depend on a new measurement."""
+    rec = store.manifest.get("budget")
+    if rec is None or budget_seconds is None:
+        return None
+    if rec["budget_seconds"] != budget_seconds:
+        rec = _budget_record(shards, order, (rec["tokens_per_s"], rec["tokens_per_conversation"]), rec["probe_shards"],
+                             budget_seconds)  # fmt: skip
+        store.set("budget", rec)
+    return rec
+
+
+# ==================================================================================================
 # the job: plan, shards, assembly, report
 # ==================================================================================================
+@dataclass
+class _Job:
+    """A generation job laid out: its key, plans and skips, shards (plans sorted by first-prompt length,
+    ``shard_size`` each) and their store, and the dataset features of its rows."""
+
+    fingerprint: str
+    layers: tuple[int, ...]  # the target layers the stored features hold
+    plans: list[ConversationPlan]
+    skipped: list[tuple[int, str, str]]  # (index, id, reason)
+    store: ShardStore
+    shards: list[list[ConversationPlan]]
+    features: object  # datasets.Features of a row
+    n_input: int  # conversations given + those the loader skipped
+
+
+@dataclass
+class _Generated:
+    """What :func:`_generate_shards` did in this call."""
+
+    kept: list[int]  # the shards that make the dataset (all of them without a time budget), by index
+    new_tokens: int = 0
+    seconds: float = 0.0
+    stopped: bool = False  # max_seconds stopped it before every kept shard was done
+    budget: dict | None = None  # the time budget's decision (None: no budget, or not decided yet)
+    backend_info: dict = field(default_factory=dict)
+
+
+def _plan_job(target, conversations, out_dir: Path, gen: GenerationConfig, target_name: str, load_stats,
+              reset_on_mismatch: bool, feature_layers) -> _Job:  # fmt: skip
+    """Fingerprint the job, plan every conversation, open its shard store and cut the plans into shards."""
+    tok = target.tokenizer
+    fingerprint = job_fingerprint(conversations, target_name, tok, gen)
+    layers = resolve_feature_layers(feature_layers, target.num_hidden_layers)
+    if gen.store_features and layers != (target.num_hidden_layers,):  # other layers: another job (the final one keeps old keys)
+        fingerprint = hashlib.sha256(f"{fingerprint}|layers{list(layers)}".encode()).hexdigest()[:16]
+    plans, skipped = plan_conversations(tok, conversations, gen)
+    store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)},
+                       reset_on_mismatch=reset_on_mismatch)
+    shard_size = gen.shard_size or gen.batch_size
+    by_length = sorted(plans, key=lambda p: (len(p.turns[0].glue), p.index))
+    shards = [by_length[i : i + shard_size] for i in range(0, len(by_length), shard_size)]
+    features = row_features(target.config.hidden_size * len(layers) if gen.store_features else None)
+    n_input = len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0)
+    return _Job(fingerprint, layers, plans, skipped, store, shards, features, n_input)
+
+
+def _generate_shards(target, job: _Job, gen: GenerationConfig, out_dir: Path, progress: bool, desc: str,
+                     max_seconds: float | None, budget_seconds: float | None) -> _Generated:  # fmt: skip
+    """Generate the shards not done yet, each written to the store with its token count and seconds.
+
+    Without a budget every shard, by index. With ``budget_seconds`` the shards go in :func:`spread_order`;
+    after the first :data:`PROBE_SHARDS` the speed measured on them (:func:`measure_speed`) decides how many
+    fit (:func:`budget_shards`), recorded in the manifest, so a rerun keeps exactly those: a prefix of a
+    fixed order, none generated twice. ``max_seconds`` stops starting new shards (``stopped``).
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    store, shards = job.store, job.shards
+    order = spread_order(len(shards)) if budget_seconds is not None else list(range(len(shards)))
+    budget = _recorded_budget(store, shards, order, budget_seconds)
+    keep = budget["shards"] if budget else len(order)
+    size = lambda k: sum(len(shards[i]) for i in order[:k])  # noqa: E731 - conversations in the first k shards
+    done = sum(len(shards[i]) for i in order[:keep] if store.is_done(i))
+    bar = tqdm(total=size(keep), initial=done, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
+    out = _Generated(kept=[])
+    t_gen = time.time()
+
+    def on_tokens(n: int) -> None:
+        out.new_tokens += n
+        bar.set_postfix(tok_s=f"{out.new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
+
+    # backend vllm: one engine for the whole job, started by its first request (a finished job starts none),
+    # shut down here whatever happens (no process outlives the job)
+    engine = vllm_generator(target, gen, out_dir / "vllm.log") if gen.backend == "vllm" else None
+    try:
+        for j, i in enumerate(order):
+            if j >= keep:
+                break
+            if not store.is_done(i):
+                if max_seconds is not None and time.time() - t_gen >= max_seconds:
+                    out.stopped = True
+                    break
+                t_shard, before = time.time(), out.new_tokens
+                rows, failed = generate_shard(target, shards[i], gen, on_tokens, job.layers, vllm=engine)
+                cols = {k: [r[k] for r in rows] for k in job.features}
+                store.write(i, datasets.Dataset.from_dict(cols, features=job.features),
+                            {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()},
+                             "tokens": out.new_tokens - before, "seconds": round(time.time() - t_shard, 3)})  # fmt: skip
+                bar.update(len(shards[i]))
+            if budget is None and budget_seconds is not None and j + 1 >= min(PROBE_SHARDS, len(order)):
+                speed = measure_speed(store, [k for k in order[: j + 1] if store.is_done(k)])
+                if speed is not None:  # (None: shards of an older run without timings; decided after the next one)
+                    budget = _budget_record(shards, order, speed, j + 1, budget_seconds)
+                    store.set("budget", budget)
+                    keep = budget["shards"]
+                    bar.total = size(keep)
+                    bar.refresh()
+                    log.info("time budget %.0f s: %.1f generated tokens/s on %d probe shards, %.0f tokens per "
+                             "conversation: %d of %d shards (%d of %d conversations) fit", budget_seconds, speed[0],
+                             j + 1, speed[1], keep, len(order), budget["conversations"], budget["conversations_total"])
+    finally:
+        if engine is not None:
+            engine.close()
+        bar.close()
+    out.seconds = time.time() - t_gen
+    out.kept, out.budget = sorted(order[:keep]), budget
+    if engine is not None and engine.info:  # vLLM ran: its version, start-up and request seconds (in `seconds`)
+        out.backend_info = {"vllm": {**engine.info, "request_seconds": round(engine.seconds, 1)}}
+    return out
+
+
+def _this_run(g: _Generated, t0: float) -> dict:
+    return {"generated_tokens": g.new_tokens, "seconds": round(g.seconds, 1),
+            "tokens_per_s": round(g.new_tokens / g.seconds, 2) if g.new_tokens else None,
+            "wall_seconds": round(time.time() - t0, 1), **g.backend_info}  # fmt: skip
+
+
+def _partial_report(job: _Job, g: _Generated, t0: float) -> dict:
+    """The report of a run that ``max_seconds`` stopped (``complete: False``): shards and conversations done."""
+    done = [i for i in range(len(job.shards)) if job.store.is_done(i)]
+    report = {
+        "complete": False,
+        "input": job.n_input,
+        "conversations_done": sum(len(job.shards[i]) for i in done),
+        "conversations_planned": len(job.plans),
+        "shards_done": len(done),
+        "shards": len(job.shards),
+        "this_run": _this_run(g, t0),
+    }
+    if g.budget is not None:
+        report["budget"] = g.budget
+    return report
+
+
+def _assemble(job: _Job, kept: list[int], out_dir: Path, save_dataset: bool):
+    """The rows of the ``kept`` shards in input order; with ``save_dataset`` written once to ``dataset/``
+    (reused while the same shards are kept) and read back memory-mapped."""
+    import datasets
+
+    store, final = job.store, out_dir / DATASET_DIR
+    if save_dataset and store.manifest.get("dataset_written") and final.is_dir() \
+            and store.manifest.get("dataset_shards", len(job.shards)) == len(kept):  # fmt: skip
+        return load_generated(final)
+    parts = [store.load(i) for i in kept if store.info(i)["rows"]]  # (an all-failed shard is empty)
+    if parts:
+        ds = datasets.concatenate_datasets(parts)
+        index = list(ds["index"])
+        order = sorted(range(len(ds)), key=index.__getitem__)
+        ds = ds.select(order)
+    else:
+        ds = datasets.Dataset.from_dict({k: [] for k in job.features}, features=job.features)
+    if save_dataset:
+        tmp = out_dir / f".tmp_{DATASET_DIR}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        ds.save_to_disk(str(tmp))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        store.set("dataset_shards", len(kept))
+        store.set("dataset_written", True)
+        ds = load_generated(final)
+    return ds
+
+
+def _final_report(job: _Job, ds, g: _Generated, gen: GenerationConfig, load_stats, out_dir: Path, t0: float) -> dict:
+    """Counts of the finished job (``input == generated + skipped + failed + budget_cut``), written with the
+    skipped conversations to ``report.json`` and ``skipped.jsonl``.
+
+    Raises:
+        RuntimeError: the counts do not add up (a conversation was lost).
+    """
+    store = job.store
+    skip_reasons = Counter(r for _, _, r in job.skipped)
+    if load_stats is not None:
+        skip_reasons.update(load_stats.skipped)
+    fail_reasons = Counter(v for i in g.kept for v in store.info(i)["failed"].values())
+    meta = ds.with_format(None).select_columns(["num_turns", "loss_mask", "finish_reasons", "end_reason"])
+    cut = len(job.plans) - sum(len(job.shards[i]) for i in g.kept)
+    report = {
+        "complete": True,
+        "input": job.n_input,
+        "generated": len(ds),
+        "skipped": sum(skip_reasons.values()),
+        "failed": sum(fail_reasons.values()),
+        **({"budget_cut": cut, "budget": g.budget} if g.budget is not None else {}),
+        "skip_reasons": dict(skip_reasons.most_common()),
+        "fail_reasons": dict(fail_reasons.most_common()),
+        "turns_generated": int(sum(meta["num_turns"])) if len(ds) else 0,
+        "tokens_generated": int(sum(sum(m) for m in meta["loss_mask"])) if len(ds) else 0,
+        "finish_reasons": dict(Counter(f for fs in meta["finish_reasons"] for f in fs)) if len(ds) else {},
+        "end_reasons": dict(Counter(meta["end_reason"])) if len(ds) else {},
+        "shards": len(job.shards),
+        "this_run": _this_run(g, t0),
+        "fingerprint": job.fingerprint,
+    }
+    if gen.store_features:  # which target hidden states the features column holds (DrafterSpec convention)
+        report["feature_layers"] = list(job.layers)
+    if report["generated"] + report["skipped"] + report["failed"] + report.get("budget_cut", 0) != report["input"]:
+        raise RuntimeError(f"lost count: generated + skipped + failed + budget_cut != input in {report}")
+    atomic_write_text(out_dir / REPORT, json.dumps(report, indent=1))
+    atomic_write_text(out_dir / SKIPPED, "".join(
+        json.dumps({"index": i, "id": cid, "reason": r}) + "\n" for i, cid, r in job.skipped))
+    log.info("generation: input %d = generated %d + skipped %d + failed %d%s; skipped %s; failed %s",
+             report["input"], report["generated"], report["skipped"], report["failed"],
+             f" + cut by the time budget {cut}" if g.budget is not None else "", report["skip_reasons"], report["fail_reasons"])
+    return report
+
+
 @quiet
 def generate_dataset(
     target,
@@ -495,8 +784,12 @@ def generate_dataset(
     reset_on_mismatch: bool = False,
     max_seconds: float | None = None,
     feature_layers: Sequence[int] | None = None,
+    budget_seconds: float | None = None,
 ):
     """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
+
+    The stages: :func:`_plan_job` (key, plans, shards), :func:`_generate_shards`, then :func:`_assemble` and
+    :func:`_final_report` (or :func:`_partial_report` when ``max_seconds`` stopped it).
 
     Args:
         target: a :class:`drafttrain.target.Target` with a tokenizer that has a chat template.
@@ -515,148 +808,32 @@ def generate_dataset(
         feature_layers: with ``gen.store_features``, the target layer ids whose hidden states ``features``
             holds, concatenated ([L-1, len(ids) * d]; default: the final post-norm state). Recorded in the
             report as ``feature_layers`` (resolved ids).
+        budget_seconds: a time budget for generation: the shards that the speed measured on the first
+            :data:`PROBE_SHARDS` shards lets fit (:func:`budget_shards`, estimated seconds); the rest are
+            left out (``report["budget_cut"]`` conversations; ``report["budget"]`` the decision, kept in the
+            manifest so that a rerun keeps the same shards). None: every shard.
 
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
-        dict with ``input == generated + skipped + failed``, ``skip_reasons``, ``fail_reasons``, turn,
-        token, finish and end-reason counts, and this run's generated tokens/s.
+        dict with ``input == generated + skipped + failed (+ budget_cut)``, ``skip_reasons``,
+        ``fail_reasons``, turn, token, finish and end-reason counts, and this run's generated tokens/s.
 
     Raises:
         drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a job with other inputs or settings.
         ValueError: the target has no tokenizer.
     """
-    import datasets
-    from tqdm.auto import tqdm
-
     if target.tokenizer is None:
         raise ValueError("generation needs a target with a tokenizer (for its chat template)")
     out_dir = Path(out_dir)
     t0 = time.time()
-    tok = target.tokenizer
-    fingerprint = job_fingerprint(conversations, target_name, tok, gen)
-    layers = resolve_feature_layers(feature_layers, target.num_hidden_layers)
-    if gen.store_features and layers != (target.num_hidden_layers,):  # other layers: another job (the final one keeps old keys)
-        fingerprint = hashlib.sha256(f"{fingerprint}|layers{list(layers)}".encode()).hexdigest()[:16]
-    plans, skipped = plan_conversations(tok, conversations, gen)
-    store = ShardStore(out_dir, {"fingerprint": fingerprint, "target": target_name, "conversations": len(conversations)},
-                       reset_on_mismatch=reset_on_mismatch)
-    shard_size = gen.shard_size or gen.batch_size
-    by_length = sorted(plans, key=lambda p: (len(p.turns[0].glue), p.index))
-    shards = [by_length[i : i + shard_size] for i in range(0, len(by_length), shard_size)]
-    features = row_features(target.config.hidden_size * len(layers) if gen.store_features else None)
-
-    done = sum(len(s) for i, s in enumerate(shards) if store.is_done(i))
-    bar = tqdm(total=len(plans), initial=done, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
-    new_tokens = 0
-    t_gen = time.time()
-
-    def on_tokens(n: int) -> None:
-        nonlocal new_tokens
-        new_tokens += n
-        bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t_gen, 1e-9):.1f}")
-
-    stopped = False
-    # backend vllm: one engine for the whole job, started by its first request (a finished job starts none),
-    # shut down here whatever happens (no process outlives the job)
-    engine = vllm_generator(target, gen, out_dir / "vllm.log") if gen.backend == "vllm" else None
-    try:
-        for i, shard in enumerate(shards):
-            if store.is_done(i):
-                continue
-            if max_seconds is not None and time.time() - t_gen >= max_seconds:
-                stopped = True
-                break
-            rows, failed = generate_shard(target, shard, gen, on_tokens, layers, vllm=engine)
-            cols = {k: [r[k] for r in rows] for k in features}
-            store.write(i, datasets.Dataset.from_dict(cols, features=features),
-                        {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()}})
-            bar.update(len(shard))
-    finally:
-        if engine is not None:
-            engine.close()
-        bar.close()
-    seconds = time.time() - t_gen
-    backend_info = {}
-    if engine is not None and engine.info:  # vLLM ran: its version, start-up and request seconds (in `seconds`)
-        backend_info = {"vllm": {**engine.info, "request_seconds": round(engine.seconds, 1)}}
-    if stopped:
-        done = [i for i in range(len(shards)) if store.is_done(i)]
-        report = {
-            "complete": False,
-            "input": len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0),
-            "conversations_done": sum(len(shards[i]) for i in done),
-            "conversations_planned": len(plans),
-            "shards_done": len(done),
-            "shards": len(shards),
-            "this_run": {"generated_tokens": new_tokens, "seconds": round(seconds, 1),
-                         "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
-                         "wall_seconds": round(time.time() - t0, 1), **backend_info},
-        }
-        log.info("stopped after %.0f s with %d of %d shards done; run again to continue", seconds, len(done), len(shards))
-        return None, report
-
-    # -- assemble in input order -----------------------------------------------------------------
-    final = out_dir / DATASET_DIR
-    if save_dataset and store.manifest.get("dataset_written") and final.is_dir():
-        ds = load_generated(final)
-    else:
-        parts = [store.load(i) for i in range(len(shards)) if store.info(i)["rows"]]  # (an all-failed shard is empty)
-        if parts:
-            ds = datasets.concatenate_datasets(parts)
-            index = list(ds["index"])
-            order = sorted(range(len(ds)), key=index.__getitem__)
-            ds = ds.select(order)
-        else:
-            ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
-        if save_dataset:
-            tmp = out_dir / f".tmp_{DATASET_DIR}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            ds.save_to_disk(str(tmp))
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            store.set("dataset_written", True)
-            ds = load_generated(final)
-
-    # -- report ----------------------------------------------------------------------------------
-    skip_reasons = Counter(r for _, _, r in skipped)
-    if load_stats is not None:
-        skip_reasons.update(load_stats.skipped)
-    fail_reasons = Counter(v for i in range(len(shards)) for v in store.info(i)["failed"].values())
-    n_input = len(conversations) + (sum(load_stats.skipped.values()) if load_stats is not None else 0)
-    meta = ds.with_format(None).select_columns(["num_turns", "loss_mask", "finish_reasons", "end_reason"])
-    report = {
-        "complete": True,
-        "input": n_input,
-        "generated": len(ds),
-        "skipped": sum(skip_reasons.values()),
-        "failed": sum(fail_reasons.values()),
-        "skip_reasons": dict(skip_reasons.most_common()),
-        "fail_reasons": dict(fail_reasons.most_common()),
-        "turns_generated": int(sum(meta["num_turns"])) if len(ds) else 0,
-        "tokens_generated": int(sum(sum(m) for m in meta["loss_mask"])) if len(ds) else 0,
-        "finish_reasons": dict(Counter(f for fs in meta["finish_reasons"] for f in fs)) if len(ds) else {},
-        "end_reasons": dict(Counter(meta["end_reason"])) if len(ds) else {},
-        "shards": len(shards),
-        "this_run": {
-            "generated_tokens": new_tokens,
-            "seconds": round(seconds, 1),
-            "tokens_per_s": round(new_tokens / seconds, 2) if new_tokens else None,
-            "wall_seconds": round(time.time() - t0, 1),
-            **backend_info,
-        },
-        "fingerprint": fingerprint,
-    }
-    if gen.store_features:  # which target hidden states the features column holds (DrafterSpec convention)
-        report["feature_layers"] = list(layers)
-    if report["generated"] + report["skipped"] + report["failed"] != report["input"]:
-        raise RuntimeError(f"lost count: generated + skipped + failed != input in {report}")
-    atomic_write_text(out_dir / REPORT, json.dumps(report, indent=1))
-    atomic_write_text(out_dir / SKIPPED, "".join(
-        json.dumps({"index": i, "id": cid, "reason": r}) + "\n" for i, cid, r in skipped))
-    log.info("generation: input %d = generated %d + skipped %d + failed %d; skipped %s; failed %s",
-             report["input"], report["generated"], report["skipped"], report["failed"],
-             report["skip_reasons"], report["fail_reasons"])
-    return ds, report
+    job = _plan_job(target, conversations, out_dir, gen, target_name, load_stats, reset_on_mismatch, feature_layers)
+    g = _generate_shards(target, job, gen, out_dir, progress, desc, max_seconds, budget_seconds)
+    if g.stopped:
+        done = sum(job.store.is_done(i) for i in range(len(job.shards)))
+        log.info("stopped after %.0f s with %d of %d shards done; run again to continue", g.seconds, done, len(job.shards))
+        return None, _partial_report(job, g, t0)
+    ds = _assemble(job, g.kept, out_dir, save_dataset)
+    return ds, _final_report(job, ds, g, gen, load_stats, out_dir, t0)
 
 
 def load_generated(path: str | Path):
@@ -721,6 +898,7 @@ def self_distill(
     feature_layers: Sequence[int] | None = None,
     backend: str = "engine",
     vllm: VllmConfig | None = None,
+    budget_minutes: float | None = None,
 ):
     """Regenerate the first assistant turn (all turns with ``first_turn_only=False``) greedily, keeping features.
 
@@ -741,6 +919,7 @@ def self_distill(
             (:meth:`drafttrain.target.Target.generate`) or ``vllm`` (vLLM in its own venv, one process for the job;
             features from a teacher-forced pass: :func:`generate_shard`).
         vllm: ``backend=vllm``'s settings (:class:`drafttrain.config.VllmConfig`; None: its defaults).
+        budget_minutes: generation minutes at most (``budget_seconds`` of :func:`generate_dataset`); None: every shard.
 
     Returns:
         ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16
@@ -754,4 +933,4 @@ def self_distill(
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
                             progress=progress, desc="self-distill", reset_on_mismatch=True,
-                            feature_layers=feature_layers)
+                            feature_layers=feature_layers, budget_seconds=60 * budget_minutes if budget_minutes else None)
