@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drafttrain.config import ConfigError
-from drafttrain.verify.methods.mcsd_decision import DecisionModel, load_decision_model, read_decisions, save_decision_model
+from drafttrain.train_decision import read_decisions
+from drafttrain.verify.methods.mcsd_decision import DecisionModel, load_decision_model, save_decision_model
 from helpers import compose_dict
 
 KS = [2, 2, 1, 1]  # K = 3: four levels, 2 + 4 + 4 + 4 nodes when fully grown
