@@ -134,8 +134,10 @@ class SpecSSSDConfig:
     """Training-free SSSD candidates merged into the drafter's trees (:mod:`drafttrain.verify.hybrid`;
     SSSD §3.1): ``source`` none | input (n-grams of the prompt and the output so far) | data (input + a
     datastore of the training answers, i.e. the target's own self-distilled outputs); ``nodes`` SSSD-only
-    nodes per tree at most. Read by the batched evaluation (``spec_eval.batch_size`` > 1); the batch-1
-    reference implementation (``batch_size=1``) verifies the drafter's chain alone."""
+    nodes per tree at most (the default of every hybrid tree: HybridProposer, proposer_for, the benchmarks read it
+    off this class). Read by the batched evaluation (``spec_eval.batch_size`` > 1); the batch-1 reference
+    implementation (``batch_size=1``) verifies the drafter's chain alone. The drafting parameters are
+    ``SSSDConfig``'s defaults (drafttrain/verify/methods/sssd.py), their one home."""
 
     source: str = "data"
     nodes: int = 8

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.config import TargetConfig
+from drafttrain.config import SpecSSSDConfig, TargetConfig
 from drafttrain.verify.methods.drafter import TreeConfig
 
 METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid",
@@ -59,7 +59,7 @@ class BenchPeersConfig:
     prompt_stride: int = 10  # MT-bench: every 10th question = one per category
     max_new_tokens: int = 64
     prompt_lookup_num_tokens: int = 10
-    sssd_nodes: int = 8  # engine_hybrid: SSSD-only nodes per tree at most
+    sssd_nodes: int = SpecSSSDConfig.nodes  # engine_hybrid: SSSD-only nodes per tree at most
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     threads: int = 2
     out: str = "docs/benchmarks/peers"

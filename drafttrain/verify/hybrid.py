@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from drafttrain.config import SpecSSSDConfig
 from drafttrain.sampling import GREEDY
 from drafttrain.verify.tree import DraftTree
 
@@ -112,7 +113,7 @@ class HybridProposer:
 
     lossless = True
 
-    def __init__(self, inner, sssd, extra_nodes: int = 8):
+    def __init__(self, inner, sssd, extra_nodes: int = SpecSSSDConfig.nodes):
         if getattr(inner, "accept", None) is not None:
             raise ValueError(f"proposer {getattr(inner, 'name', inner)!r} has its own acceptance rule")
         if extra_nodes < 0:

@@ -54,6 +54,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from drafttrain.config import SpecSSSDConfig
 from drafttrain.sampling import GREEDY, SamplingParams, process_logits
 from drafttrain.verify.tree import (
     DraftTree,
@@ -726,7 +727,7 @@ class _DynamicTree:
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
                  choices: Sequence[Sequence[int]] | None = None, batched: bool = True, plan: bool = False,
-                 sssd=None, sssd_nodes: int = 8):  # fmt: skip
+                 sssd=None, sssd_nodes: int = SpecSSSDConfig.nodes):  # fmt: skip
     """The proposer that drafts the way ``drafter`` declares (``drafter.spec.drafting``,
     :class:`~drafttrain.drafters.base.DrafterSpec`).
 

@@ -808,18 +808,24 @@ class SSSDProposer:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class SSSDEvalConfig:
-    """``sssd.*`` of ``conf/evaluate.yaml`` (SSSD §3.1-3.2). The drafting fields not listed here keep
-    :class:`SSSDConfig`'s defaults (the grid-searched weights)."""
+    """``sssd.*`` of ``conf/evaluate.yaml`` (SSSD §3.1-3.2). The drafting fields are :class:`SSSDConfig`'s,
+    the one home of their defaults: the two listed here read theirs off it, the others (the grid-searched
+    weights) are its own (:meth:`drafting`)."""
 
     datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
     node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
     tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
     planner_context: int = 256  # cached tokens per sequence while forward times are measured
-    max_prefix_len: int = 6
-    max_depth: int = 8
+    max_prefix_len: int = SSSDConfig.max_prefix_len
+    max_depth: int = SSSDConfig.max_depth
     num_threads: int = 1
 
     numeric_ranges = dict(node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1, num_threads=GE1)
+
+    def drafting(self) -> SSSDConfig:
+        """The drafting parameters of this section: :class:`SSSDConfig` with ``max_prefix_len`` and ``max_depth``
+        set, the rest its defaults."""
+        return SSSDConfig(max_prefix_len=self.max_prefix_len, max_depth=self.max_depth)
 
 
 def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
@@ -907,8 +913,7 @@ def _build(ctx: MethodContext) -> list[Variant]:
     import logging
 
     c = ctx.config
-    drafter = SSSDDrafter(SSSDConfig(max_prefix_len=c.sssd.max_prefix_len, max_depth=c.sssd.max_depth),
-                          Datastore.load(c.sssd.datastore), num_threads=c.sssd.num_threads)  # fmt: skip
+    drafter = SSSDDrafter(c.sssd.drafting(), Datastore.load(c.sssd.datastore), num_threads=c.sssd.num_threads)
 
     def record_budget(prop, rec, bs):
         rec["node_budget"] = prop.node_budget
