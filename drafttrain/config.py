@@ -185,6 +185,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     length_group_steps: int = 8  # sort each run of this many steps' samples by length (less padding); 1 = off
     mixed_precision: str = "auto"  # no | bf16 | fp16 | auto (bf16 where the hardware runs it fast, else no)
+    attention: str = "dense"  # dense | flex: the training layouts' masks (flex block masks need CUDA: drafttrain/attention.py)
     log_every: int = 10
     eval_every: int = 100  # held-out eval/tau_sim every N steps (0 = only at the end)
     save_every: int = 100

@@ -53,10 +53,48 @@ class GroupLayout:
     position_ids: torch.Tensor
     labels: torch.Tensor
     allowed: torch.Tensor
+    slot_group: torch.Tensor | None = None
+    block: bool = False
 
     @property
     def num_slots(self) -> int:
         return int(self.slot_kind.numel())
+
+
+def group_rule(q_kind, q_anchor, q_group, k_kind, k_anchor, k_group, block: bool = False) -> torch.Tensor:
+    """The attention rule of the group-wise layout: the one source of its dense masks (:func:`build_group_layout`,
+    :func:`collate_layouts`, DFlash's batch layout) and of its flex block masks (:mod:`drafttrain.attention`).
+
+    Every argument broadcasts (dense: [s, 1] queries against [1, s] keys; flex: scalars per (query, key)).
+    A slot is (kind, anchor, group): kind 0 = context item, j >= 1 = mask slot j (a DFlash block's kind j),
+    -1 = padding; anchor = the item index (items) or the group's anchor; group = the group's index in the
+    sequence (-1 for items and padding).
+
+    Args:
+        q_kind, q_anchor, q_group: int64 tensors of the query slots.
+        k_kind, k_anchor, k_group: int64 tensors of the key slots.
+        block: DFlash's blocks (mask slots of a group see each other both ways) instead of ParallelSpec's groups.
+
+    Returns:
+        bool tensor of the broadcast shape: every real slot sees the items up to its anchor; a mask slot
+        also sees mask slots 1..j of its own group (all of them with ``block``); padding sees nothing here
+        (the collators give a padding query its own key, so no row is fully masked).
+    """
+    see_items = (k_kind == 0) & (k_anchor <= q_anchor) & (q_kind >= 0)
+    see_masks = (q_group == k_group) & (q_group >= 0) & (q_kind > 0) & (k_kind > 0)
+    if not block:
+        see_masks = see_masks & (k_kind <= q_kind)
+    return see_items | see_masks
+
+
+def ttt_rule(q_step, q_pos, k_step, k_pos) -> torch.Tensor:
+    """The attention rule of EAGLE-3's training-time test: the one source of :func:`ttt_mask`,
+    :func:`ttt_step_layout` and the flex block masks of :func:`drafttrain.attention.ttt_block_mask`.
+
+    Slot (step k, position j). A query (k, j) sees the step-0 keys at positions <= j and its own keys of
+    steps 1..k at position j. Arguments broadcast (int64 tensors or ints); returns bool.
+    """
+    return ((k_step == 0) & (k_pos <= q_pos)) | ((k_step >= 1) & (k_step <= q_step) & (k_pos == q_pos))
 
 
 def select_anchors(
@@ -173,17 +211,12 @@ def build_group_layout(labels: torch.Tensor, anchors: torch.Tensor, num_mask_tok
     if block:
         slot_labels = slot_labels.masked_fill(slot_kind == 1, IGNORE_INDEX)
 
-    is_item = slot_kind == 0
-    q_kind, k_kind = slot_kind[:, None], slot_kind[None, :]
-    q_anchor, k_anchor = slot_anchor[:, None], slot_anchor[None, :]
-    # every slot sees items up to its anchor (items: causal; masks: items <= a)
-    see_items = is_item[None, :] & (k_anchor <= q_anchor)
-    # a mask slot sees mask slots 1..j of its own anchor (and never another anchor's)
-    slot_group = torch.cat([torch.full((t,), -1, device=device), torch.arange(n, device=device).repeat_interleave(g)])
-    same_group = (slot_group[:, None] == slot_group[None, :]) & (slot_group[:, None] >= 0)
-    see_masks = same_group & (q_kind > 0) & (k_kind > 0) & ((k_kind <= q_kind) | block)  # a block: both ways
-    allowed = see_items | see_masks
-    return GroupLayout(anchors, slot_kind, slot_anchor, position_ids, slot_labels, allowed)
+    # group index of every slot (-1 for items); the mask is the rule of group_rule (flex masks read the same)
+    slot_group = torch.cat([torch.full((t,), -1, dtype=torch.long, device=device),
+                            torch.arange(n, device=device).repeat_interleave(g)])  # fmt: skip
+    allowed = group_rule(slot_kind[:, None], slot_anchor[:, None], slot_group[:, None],
+                         slot_kind[None, :], slot_anchor[None, :], slot_group[None, :], block)  # fmt: skip
+    return GroupLayout(anchors, slot_kind, slot_anchor, position_ids, slot_labels, allowed, slot_group, block)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -207,27 +240,43 @@ class BatchLayout:
 
     Attributes:
         slot_kind, slot_anchor, position_ids, labels: [b, s] int64 (padding: kind -1, label -100).
-        attention_mask: [b, 1, s, s] additive float mask.
+        attention_mask: [b, 1, s, s] additive float mask, or None when collated with ``dense=False`` (then
+            :func:`drafttrain.attention.group_block_mask` builds the flex block mask from the slots).
         num_items: [b] int64 t per sequence.
+        slot_group: [b, s] int64 group index of every slot (-1 for items and padding).
+        block: DFlash's blocks (:func:`group_rule`).
     """
 
     slot_kind: torch.Tensor
     slot_anchor: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     num_items: torch.Tensor
+    slot_group: torch.Tensor | None = None
+    block: bool = False
+
+    def allowed(self) -> torch.Tensor:
+        """[b, s, s] bool: :func:`group_rule` over the padded slots, plus each padding slot's own key."""
+        kind, anchor, group = self.slot_kind, self.slot_anchor, self.slot_group
+        rule = group_rule(kind[:, :, None], anchor[:, :, None], group[:, :, None],
+                          kind[:, None, :], anchor[:, None, :], group[:, None, :], self.block)  # fmt: skip
+        eye = torch.eye(kind.shape[1], dtype=torch.bool, device=kind.device)
+        return rule | (eye & (kind < 0)[:, :, None])
 
 
-def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype) -> BatchLayout:
+def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype, dense: bool = True) -> BatchLayout:
     """Right-pad per-sequence layouts to one batch.
 
     Padding slots attend only to themselves (no fully masked row, which would give NaN under eager),
-    are never attended to by real slots, and carry label -100 and kind -1.
+    are never attended to by real slots, and carry label -100 and kind -1. The mask is
+    :meth:`BatchLayout.allowed` (:func:`group_rule` over the padded slots).
 
     Args:
-        layouts: one :class:`GroupLayout` per sequence.
+        layouts: one :class:`GroupLayout` per sequence (all with ``slot_group``, the same ``block``).
         dtype: dtype of the additive mask (the drafter's compute dtype).
+        dense: build the [b, 1, s, s] additive mask (b * s * s * dtype bytes); False leaves it None for
+            a flex block mask (:func:`drafttrain.attention.group_block_mask`).
 
     Returns:
         :class:`BatchLayout` with s = max slots over the batch.
@@ -239,7 +288,7 @@ def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype) -> BatchLayo
     anchor = torch.zeros((b, s), dtype=torch.long, device=device)
     pos = torch.zeros((b, s), dtype=torch.long, device=device)
     labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long, device=device)
-    allowed = torch.eye(s, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    group = torch.full((b, s), -1, dtype=torch.long, device=device)
     num_items = torch.zeros(b, dtype=torch.long, device=device)
     for i, lay in enumerate(layouts):
         n = lay.num_slots
@@ -247,9 +296,12 @@ def collate_layouts(layouts: list[GroupLayout], dtype: torch.dtype) -> BatchLayo
         anchor[i, :n] = lay.slot_anchor
         pos[i, :n] = lay.position_ids
         labels[i, :n] = lay.labels
-        allowed[i, :n, :n] = lay.allowed
+        group[i, :n] = lay.slot_group
         num_items[i] = int((lay.slot_kind == 0).sum())
-    return BatchLayout(kind, anchor, pos, labels, additive_mask(allowed, dtype)[:, None], num_items)
+    out = BatchLayout(kind, anchor, pos, labels, None, num_items, group, bool(layouts[0].block))
+    if dense:
+        out.attention_mask = additive_mask(out.allowed(), dtype)[:, None]
+    return out
 
 
 def item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -426,17 +478,12 @@ def ttt_mask(num_items: int, num_steps: int) -> torch.Tensor:
     """
     if num_items < 1 or num_steps < 1:
         raise ValueError(f"need num_items >= 1 and num_steps >= 1, got {num_items}, {num_steps}")
-    t, k = num_items, num_steps
-    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))  # step-0 keys: positions <= j
-    diag = torch.eye(t, dtype=torch.bool)  # speculative keys: same position only
-    step_q = torch.arange(k)[:, None]
-    step_k = torch.arange(k)[None, :]
-    block_kind = torch.where(step_k == 0, 1, torch.where(step_k <= step_q, 2, 0))  # [K, K]: 1 causal, 2 diag, 0 none
-    blocks = torch.stack([torch.zeros(t, t, dtype=torch.bool), causal, diag])[block_kind]  # [K, K, t, t]
-    return blocks.permute(0, 2, 1, 3).reshape(k * t, k * t)
+    idx = torch.arange(num_items * num_steps)
+    step, pos = idx // num_items, idx % num_items  # slot (k, j) sits at k * t + j
+    return ttt_rule(step[:, None], pos[:, None], step[None, :], pos[None, :])
 
 
-def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype):
+def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype, dense: bool = True):
     """Position ids and additive mask of TTT step k, run after steps 0..k-1 with their keys in a KV cache.
 
     The rows of :func:`ttt_mask` for step k (queries (k, 0..t-1)) against the keys of steps 0..k (the
@@ -447,15 +494,23 @@ def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype):
         num_items: t (the padded batch length of the items).
         step: k >= 0 (0 = the teacher-forced causal pass).
         dtype: mask dtype.
+        dense: build the mask; False returns None in its place (the flex block mask of the same rows is
+            :func:`drafttrain.attention.ttt_block_mask`).
 
     Returns:
-        (position_ids [1, t] int64 = j + k, attention_mask [1, 1, t, (k + 1) * t] additive float).
+        (position_ids [1, t] int64 = j + k, attention_mask [1, 1, t, (k + 1) * t] additive float, or None).
 
     Raises:
         ValueError: t < 1 or k < 0.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    allowed = ttt_mask(num_items, step + 1)[step * num_items :]  # [t, (k + 1) * t]
+    if num_items < 1:
+        raise ValueError(f"need num_items >= 1, got {num_items}")
     position_ids = torch.arange(num_items)[None] + step
+    if not dense:
+        return position_ids, None
+    q = torch.arange(num_items)
+    kv = torch.arange((step + 1) * num_items)
+    allowed = ttt_rule(step, q[:, None], (kv // num_items)[None, :], (kv % num_items)[None, :])  # [t, (k + 1) * t]
     return position_ids, additive_mask(allowed, dtype)[None, None]

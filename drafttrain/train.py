@@ -487,6 +487,7 @@ def _build_drafter(r: _Run) -> None:
 
     c, target = r.c, r.target
     drafter = build_drafter(c.drafter.name, r.dcfg, target)
+    drafter.set_attention(c.trainer.attention, device=r.accelerator.device)  # flex on a CPU device fails here
     draft_vocab_size = int(r.dcfg.get("draft_vocab_size", 0))  # a key of the drafters that restrict their vocabulary
     if draft_vocab_size:
         from drafttrain.data.vocab import frequent_tokens

@@ -117,6 +117,8 @@ def _check_values(c: TrainConfig) -> None:
     problems = []
     if c.trainer.mixed_precision not in ("no", "bf16", "fp16", "auto"):
         problems.append("trainer.mixed_precision must be one of no|bf16|fp16|auto")
+    if c.trainer.attention not in ("dense", "flex"):
+        problems.append(f"trainer.attention must be one of dense|flex, got {c.trainer.attention!r}")
     if c.trainer.micro_batch_size < 1 or c.trainer.grad_accum_steps < 1:
         problems.append("trainer.micro_batch_size and trainer.grad_accum_steps must be >= 1")
     se = c.trainer.spec_eval

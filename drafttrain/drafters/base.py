@@ -190,6 +190,25 @@ class Drafter(nn.Module):
     def shared(self) -> SharedTargetModules:
         return self._shared
 
+    #: how the training layouts are masked: "dense" (additive float masks, the reference) or "flex" (block
+    #: masks from the same rules, :mod:`drafttrain.attention`); drafters without a layout mask ignore it
+    attention: str = "dense"
+
+    def set_attention(self, mode: str, device: torch.device | str | None = None) -> None:
+        """Mask the training layouts densely or with flex block masks (``trainer.attention``).
+
+        Args:
+            mode: dense | flex.
+            device: the training device; with it, ``flex`` on a CPU device fails (no flex backward there).
+
+        Raises:
+            ValueError: an unknown mode, or flex for training on CPU (:func:`drafttrain.attention.check_mode`).
+        """
+        from drafttrain.attention import check_mode
+
+        check_mode(mode, device if device is not None else "cuda", training=device is not None)
+        self.attention = mode
+
     # -- the declaration, resolved for the bound target ------------------------------------------
     @classmethod
     def layers_for(cls, config: dict[str, Any], num_hidden_layers: int) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ from torch import nn
 
 from drafttrain import families
 from drafttrain import layout as L
+from drafttrain import attention as A
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import init_fresh_
 from drafttrain.losses import weighted_position_mean
@@ -204,8 +205,11 @@ class DFlashDrafter(Drafter):
         qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
         k = torch.cat([ctx_k, ks], dim=2)
         v = torch.cat([ctx_v, vs], dim=2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=qs.shape[1] != k.shape[1])  # [b, h, q, hd]
+        if A.is_block_mask(mask):  # trainer.attention=flex: the same layout's block mask
+            out = A.flex_attend(attn, qs, k, v, mask, attn.scaling)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=qs.shape[1] != k.shape[1])  # [b, h, q, hd]
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
     def context_kv(self, layer, ctx: torch.Tensor, pos_ctx: torch.Tensor):
@@ -246,9 +250,12 @@ class DFlashDrafter(Drafter):
         return cand
 
     def batch_layout(self, labels: torch.Tensor, lengths_items: torch.Tensor, generator=None, device=None):
-        """Per-batch block layout: (anchors per row, block kinds [b, Q], anchors [b, Q], positions [b, Q],
-        labels [b, Q], additive mask [b, 1, Q, T + Q]) with T = the items' padded length and Q the most block
-        slots of a row; padded query slots attend to themselves only (no NaN row)."""
+        """Per-batch block layout: (block kinds [b, Q] (0 = padding), anchors [b, Q], positions [b, Q],
+        labels [b, Q], mask) with T = the items' padded length and Q the most block slots of a row; padded
+        query slots attend to themselves only (no NaN row). The mask is :func:`drafttrain.layout.group_rule`
+        (``block=True``) over queries = the block slots and keys = [items | block slots]: an additive mask
+        [b, 1, Q, T + Q] in the drafter's dtype, or with ``attention == "flex"`` the flex block mask of the
+        same rule (:func:`drafttrain.attention.block_layout_mask_mod`)."""
         b, t_max = labels.shape
         bsz = self.block_size
         lays = []
@@ -257,21 +264,30 @@ class DFlashDrafter(Drafter):
             y = labels[i, :t]
             lays.append(L.build_group_layout(y, self._anchors(y, generator), bsz - 1, block=True))
         q_max = max(1, max(int((lay.slot_kind > 0).sum()) for lay in lays))
-        kinds = torch.zeros((b, q_max), dtype=torch.long, device=labels.device)
+        dev = labels.device
+        kinds = torch.zeros((b, q_max), dtype=torch.long, device=dev)
         anchors = torch.zeros_like(kinds)
         pos = torch.zeros_like(kinds)
         lab = torch.full_like(kinds, L.IGNORE_INDEX)
-        allowed = torch.zeros((b, q_max, t_max + q_max), dtype=torch.bool, device=labels.device)
-        allowed[:, torch.arange(q_max), t_max + torch.arange(q_max)] = True  # padding rows: themselves
+        group = torch.full_like(kinds, -1)
+        item_kind = torch.full((b, t_max), -1, dtype=torch.long, device=dev)  # 0 = a real item, -1 = padding
         for i, lay in enumerate(lays):
-            t = int(lengths_items[i])
             blk = lay.slot_kind > 0
             q = int(blk.sum())
-            kinds[i, :q], anchors[i, :q] = lay.slot_kind[blk], lay.slot_anchor[blk]
+            kinds[i, :q], anchors[i, :q], group[i, :q] = lay.slot_kind[blk], lay.slot_anchor[blk], lay.slot_group[blk]
             pos[i, :q], lab[i, :q] = lay.position_ids[blk], lay.labels[blk]
-            rows = lay.allowed[blk]  # [q, t + q]
-            allowed[i, :q, t_max : t_max + q] = rows[:, t:]  # its own diagonal included
-            allowed[i, :q, :t] = rows[:, :t]
+            item_kind[i, : int(lengths_items[i])] = 0
+        q_kind = kinds.masked_fill(kinds == 0, -1)  # padding query slots: kind -1 (group_rule's padding)
+        if self.attention == "flex":
+            mask_mod = A.block_layout_mask_mod(item_kind, q_kind, anchors, group)
+            return kinds, anchors, pos, lab, A.block_mask(mask_mod, b, q_max, t_max + q_max, dev)
+        k_kind = torch.cat([item_kind, q_kind], dim=1)  # [b, T + Q]
+        k_anchor = torch.cat([torch.arange(t_max, device=dev).expand(b, -1), anchors], dim=1)
+        k_group = torch.cat([torch.full_like(item_kind, -1), group], dim=1)
+        allowed = L.group_rule(q_kind[:, :, None], anchors[:, :, None], group[:, :, None],
+                               k_kind[:, None, :], k_anchor[:, None, :], k_group[:, None, :], True)  # fmt: skip
+        own = torch.arange(t_max + q_max, device=dev)[None, :] == (t_max + torch.arange(q_max, device=dev))[:, None]
+        allowed |= own & (q_kind < 0)[:, :, None]  # padding rows: themselves
         return kinds, anchors, pos, lab, L.additive_mask(allowed, self.fc.weight.dtype)[:, None]
 
     def block_hidden(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None):
@@ -292,7 +308,8 @@ class DFlashDrafter(Drafter):
         ctx = self.context(feats[:, :t])  # [b, t, d]
         pos_ctx = torch.arange(t, device=device)[None].expand(ids.shape[0], -1)
         ctx_kv = [self.context_kv(layer, ctx, pos_ctx) for layer in self.layers]
-        return kinds, anchors, lab, self.blocks_forward(ctx_kv, x, pos_q, mask.to(x.dtype))
+        mask = mask if A.is_block_mask(mask) else mask.to(x.dtype)
+        return kinds, anchors, lab, self.blocks_forward(ctx_kv, x, pos_q, mask)
 
     def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
         """Position-decayed cross-entropy over every block of the batch (module docstring; paper Eq. 4).

@@ -62,6 +62,7 @@ from torch import nn
 
 from drafttrain import families
 from drafttrain import layout as L
+from drafttrain.attention import implementation_for, ttt_block_mask
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter, init_fresh_
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
@@ -316,8 +317,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
         return features[..., self._final_slot * d : (self._final_slot + 1) * d]
 
     def decode(self, x, attention_mask, position_ids, cache=None, use_cache=False) -> torch.Tensor:
-        """The EAGLE-3 decoder layer over inputs x = cat(e, g) [b, q, 2d], additive mask [b, 1, q, kv],
-        positions [b, q]; with a cache its q new keys/values are appended (kv = cached + q).
+        """The EAGLE-3 decoder layer over inputs x = cat(e, g) [b, q, 2d], additive mask [b, 1, q, kv] (or a
+        flex ``BlockMask``: :mod:`drafttrain.attention`), positions [b, q]; with a cache its q new keys/values
+        are appended (kv = cached + q).
 
         Returns h [b, q, d] (before ``norm``): the next step's g.
         """
@@ -326,8 +328,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
         layer = self.layer
         pos_emb = families.rotary_embeddings(self.rotary, g, position_ids, layer)
         a = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], dim=-1)  # [b, q, 2d]
-        attn, _ = layer.self_attn(hidden_states=a, position_embeddings=pos_emb, attention_mask=attention_mask,
-                                  cache=cache)  # fmt: skip
+        with implementation_for(layer.self_attn.config, attention_mask):
+            attn, _ = layer.self_attn(hidden_states=a, position_embeddings=pos_emb, attention_mask=attention_mask,
+                                      cache=cache)  # fmt: skip
         h = g + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -371,9 +374,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
             if k:  # step k, row j: ground-truth x_{j+k+1} with h of step k - 1 at row j
                 tok = torch.cat([input_ids[:, 1 + k :], input_ids.new_zeros((b, k))], dim=1)[:, :t]
                 x = self.items(tok, out[-1])
-            pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype)
-            h = self.decode(x, mask.to(device).expand(b, -1, -1, -1), pos.to(device).expand(b, -1),
-                            cache=cache, use_cache=True)  # fmt: skip
+            pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype, dense=self.attention == "dense")
+            mask = mask.to(device).expand(b, -1, -1, -1) if mask is not None else ttt_block_mask(t, k, device)
+            h = self.decode(x, mask, pos.to(device).expand(b, -1), cache=cache, use_cache=True)
             out.append(h)
         return out
 

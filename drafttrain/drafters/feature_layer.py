@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from drafttrain import families
+from drafttrain.attention import implementation_for
 from drafttrain.drafters.base import Drafter, SharedTargetModules
 
 
@@ -119,20 +120,22 @@ class FeatureLayerDrafter(Drafter):
         return features + ((u * 2 - 1) * a).to(device=features.device, dtype=features.dtype)
 
     def decode(self, x, attention_mask, position_ids, cache=None, use_cache=False) -> torch.Tensor:
-        """The decoder layer over inputs x [b, q, d] with an additive mask [b, 1, q, kv] and positions [b, q].
+        """The decoder layer over inputs x [b, q, d] with an additive mask [b, 1, q, kv] (or a flex ``BlockMask``
+        of that shape: :mod:`drafttrain.attention`) and positions [b, q].
 
         With a transformers ``Cache`` in ``cache`` and ``use_cache``, the q new keys/values are
         appended to it (kv = cached + q). Returns the layer's hidden states [b, q, d] (pre-norm).
         """
         pos_emb = families.rotary_embeddings(self.rotary, x, position_ids, self.layer)
-        return self.layer(
-            x,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=pos_emb,
-        )
+        with implementation_for(self.layer.self_attn.config, attention_mask):
+            return self.layer(
+                x,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=pos_emb,
+            )
 
     def predict_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features f^ = the target's frozen final norm of the layer output: [..., d] -> [..., d]."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from drafttrain import layout as L
+from drafttrain.attention import layout_mask
 from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter
 from drafttrain.losses import group_position_weights, parallel_group_loss
@@ -100,7 +101,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
             labels = L.item_labels(batch["input_ids"][i, :n], batch["loss_mask"][i, :n])
             anchors = L.select_anchors(labels, self.num_mask_tokens, ratio, generator)
             per_seq.append(L.build_group_layout(labels, anchors, self.num_mask_tokens))
-        return L.collate_layouts(per_seq, dtype=self.fc.weight.dtype)
+        return L.collate_layouts(per_seq, dtype=self.fc.weight.dtype, dense=self.attention == "dense")
 
     def forward_layout(self, items: torch.Tensor, lay: L.BatchLayout) -> torch.Tensor:
         """Drafter hidden states over a batch layout.
@@ -117,7 +118,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
         x = torch.gather(items, 1, idx[..., None].expand(-1, -1, d))  # [b, s, d] items in place
         masks = self.mask_embed[(lay.slot_kind - 1).clamp(min=0)]  # [b, s, d]
         x = torch.where((lay.slot_kind > 0)[..., None], masks.to(x.dtype), x)
-        return self.decode(x, lay.attention_mask.to(x.dtype), lay.position_ids)
+        return self.decode(x, layout_mask(lay, x.dtype), lay.position_ids)
 
     def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
         """The group loss (:meth:`group_loss`) over the group-wise layout of a batch.

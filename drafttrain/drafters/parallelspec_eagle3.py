@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from drafttrain import layout as L
+from drafttrain.attention import layout_mask
 from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.eagle3 import NUM_AUX, Eagle3Drafter
 from drafttrain.drafters.parallelspec import ParallelSpecDrafter
@@ -120,7 +121,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         idx = lay.slot_anchor.clamp(max=t - 1)  # [b, s]
         x = torch.gather(items, 1, idx[..., None].expand(-1, -1, w))  # [b, s, 2d]
         x = torch.where((lay.slot_kind > 0)[..., None], self.draft_inputs()[0].to(x.dtype), x)
-        return self.decode(x, lay.attention_mask.to(x.dtype), lay.position_ids)
+        return self.decode(x, layout_mask(lay, x.dtype), lay.position_ids)
 
     def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
         """The group loss (module docstring) over ParallelSpec's layout; metrics per parallel group.
