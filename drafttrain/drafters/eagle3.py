@@ -65,6 +65,7 @@ from drafttrain import layout as L
 from drafttrain.attention import implementation_for, ttt_block_mask
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter, init_fresh_
+from drafttrain.drafters.target_argmax import full_vocab_argmax, memo_of
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
 
@@ -381,13 +382,15 @@ class Eagle3Drafter(FeatureLayerDrafter):
         return out
 
     @torch.no_grad()
-    def _target_side(self, final: torch.Tensor, labels: torch.Tensor):
+    def _target_side(self, final: torch.Tensor, labels: torch.Tensor, batch: dict[str, torch.Tensor] | None = None):
         """Per item position p with a label: the target's draft-vocabulary logits of y_p = LM head(f_{p+1})
-        and whether its full-vocabulary argmax is a draft id.
+        and whether its full-vocabulary argmax is a draft id (memoised per row across steps when ``batch``
+        is given: :mod:`drafttrain.drafters.target_argmax`).
 
         Args:
             final: [b, t, d] the target's post-norm features f_0..f_{t-1}.
             labels: [b, t] item labels (-100 = none; a label at p implies p + 1 < t).
+            batch: the training batch (``input_ids``, ``lengths``: the memo's row keys), or None.
 
         Returns:
             (keep [b, t] bool: labelled and argmax in the draft vocabulary, index [b, t] int64 row of
@@ -399,9 +402,11 @@ class Eagle3Drafter(FeatureLayerDrafter):
         fv = f_next[valid]  # [m0, d]
         in_vocab = torch.ones(fv.shape[0], dtype=torch.bool, device=fv.device)
         if self.restricted_vocab and fv.shape[0]:
-            w = self.shared.lm_head.weight
-            bias = getattr(self.shared.lm_head, "bias", None)
-            top = torch.cat([torch.nn.functional.linear(c.to(w.dtype), w, bias).argmax(-1) for c in fv.split(256)])
+            if batch is not None:  # argmax of LM head(f_p) per item, once per row; shifted to f_{p+1}
+                top_p = memo_of(self)(self.shared.lm_head, batch["input_ids"], batch["lengths"], final)  # [b, t]
+                top = torch.cat([top_p[:, 1:], top_p.new_zeros((b, 1))], dim=1)[valid]
+            else:
+                top = full_vocab_argmax(self.shared.lm_head, fv)
             in_vocab = self.t2d.to(top.device)[top]
         keep = valid.clone()
         keep[valid] = in_vocab
@@ -419,7 +424,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         k_steps = self.ttt_steps
         t = ids.shape[1] - 1
         labels = L.batch_item_labels(ids, batch["loss_mask"], batch["lengths"])  # [b, t]
-        keep, index, tlogits = self._target_side(self.final_features(feats[:, :t]), labels)
+        keep, index, tlogits = self._target_side(self.final_features(feats[:, :t]), labels, batch)
         group = L.shifted_labels(labels, k_steps)  # [b, t, K]: step k row j -> y_{j+k}
         correct = torch.zeros_like(group, dtype=torch.bool)
         kl_terms, steps = [], []

@@ -41,6 +41,7 @@ from drafttrain.attention import layout_mask
 from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
 from drafttrain.drafters.eagle3 import NUM_AUX, Eagle3Drafter
 from drafttrain.drafters.parallelspec import ParallelSpecDrafter
+from drafttrain.drafters.target_argmax import memo_of
 from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
 
 
@@ -136,8 +137,9 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         h = self.forward_layout(items, lay)  # [b, s, d]
         valid = lay.labels != L.IGNORE_INDEX  # [b, s]
         with torch.no_grad():
-            final = self.slot_target_features(lay, self.final_features(feats), valid)  # [m0, d] f_{a+k+1}
-            in_vocab = self._argmax_in_vocab(final)
+            final_all = self.final_features(feats[:, :t])  # [b, t, d]
+            final = self.slot_target_features(lay, final_all, valid)  # [m0, d] f_{a+k+1}
+            in_vocab = self._argmax_in_vocab(final, lay, valid, batch, final_all)
         sel = valid.clone()
         sel[valid] = in_vocab  # slots that enter the loss
         logits = self.vocab_logits(h[sel])  # [m, N]
@@ -150,14 +152,17 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         return LossOutput(loss=loss, sums=sums, num_tokens=int((lay.slot_kind >= 0).sum()))
 
     @torch.no_grad()
-    def _argmax_in_vocab(self, final: torch.Tensor) -> torch.Tensor:
-        """[m, d] target post-norm features -> [m] bool: the target's full-vocabulary argmax is a draft id."""
+    def _argmax_in_vocab(self, final: torch.Tensor, lay: L.BatchLayout, valid: torch.Tensor,
+                         batch: dict[str, torch.Tensor], final_all: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[m, d] the slots' target post-norm features f_{a+k+1} -> [m] bool: the target's full-vocabulary
+        argmax is a draft id. The argmax is taken per item position, once per training row
+        (:mod:`drafttrain.drafters.target_argmax`), and read at each slot's position a + k + 1."""
         if not self.restricted_vocab or not final.shape[0]:
             return torch.ones(final.shape[0], dtype=torch.bool, device=final.device)
-        w = self.shared.lm_head.weight
-        bias = getattr(self.shared.lm_head, "bias", None)
-        top = torch.cat([torch.nn.functional.linear(c.to(w.dtype), w, bias).argmax(-1) for c in final.split(256)])
-        return self.t2d.to(top.device)[top]
+        top_p = memo_of(self)(self.shared.lm_head, batch["input_ids"], batch["lengths"], final_all)  # [b, t]
+        fidx = (lay.slot_anchor + lay.slot_kind.clamp_min(0) + 1)[valid]  # as slot_target_features
+        bidx = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
+        return self.t2d.to(top_p.device)[top_p[bidx, fidx]]
 
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()
