@@ -13,13 +13,27 @@ alternating the two methods step by step; the median over ``steps`` steps is rep
 
 Writes ``<out>.json`` and ``<out>.md``. ``overrides`` are Hydra overrides of the training config
 (default: the parallelspec recipe as it ships, on the main job's cached self-distilled data).
+
+``part=masks`` (the page's second section; ``part=all`` runs both) measures the dense mask against the flex
+block mask of the same layout (:mod:`drafttrain.attention`) at layout lengths ``mask_lengths``: one attention
+forward of a SmolLM2-135M-shaped layer (9 query heads, 3 key/value heads, head dim 64, fp32, batch 1) over
+the group-wise layout with K = 4 and every item an anchor (s = 5t slots), mask building included. Dense =
+the additive mask + ``scaled_dot_product_attention``; flex = the block mask + compiled flex attention (CPU
+kernel). Forward only: flex attention has no backward on CPU. Each (mode, length) runs in its own process;
+peak memory = the rise of its resident-set high-water mark over the inputs (Linux ``/proc/self/status``
+VmHWM, reset after a warm-up call that also compiles), time = median of ``mask_repeats`` calls.
+Other parts' results already in ``<out>.json`` are kept.
 """
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -159,6 +173,142 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+MASK_SHAPE = {"heads": 9, "kv_heads": 3, "head_dim": 64, "num_mask_tokens": 4}  # SmolLM2-135M's attention
+
+
+def _status_bytes(key: str) -> int:
+    """A memory line of ``/proc/self/status`` (VmRSS: resident now, VmHWM: its high-water mark) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def mask_point(mode: str, slots: int, repeats: int) -> dict:
+    """One (mode, layout length) measurement, in the calling process (:func:`bench_masks` runs each in its own).
+
+    Returns:
+        {"mode", "slots", "items", "forward_ms", "peak_mib" (rise of VmHWM over the inputs), "mask_mib" (the
+        dense mask's bytes, or the block mask's tensors), "blocks_computed" (flex: share of 128 x 128 blocks
+        with an allowed entry), "max_abs_diff" (flex vs a dense reference on the first 512 query rows)}.
+    """
+    from drafttrain import attention as A
+
+    torch.manual_seed(0)
+    k = MASK_SHAPE["num_mask_tokens"]
+    t = slots // (k + 1)
+    lay_one = L.build_group_layout(torch.arange(t), torch.arange(t), k)
+    h, hk, hd = MASK_SHAPE["heads"], MASK_SHAPE["kv_heads"], MASK_SHAPE["head_dim"]
+    s = lay_one.num_slots
+    q, kk, v = torch.randn(1, h, s, hd), torch.randn(1, hk, s, hd), torch.randn(1, hk, s, hd)
+    A.COMPILE_ON_CPU = True
+    extra: dict = {}
+
+    def run():
+        if mode == "dense":
+            lay = L.collate_layouts([lay_one], torch.float32)
+            out = torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=lay.attention_mask, enable_gqa=True)
+            extra["mask_bytes"] = lay.attention_mask.numel() * 4
+            return out
+        lay = L.collate_layouts([lay_one], torch.float32, dense=False)
+        bm = A.group_block_mask(lay)
+        extra["mask_bytes"] = sum(x.numel() * x.element_size() for x in bm.as_tuple() if isinstance(x, torch.Tensor))
+        extra["blocks_computed"] = round(1 - bm.sparsity() / 100, 4)
+        return A.flex_attention_forward(None, q, kk, v, bm, scaling=hd**-0.5)[0].transpose(1, 2)
+
+    with torch.no_grad():
+        out = run()  # warm-up (compiles flex)
+        diff = None
+        if mode == "flex":
+            rows = min(s, 512)
+            ref_mask = L.collate_layouts([lay_one], torch.float32).attention_mask[..., :rows, :]
+            ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, :rows], kk, v, attn_mask=ref_mask, enable_gqa=True)
+            diff = float((out[:, :, :rows] - ref).abs().max())
+            del ref, ref_mask
+        del out
+        Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+        base = _status_bytes("VmRSS")
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = run()
+            times.append(time.perf_counter() - t0)
+            del out
+        peak = _status_bytes("VmHWM")
+    return {"mode": mode, "slots": s, "items": t, "forward_ms": round(1000 * statistics.median(times), 1),
+            "peak_mib": round(max(0, peak - base) / 2**20, 1), "mask_mib": round(extra["mask_bytes"] / 2**20, 2),
+            "blocks_computed": extra.get("blocks_computed"), "max_abs_diff": diff}  # fmt: skip
+
+
+def bench_masks(lengths: list[int], repeats: int) -> dict:
+    """:func:`mask_point` for dense and flex at every layout length, each in a fresh process."""
+    from drafttrain.host import cpu_flags, native_cpu_bf16
+
+    rows = []
+    for n in lengths:
+        for mode in ("dense", "flex"):
+            code = f"import json; from scripts.bench_layout import mask_point; print(json.dumps(mask_point({mode!r}, {n}, {repeats})))"
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    flags = cpu_flags() or frozenset()
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor() or platform.machine())  # fmt: skip
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    return {"shape": MASK_SHAPE, "repeats": repeats, "rows": rows,
+            "host": {"cpu_model": model, "isa": isa, "native_bf16": native_cpu_bf16()[0], "native_bf16_reason": native_cpu_bf16()[1],
+                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__}}  # fmt: skip
+
+
+def masks_markdown(m: dict, command: str) -> str:
+    host = m["host"]
+    sh = m["shape"]
+    lines = [
+        "## Dense vs flex masks (memory and forward time, CPU)",
+        "",
+        f"Host: {host['cpu_model']} ({host['isa']}, native bf16: {'yes' if host['native_bf16'] else 'no'}), "
+        f"{host['torch_threads']} torch thread(s), torch {host['torch']}, fp32. One attention forward over the "
+        f"group-wise layout (K = {sh['num_mask_tokens']}, every item an anchor: s = 5t slots) of a SmolLM2-135M-shaped "
+        f"layer ({sh['heads']} query heads, {sh['kv_heads']} key/value heads, head dim {sh['head_dim']}), batch 1, mask "
+        "building included; median of "
+        f"{m['repeats']} calls. Dense = additive mask + SDPA; flex = block mask + compiled flex attention (the same "
+        "rule, drafttrain/attention.py). **Forward only: flex attention has no backward on CPU** (PyTorch raises "
+        "NotImplementedError), so training-step memory and time of flex are GPU figures, not measured here. "
+        "Peak = rise of the process's resident-set high-water mark over the inputs (each point in its own process). "
+        "On CPU the flex peak includes building the block mask eagerly, which evaluates the rule on the full "
+        "[q, kv] grid (int64 intermediates); on CUDA drafttrain builds it compiled (`_compile=True`), "
+        "which avoids that grid: not measurable here.",
+        "",
+        "| layout slots s | items t | dense mask (MiB) | dense peak (MiB) | dense fwd (ms) | flex mask (MiB) | flex peak (MiB) "
+        "| flex fwd (ms) | blocks computed | flex vs dense max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by = {(r["slots"], r["mode"]): r for r in m["rows"]}
+    for s in sorted({r["slots"] for r in m["rows"]}):
+        d, f = by.get((s, "dense")), by.get((s, "flex"))
+        if not d or not f:
+            continue
+        lines.append(f"| {s} | {d['items']} | {d['mask_mib']} | {d['peak_mib']} | {d['forward_ms']} | {f['mask_mib']} | "
+                     f"{f['peak_mib']} | {f['forward_ms']} | {100 * f['blocks_computed']:.1f}% | {f['max_abs_diff']:.1e} |")  # fmt: skip
+    lines += [
+        "",
+        "Dense mask bytes (`drafttrain.attention.dense_mask_bytes`): **b x q x kv x bytes(dtype)** for the [b, 1, q, kv] "
+        "additive mask (4 bytes fp32, 2 bf16), plus the [b, q, kv] bool matrix it is built from (1 byte per entry) while "
+        "it is built. Group-wise layout: q = kv = s = t + n K (n anchors; t (K + 1) with every item an anchor). "
+        "EAGLE-3's training-time test, step k of K: q = t, kv = (k + 1) t; the last step at t = 4,096, K = 7 is "
+        "4,096 x 28,672 x 4 B = 470 MB per sequence in fp32. DFlash: q = n B, kv = t + n B. The flex block mask "
+        "holds a few int32 tensors of about b x (q / 128) x (kv / 128) entries.",
+        "",
+        "Reproduce:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 @dataclass
 class BenchLayoutConfig:
     """Schema of ``python -m scripts.bench_layout`` (key=value overrides, validated before any work)."""
@@ -167,6 +317,9 @@ class BenchLayoutConfig:
     anchor_ratios: list[float] = field(default_factory=lambda: [0.25, 1.0])
     out: str = "docs/benchmarks/layout"
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of the training config, e.g. [target=tiny]
+    part: str = "all"  # steps (layout vs K + 1 passes) | masks (dense vs flex masks) | all
+    mask_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])  # layout slots s
+    mask_repeats: int = 3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -176,11 +329,21 @@ def main(argv: list[str] | None = None) -> dict:
     from scripts.common import reproduce, write_report
 
     args = parse_cli(BenchLayoutConfig, argv)
-    result = bench(args.overrides, args.steps, args.anchor_ratios)
+    if args.part not in ("steps", "masks", "all"):
+        raise SystemExit(f"part must be steps|masks|all, got {args.part!r}")
+    old = Path(args.out).with_suffix(".json")
+    result = json.loads(old.read_text()) if old.exists() else {}  # the other part's results stay
     command = reproduce("bench_layout", argv)
-    write_report(args.out, {**result, "command": command}, markdown(result, command))
-    for r in result["rows"]:
-        print(json.dumps({k: v for k, v in r.items() if not k.endswith("steps_s")}))
+    if args.part in ("steps", "all"):
+        result.update(bench(args.overrides, args.steps, args.anchor_ratios), command=command)
+        for r in result["rows"]:
+            print(json.dumps({k: v for k, v in r.items() if not k.endswith("steps_s")}))
+    if args.part in ("masks", "all"):
+        result["masks"] = {**bench_masks(args.mask_lengths, args.mask_repeats), "command": command}
+    page = markdown(result, result["command"]) if "rows" in result else ""
+    if "masks" in result:
+        page += "\n" + masks_markdown(result["masks"], result["masks"]["command"])
+    write_report(args.out, result, page)
     return result
 
 
