@@ -74,7 +74,10 @@ def block_mask(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, d
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    # off CPU the mask is built compiled: eager creation evaluates mask_mod on the full [q, kv] grid
+    # (int64 intermediates of q x kv entries), the memory the block mask exists to avoid
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device,
+                             _compile=torch.device(device).type != "cpu")  # fmt: skip
 
 
 def group_mask_mod(lay: L.BatchLayout) -> Callable:
