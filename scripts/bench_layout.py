@@ -92,7 +92,7 @@ def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
     from drafttrain.target import load_target
     from drafttrain.train import compose_config
 
-    c = compose_config(["+recipe=parallelspec", *overrides])
+    c = compose_config(["+recipe=parallelspec_medusa", *overrides])  # the Medusa integration: drafter parallelspec
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
     target = load_target(c.target)

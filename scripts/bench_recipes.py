@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ["parallelspec", "parallelspec_eagle", "medusa", "eagle", "eagle3", "parallelspec_eagle3"]
+RECIPES = ["parallelspec_medusa", "parallelspec_eagle", "medusa", "eagle", "eagle3", "parallelspec_eagle3"]
 # shared by every recipe: same data, seed, batch, schedule and in-run evaluation
 COMMON = [
     "seed=0",
