@@ -206,11 +206,26 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_mismatch(saved: dict, now: dict) -> list[str]:
+def resume_mismatch(saved: dict, now: dict, defaults: dict | None = None) -> list[str]:
     """Keys (dotted) whose values differ between a checkpoint's config and this run's, leaving out
-    :data:`RESUME_MAY_CHANGE`; each as ``"key: checkpoint X, now Y"``."""
+    :data:`RESUME_MAY_CHANGE`; each as ``"key: checkpoint X, now Y"``.
+
+    A key absent from the checkpoint's config whose value now is its schema default (``defaults``,
+    :class:`~drafttrain.config.TrainConfig`'s when None) is not a difference: the checkpoint was written
+    before the key existed, when the code behaved as that default does (e.g. ``trainer.export``,
+    ``trainer.attention``, ``data.self_distill_minutes``). Absent with another value still differs.
+    """
     a, b = _flat(saved), _flat(now)
-    keys = sorted(k for k in set(a) | set(b) if not k.startswith(RESUME_MAY_CHANGE) and a.get(k) != b.get(k))
+    d = _flat(to_dict(TrainConfig()) if defaults is None else defaults)
+
+    def differs(k: str) -> bool:
+        if k.startswith(RESUME_MAY_CHANGE):
+            return False
+        if k not in a and k in b and k in d and b[k] == d[k]:
+            return False  # added after the checkpoint was written, and left at its default
+        return a.get(k) != b.get(k)
+
+    keys = sorted(k for k in set(a) | set(b) if differs(k))
     return [f"{k}: checkpoint {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}" for k in keys]
 
 

@@ -66,6 +66,32 @@ def test_resume_allows_the_documented_keys(tmp_path):
     assert T.check_resume(c) == ck
 
 
+def test_resume_accepts_keys_added_since_the_checkpoint_at_their_defaults(tmp_path, no_model):
+    """A checkpoint written before a config key existed has no value for it: at the schema default
+    (TrainConfig's) now, it is the same job and resume goes on; at another value it is refused,
+    naming the key."""
+    from drafttrain.config import TrainConfig
+
+    ck = _fake_checkpoint(tmp_path)
+    saved = json.loads((ck / "config.json").read_text())
+    defaults = to_dict(TrainConfig())
+    added = [("trainer", "export"), ("trainer", "attention"), ("data", "self_distill_minutes")]
+    for section, key in added:
+        del saved[section][key]
+    (ck / "config.json").write_text(json.dumps(saved))
+
+    c = T.validate(_cfg(tmp_path, "resume=true"))
+    c.trainer.mixed_precision = T.resolve_mixed_precision(c.trainer.mixed_precision)
+    for section, key in added:  # the new run keeps each at the schema default
+        assert getattr(getattr(c, section), key) == defaults[section][key]
+    assert T.check_resume(c) == ck
+
+    with pytest.raises(ConfigError, match="different job") as err:
+        T.run(_cfg(tmp_path, "resume=true", "trainer.export=false"))  # absent in the checkpoint, not the default now
+    assert "trainer.export: checkpoint '<absent>', now False" in str(err.value)
+    assert "trainer.attention" not in str(err.value) and "data.self_distill_minutes" not in str(err.value)
+
+
 def test_changed_max_steps_follows_the_new_schedule():
     """After a resume with another trainer.max_steps, the next step's lr is the warm-up + cosine schedule
     of the NEW max_steps at that step (the already-taken steps keep theirs)."""
