@@ -10,7 +10,7 @@ tree template built and validated every step), one with ``fast_greedy=True`` (af
 top-k over the draft vocabulary for the batch, memoized templates, trusted trees) and one with the
 same proposer on a copy of the drafter whose linear layers and draft head are prepacked (packed:
 :meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`). The before and after
-trees are the same (tests/test_fast_drafting.py), so those engines stay in the same state (the packed
+trees are the same (tests/verify/test_fast_drafting.py), so those engines stay in the same state (the packed
 one's differ by float reassociation only and may part at a near tie); the page reports each
 one's drafting time per step (``EngineStats.draft_seconds``: drafter forward + tree building),
 median over steps, at every batch size. ``drafter``: a training run folder (or its ``drafter/``);

@@ -7,7 +7,7 @@ every parallel group in ONE drafter pass: the T context items once, then K mask 
 Without it, the exact alternative is one pass per group position k = 0..K ("shift the labels by k",
 done right): pass k holds the T items and, for every anchor, mask slots 1..k (slot k needs slots
 1..k-1 as context), and only its position-k slots enter the loss. :func:`naive_loss` computes exactly
-the layout's loss that way (tested equal: tests/test_bench_layout.py), so the step-time ratio is the
+the layout's loss that way (tested equal: tests/scripts/test_bench_layout.py), so the step-time ratio is the
 compute the layout saves. A step = forward + backward + AdamW step on the same real batches,
 alternating the two methods step by step; the median over ``steps`` steps is reported.
 
@@ -161,7 +161,7 @@ def markdown(result: dict, command: str) -> str:
         f"A step = forward + backward + AdamW on the same real batches; median of {result['timed_steps']} steps per "
         "method, the two methods alternating. The naive version runs pass k = 0..K with the items and mask "
         "slots 1..k of every anchor and takes only position k's loss; both compute the same loss (checked "
-        "on the first batch below, and in tests/test_bench_layout.py).",
+        "on the first batch below, and in tests/scripts/test_bench_layout.py).",
         "",
         "| anchor ratio | layout step (s) | K + 1 passes step (s) | naive / layout | loss layout | loss naive |",
         "|---|---|---|---|---|---|",

@@ -11,7 +11,7 @@
 #    2048 and 4096, micro-batch 1-4, dense vs flex; plain greedy decoding at batch 1 and 16, our engine
 #    beside HF generate, greedy-equal rows; it writes gpu.json and gpu.md into DIR.
 #
-# --dry-run: the same steps on the CPU with tiny shapes and no timings (CI runs it: tests/test_device_check.py);
+# --dry-run: the same steps on the CPU with tiny shapes and no timings (CI runs it: tests/scripts/test_device_check.py);
 # the CUDA tests then only collect and skip. Python: $PYTHON, else .venv/bin/python, else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."

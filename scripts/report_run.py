@@ -34,7 +34,7 @@ class ReportRunConfig:
 def portable_run_dir(run_dir: Path) -> str:
     """``run_dir`` as the report records it: as given when relative; when absolute, relative to the checkout
     that holds it (the nearest ancestor with a ``.git``: a clean clone measured elsewhere), else its last
-    two parts. A report names no path of the machine it was measured on (tests/test_scripts_cli.py)."""
+    two parts. A report names no path of the machine it was measured on (tests/scripts/test_scripts_cli.py)."""
     run_dir = Path(run_dir)
     if not run_dir.is_absolute():
         return run_dir.as_posix()

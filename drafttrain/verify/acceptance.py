@@ -6,7 +6,7 @@ can be accepted). Rows of ``target_logits`` / ``target_probs`` follow the verifi
 ``[root, node 0, ..., node n-1]``: row 0 is the target's distribution after the root, row i + 1
 after node i.
 
-Rules and what makes them lossless (tests: ``tests/test_acceptance.py``):
+Rules and what makes them lossless (tests: ``tests/verify/test_acceptance.py``):
 
 - :func:`accept_greedy`: walk down the tree while some child equals the target's argmax; the bonus
   is the argmax where the walk stops. Output = plain greedy decoding of the target, token for token.

@@ -323,7 +323,7 @@ def test_generation_errors_are_counted_as_failed(tiny_target, tmp_path, monkeypa
 
 
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_target, tmp_path, monkeypatch):
-    """In-process version of the SIGKILL test (tests/test_generate_cli.py): a crash after two shards."""
+    """In-process version of the SIGKILL test (tests/data/test_generate_cli.py): a crash after two shards."""
     from drafttrain.data import selfdistill
     from drafttrain.data.shards import JobMismatchError
 

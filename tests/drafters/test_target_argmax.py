@@ -45,7 +45,7 @@ def test_other_features_for_the_same_ids_miss(tiny_target):
 def test_eagle3_losses_are_unchanged_by_the_memo(tiny_target):
     """The training loss of eagle3 and parallelspec_eagle3 with a restricted vocabulary: the same value on
     the memo's first (computing) and second (reading) call, and on a drafter whose memo holds nothing."""
-    from test_eagle3 import batch_for, make, vocab_with_target_argmax
+    from drafters.test_eagle3 import batch_for, make, vocab_with_target_argmax
 
     from drafttrain.drafters import build_drafter
 

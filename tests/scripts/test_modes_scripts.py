@@ -20,7 +20,7 @@ from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter, simulate_gre
 from scripts import bench_sssd_datastore, build_datastore, sssd_grid
 from scripts.common import load_sequences
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 
 

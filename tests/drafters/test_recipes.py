@@ -477,7 +477,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny_target, varied_target, name
         assert r.tokens == ref, (name, which, n)
         accepted += sum(r.accept_lengths)
     if which == "tiny" and name != "dflash":  # an untrained DFlash drafts from [MASK] inputs through random
-        assert accepted > 0  # projections, not from the target's feature: tests/test_dflash.py trains it first
+        assert accepted > 0  # projections, not from the target's feature: tests/drafters/test_dflash.py trains it first
 
 
 # ---------------------------------------------------------------- config keys and layout helpers
@@ -490,7 +490,7 @@ def test_drafter_defaults_have_one_source():
 
     import yaml
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "drafter"
+    conf = Path(__file__).resolve().parents[2] / "conf" / "drafter"
     assert {p.stem for p in conf.glob("*.yaml")} == set(DRAFTERS)
     for name, cls in DRAFTERS.items():
         schema = drafter_schema(name)

@@ -14,7 +14,7 @@ from helpers import compose_dict
 from drafttrain.config import ConfigError, EvalConfig
 from drafttrain.validation import validate_eval
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 
 

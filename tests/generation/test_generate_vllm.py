@@ -17,7 +17,7 @@ from drafttrain.data import selfdistill
 from drafttrain.data.selfdistill import distill_key, generate_dataset, job_fingerprint
 from drafttrain.data.template import prompt_ids
 from drafttrain.generation.vllm_client import VllmGenerator, VllmProcessError, group_alive, vllm_python
-from test_generate import CONVS, ids_of
+from data.test_generate import CONVS, ids_of
 
 GEN = dict(max_new_tokens=6, max_length=256, max_turns=2, batch_size=4, shard_size=2, store_features=True)
 

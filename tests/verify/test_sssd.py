@@ -355,7 +355,7 @@ def test_sssd_settings_have_one_home():
     from drafttrain.verify.proposers import proposer_for
 
     assert SSSDEvalConfig().drafting() == SSSDConfig()
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[2] / "conf"
     evaluate = yaml.safe_load((conf / "evaluate.yaml").read_text())["sssd"]
     assert evaluate == dataclasses.asdict(SSSDEvalConfig())
     grid = yaml.safe_load((conf / "sssd_grid.yaml").read_text())["sssd"]

@@ -22,7 +22,7 @@ from drafttrain.data.selfdistill import load_generated
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_source(path: Path, n: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from drafttrain.cliconfig import ConfigError, parse_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem not in ("__init__", "common"))
 
 
@@ -69,7 +69,7 @@ def _private_script_imports(path: Path) -> list[str]:
 
 
 def test_no_script_private_name_is_imported():
-    files = [*(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    files = [*(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").rglob("*.py")]
     assert [b for f in files for b in _private_script_imports(f)] == []
 
 

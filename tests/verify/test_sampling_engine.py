@@ -1,6 +1,6 @@
 """Speculative sampling is lossless through the *engine*, not only through the rules.
 
-``tests/test_acceptance.py`` checks the acceptance rules as pure functions. This file checks what a
+``tests/verify/test_acceptance.py`` checks the acceptance rules as pure functions. This file checks what a
 user gets: the tokens :class:`~drafttrain.verify.engine.SpecEngine` emits, with a real (random)
 ParallelSpec drafter proposing chains and trees, at T = 0.7, at T = 1 with top-p 0.9 and at T = 0.7
 with top-k 6 then top-p 0.9 (MTAD App. F's warping, k scaled to the toy vocabulary), for every row of a batch, against the exact distribution of plain sampling from the target.
