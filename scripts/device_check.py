@@ -1,9 +1,9 @@
 """The measurements of scripts/device_check.sh: training and decoding with a Llama-3.1-8B-shaped target on a GPU.
 
-    python -m scripts.device_check --out DIR [--dry-run]
+    python -m scripts.device_check out=DIR [dry_run=true]
 
-Needs torch and transformers only (no hydra-core, omegaconf, datasets, wandb or deepspeed are imported
-here; drafttrain's drafters and engine are). The target is built from a config with random weights in bf16
+Needs torch, transformers and omegaconf (the project's key=value CLI; scripts/device_check.sh installs
+it from the wheelhouse first); no hydra-core, datasets, wandb or deepspeed are imported here; drafttrain's drafters and engine are). The target is built from a config with random weights in bf16
 on the device (no weights travel). Measured:
 
 - training: tokens/s, step time and peak GiB (``torch.cuda.max_memory_allocated``) of the ``eagle3``,
@@ -15,18 +15,18 @@ on the device (no weights travel). Measured:
 - decoding: plain greedy tokens/s of drafttrain's engine (:func:`drafttrain.generation.engine.engine_generate`)
   beside Hugging Face ``generate`` at batch 1 and 16 on the same prompts, and whether their tokens are equal.
 
-``--dry-run``: the same steps on the CPU with a tiny Llama config (d = 64, 2 layers), sequence length 32,
+``dry_run=true``: the same steps on the CPU with a tiny Llama config (d = 64, 2 layers), sequence length 32,
 micro-batch 1-2, dense only (flex attention has no backward on CPU), 4 new tokens; no timings are
-reported (every time field is null). Writes ``gpu.json`` and ``gpu.md`` into ``--out``.
+reported (every time field is null). Writes ``gpu.json`` and ``gpu.md`` into ``out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -184,18 +184,25 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class DeviceCheckConfig:
+    """``python -m scripts.device_check`` (scripts/device_check.sh runs it after the CUDA tests)."""
+
+    out: str = "device_check_out"  # folder for gpu.json and gpu.md
+    dry_run: bool = False  # the same steps on the CPU, tiny shapes, no timings (CI)
+    steps: int = 3  # timed training steps per point (median), after a warm-up
+    seqs: str = "2048,4096"  # training sequence lengths, comma-separated
+    micro_batches: str = "1,2,4"  # micro-batch sizes, comma-separated
+    budget_s: float = 330.0  # stop starting training points after this many seconds
+    tests: str = "not run"  # the CUDA tests' summary line (device_check.sh passes it)
+
+
 def main(argv: list[str] | None = None) -> dict:
     import transformers
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seqs", default="2048,4096")
-    ap.add_argument("--micro-batches", default="1,2,4")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting training points after this")
-    ap.add_argument("--tests", default="not run", help="the CUDA tests' summary line (device_check.sh passes it)")
-    a = ap.parse_args(argv)
+    from drafttrain.cliconfig import parse_cli
+
+    a = parse_cli(DeviceCheckConfig, argv)
     dry = a.dry_run
     device = "cpu" if dry else "cuda"
     if not dry and not torch.cuda.is_available():
@@ -238,4 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)

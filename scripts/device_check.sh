@@ -58,10 +58,10 @@ if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
   echo "device_check: CUDA tests failed (see $OUT/cuda_tests.log); measuring anyway" >&2
 fi
 
-# 3. the measurements (timed points stop being started after --budget-s, so the whole stays under 10 min)
+# 3. the measurements (timed points stop being started after budget_s, so the whole stays under 10 min)
 LEFT=$(( 540 - ($(date +%s) - T0) - 150 ))
-ARGS=(--out "$OUT" --tests "$TESTS" --budget-s "$(( LEFT > 60 ? LEFT : 60 ))")
-[ $DRY -eq 1 ] && ARGS+=(--dry-run)
+ARGS=("out=$OUT" "tests='${TESTS//\'/}'" "budget_s=$(( LEFT > 60 ? LEFT : 60 ))")
+[ $DRY -eq 1 ] && ARGS+=(dry_run=true)
 "$PY" -m scripts.device_check "${ARGS[@]}"
 echo "device_check: done in $(( $(date +%s) - T0 )) s; $OUT/gpu.md"
 [ $rc -eq 0 ] || [ $rc -eq 5 ]
