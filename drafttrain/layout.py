@@ -344,7 +344,8 @@ def batch_item_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths:
     return out
 
 
-def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, past: int = 0):
+def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, past: int = 0,
+                     device: torch.device | str = "cpu"):
     """Position ids and additive mask of one inference drafting step (ParallelSpec Fig. 2 left).
 
     The drafter sees ``num_items`` new context items (after ``past`` cached ones) followed by the K
@@ -356,21 +357,24 @@ def inference_layout(num_items: int, num_mask_tokens: int, dtype: torch.dtype, p
         num_mask_tokens: K.
         dtype: mask dtype.
         past: items already in the drafter's KV cache.
+        device: where both tensors are built (the drafter's: no host-to-device copy per step).
 
     Returns:
         (position_ids [1, q] int64, attention_mask [1, 1, q, past + q] additive float), q = num_items + K.
     """
     q = num_items + num_mask_tokens
     last = past + num_items - 1  # anchor position
-    item_pos = torch.arange(past, past + num_items)
-    mask_pos = last + torch.arange(1, num_mask_tokens + 1)
+    item_pos = torch.arange(past, past + num_items, device=device)
+    mask_pos = last + torch.arange(1, num_mask_tokens + 1, device=device)
     position_ids = torch.cat([item_pos, mask_pos])[None]
     kv = past + q
-    allowed = torch.zeros(q, kv, dtype=torch.bool)
+    allowed = torch.zeros(q, kv, dtype=torch.bool, device=device)
     allowed[:, :past] = True
-    allowed[:num_items, past : past + num_items] = torch.tril(torch.ones(num_items, num_items, dtype=torch.bool))
+    allowed[:num_items, past : past + num_items] = torch.ones(num_items, num_items, dtype=torch.bool,
+                                                              device=device).tril()  # fmt: skip
     allowed[num_items:, past : past + num_items] = True
-    allowed[num_items:, past + num_items :] = torch.tril(torch.ones(num_mask_tokens, num_mask_tokens, dtype=torch.bool))
+    allowed[num_items:, past + num_items :] = torch.ones(num_mask_tokens, num_mask_tokens, dtype=torch.bool,
+                                                         device=device).tril()  # fmt: skip
     return position_ids, additive_mask(allowed, dtype)[None, None]
 
 
@@ -483,7 +487,8 @@ def ttt_mask(num_items: int, num_steps: int) -> torch.Tensor:
     return ttt_rule(step[:, None], pos[:, None], step[None, :], pos[None, :])
 
 
-def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype, dense: bool = True):
+def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype, dense: bool = True,
+                    device: torch.device | str = "cpu"):
     """Position ids and additive mask of TTT step k, run after steps 0..k-1 with their keys in a KV cache.
 
     The rows of :func:`ttt_mask` for step k (queries (k, 0..t-1)) against the keys of steps 0..k (the
@@ -496,6 +501,7 @@ def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype, dense: bool =
         dtype: mask dtype.
         dense: build the mask; False returns None in its place (the flex block mask of the same rows is
             :func:`drafttrain.attention.ttt_block_mask`).
+        device: where the tensors are built (the drafter's: no host-to-device copy per step).
 
     Returns:
         (position_ids [1, t] int64 = j + k, attention_mask [1, 1, t, (k + 1) * t] additive float, or None).
@@ -507,10 +513,10 @@ def ttt_step_layout(num_items: int, step: int, dtype: torch.dtype, dense: bool =
         raise ValueError(f"step must be >= 0, got {step}")
     if num_items < 1:
         raise ValueError(f"need num_items >= 1, got {num_items}")
-    position_ids = torch.arange(num_items)[None] + step
+    position_ids = torch.arange(num_items, device=device)[None] + step
     if not dense:
         return position_ids, None
-    q = torch.arange(num_items)
-    kv = torch.arange((step + 1) * num_items)
+    q = torch.arange(num_items, device=device)
+    kv = torch.arange((step + 1) * num_items, device=device)
     allowed = ttt_rule(step, q[:, None], (kv // num_items)[None, :], (kv % num_items)[None, :])  # [t, (k + 1) * t]
     return position_ids, additive_mask(allowed, dtype)[None, None]

@@ -43,11 +43,17 @@ def group_acceptance_sums(correct: torch.Tensor, valid: torch.Tensor) -> dict[st
     }
 
 
-def empty_group_sums(num_positions: int) -> dict[str, torch.Tensor]:
-    """The sums of :func:`group_acceptance_sums` over no group (a batch without any labelled group)."""
-    z = torch.zeros(num_positions)
+def empty_group_sums(num_positions: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The sums of :func:`group_acceptance_sums` over no group (a batch without any labelled group), on
+    ``device``: the step's, so :func:`merge_sums` and the all-reduce meet them beside the other steps' sums.
+
+    Returns:
+        ``acc_num``/``acc_den``/``cond_num``/``cond_den`` [num_positions] and ``tau_len_sum``/``tau_groups`` []
+        float32 zeros.
+    """
+    z = torch.zeros(num_positions, device=device)
     return {"acc_num": z, "acc_den": z.clone(), "cond_num": z.clone(), "cond_den": z.clone(),
-            "tau_len_sum": torch.zeros(()), "tau_groups": torch.zeros(())}  # fmt: skip
+            "tau_len_sum": torch.zeros((), device=device), "tau_groups": torch.zeros((), device=device)}  # fmt: skip
 
 
 def merge_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

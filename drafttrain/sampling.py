@@ -112,9 +112,9 @@ def sample_next(
         logits: [a, v] float, the last position's logits of each row.
         params: None or greedy params for argmax; else temperature / top-p sampling from
             :func:`process_logits`.
-        generators: CPU ``torch.Generator`` per row (a sequence of length a), or one for all rows.
-            Each row draws one uniform number from its generator (inverse-CDF sampling), so the
-            draw is device-independent. Required when sampling.
+        generators: ``torch.Generator`` per row (a sequence of length a), or one for all rows.
+            Each row draws one uniform number from its generator, on the generator's device (inverse-CDF
+            sampling): CPU generators make the draw device-independent. Required when sampling.
 
     Returns:
         [a] int64 token ids on ``logits.device``.
@@ -128,11 +128,12 @@ def sample_next(
         raise ValueError("sampling needs a torch.Generator per row (or one for all rows)")
     a = logits.shape[0]
     if isinstance(generators, torch.Generator):
-        u = torch.rand(a, generator=generators, dtype=torch.float64)
+        u = torch.rand(a, generator=generators, dtype=torch.float64, device=generators.device)  # the RNG's device
     else:
         if len(generators) != a:
             raise ValueError(f"{len(generators)} generators for {a} rows")
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device).to(logits.device)
+                       for g in generators])  # fmt: skip
     probs = process_logits(logits, params).double()  # [a, v]
     cdf = probs.cumsum(-1)  # [a, v]
     total = cdf[:, -1:]  # [a, 1]

@@ -311,10 +311,10 @@ class Target:
             stops = {int(t) for t in stop_token_ids}
         device = self.device
         s = max(len(p) for p in prompts)
-        ids = torch.zeros((b, s), dtype=torch.long)
-        attn = torch.zeros((b, s), dtype=torch.long)
+        ids = torch.zeros((b, s), dtype=torch.long, device="cpu")  # assembled on the host, then one copy
+        attn = torch.zeros((b, s), dtype=torch.long, device="cpu")
         for i, p in enumerate(prompts):
-            ids[i, s - len(p) :] = torch.tensor(p)  # left padding
+            ids[i, s - len(p) :] = torch.tensor(p, device="cpu")  # left padding
             attn[i, s - len(p) :] = 1
         ids, attn = ids.to(device), attn.to(device)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [b, s] positions of the real tokens

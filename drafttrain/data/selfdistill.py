@@ -303,10 +303,10 @@ def teacher_forced_features(target, rows: Sequence[Sequence[int]], feature_layer
             batches.append([i])
     for batch in batches:
         s = max(len(rows[i]) for i in batch)
-        ids = torch.zeros((len(batch), s), dtype=torch.long)
-        attn = torch.zeros((len(batch), s), dtype=torch.long)
+        ids = torch.zeros((len(batch), s), dtype=torch.long, device="cpu")  # assembled on the host, then one copy
+        attn = torch.zeros((len(batch), s), dtype=torch.long, device="cpu")
         for j, i in enumerate(batch):
-            ids[j, : len(rows[i])] = torch.as_tensor(list(rows[i]))
+            ids[j, : len(rows[i])] = torch.as_tensor(list(rows[i]), device="cpu")
             attn[j, : len(rows[i])] = 1
         feats = target.forward(ids.to(target.device), attention_mask=attn.to(target.device), with_logits=False,
                                feature_layers=feature_layers).features  # [b, s, F]

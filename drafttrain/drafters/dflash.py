@@ -338,9 +338,10 @@ class DFlashDrafter(Drafter):
                 cg = correct[:, : g * bsz].reshape(-1, bsz)[:, 1:]
                 vg = valid[:, : g * bsz].reshape(-1, bsz)[:, 1:]
                 groups = vg[:, 0]
-                sums.update(group_acceptance_sums(cg[groups], vg[groups]) if groups.any() else empty_group_sums(bsz - 1))
+                sums.update(group_acceptance_sums(cg[groups], vg[groups]) if groups.any()
+                            else empty_group_sums(bsz - 1, device=valid.device))  # fmt: skip
             else:
-                sums.update(empty_group_sums(bsz - 1))
+                sums.update(empty_group_sums(bsz - 1, device=valid.device))
         return LossOutput(loss=loss, sums=sums, num_tokens=int(kinds.gt(0).sum()))
 
     # -- inference ------------------------------------------------------------------------------

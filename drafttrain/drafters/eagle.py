@@ -100,10 +100,9 @@ class EagleDrafter(FeatureLayerDrafter):
         b, t = ids.shape[0], ids.shape[1] - 1
         labels = L.batch_item_labels(ids, batch["loss_mask"], batch["lengths"])  # [b, t]
         u = self.items(ids[:, 1:], self.noisy(feats[:, :t], generator))  # [b, t, d]
-        pos, mask = L.inference_layout(t, 0, dtype=u.dtype)  # causal; right padding never seen by real items
+        pos, mask = L.inference_layout(t, 0, dtype=u.dtype, device=u.device)  # causal; padding never seen
         cache = DynamicCache()  # keeps the items' keys/values for the metric rollout
-        h = self.decode(u, mask.to(u.device).expand(b, -1, -1, -1), pos.to(u.device).expand(b, -1),
-                        cache=cache, use_cache=True)  # fmt: skip
+        h = self.decode(u, mask.expand(b, -1, -1, -1), pos.expand(b, -1), cache=cache, use_cache=True)
         fhat = self.predict_features(h)  # [b, t, d]
         valid = labels != L.IGNORE_INDEX
         draft = self.target_to_draft(labels)
@@ -128,7 +127,7 @@ class EagleDrafter(FeatureLayerDrafter):
                    for i in range(labels.shape[0])]  # fmt: skip
         n = max((a.numel() for a in per_seq), default=0)
         if n == 0:
-            return empty_group_sums(self.draft_depth)
+            return empty_group_sums(self.draft_depth, device=labels.device)
         anchors = torch.full((labels.shape[0], n), -1, dtype=torch.long, device=labels.device)
         for i, a in enumerate(per_seq):
             anchors[i, : a.numel()] = a
@@ -189,14 +188,14 @@ class EagleDrafter(FeatureLayerDrafter):
         n = next_ids.shape[1]
         past = cache.get_seq_length()
         dtype, device = self.dtype, next_ids.device
-        pos, mask = L.inference_layout(n, 0, dtype=dtype, past=past)
-        logits, f = self.draft_step(next_ids, features, pos.to(device), mask.to(device), cache)
+        pos, mask = L.inference_layout(n, 0, dtype=dtype, past=past, device=device)
+        logits, f = self.draft_step(next_ids, features, pos, mask, cache)
         rows = [self.full_vocab_logits(logits[:, -1])]  # [1, v]
         f = f[:, -1:]
         for _ in range(1, self.draft_depth):
             token = rows[-1].argmax(-1, keepdim=True)  # [1, 1] target id
-            pos, mask = L.inference_layout(1, 0, dtype=dtype, past=cache.get_seq_length())
-            logits, f = self.draft_step(token, f, pos.to(device), mask.to(device), cache)
+            pos, mask = L.inference_layout(1, 0, dtype=dtype, past=cache.get_seq_length(), device=device)
+            logits, f = self.draft_step(token, f, pos, mask, cache)
             rows.append(self.full_vocab_logits(logits[:, -1]))
         cache.crop(-(self.draft_depth - 1))  # drop the speculative items (crop(0) is a no-op)
         return torch.stack(rows, dim=1)

@@ -375,9 +375,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
             if k:  # step k, row j: ground-truth x_{j+k+1} with h of step k - 1 at row j
                 tok = torch.cat([input_ids[:, 1 + k :], input_ids.new_zeros((b, k))], dim=1)[:, :t]
                 x = self.items(tok, out[-1])
-            pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype, dense=self.attention == "dense")
-            mask = mask.to(device).expand(b, -1, -1, -1) if mask is not None else ttt_block_mask(t, k, device)
-            h = self.decode(x, mask, pos.to(device).expand(b, -1), cache=cache, use_cache=True)
+            pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype, dense=self.attention == "dense", device=device)
+            mask = mask.expand(b, -1, -1, -1) if mask is not None else ttt_block_mask(t, k, device)
+            h = self.decode(x, mask, pos.expand(b, -1), cache=cache, use_cache=True)
             out.append(h)
         return out
 
@@ -444,7 +444,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         valid = group != L.IGNORE_INDEX
         anchors = valid[..., 0]
         sums.update(group_acceptance_sums(correct[anchors][:, :depth], valid[anchors][:, :depth])
-                    if anchors.any() else empty_group_sums(depth))  # fmt: skip
+                    if anchors.any() else empty_group_sums(depth, device=valid.device))  # fmt: skip
         return LossOutput(loss=loss, sums=sums, num_tokens=int((batch["lengths"] - 1).clamp_min(0).sum()) * k_steps)
 
     # -- inference ------------------------------------------------------------------------------
@@ -463,14 +463,14 @@ class Eagle3Drafter(FeatureLayerDrafter):
         """
         past = cache.get_seq_length()
         dtype, device = self.fc.weight.dtype, next_ids.device
-        pos, mask = L.inference_layout(next_ids.shape[1], 0, dtype=dtype, past=past)
-        logits, h = self.draft_step(next_ids, features, pos.to(device), mask.to(device), cache)
+        pos, mask = L.inference_layout(next_ids.shape[1], 0, dtype=dtype, past=past, device=device)
+        logits, h = self.draft_step(next_ids, features, pos, mask, cache)
         rows = [self.full_vocab_logits(logits[:, -1])]  # [1, v]
         h = h[:, -1:]
         for _ in range(1, self.draft_depth):
             token = rows[-1].argmax(-1, keepdim=True)  # [1, 1] target id
-            pos, mask = L.inference_layout(1, 0, dtype=dtype, past=cache.get_seq_length())
-            logits, h = self.draft_step(token, h, pos.to(device), mask.to(device), cache)
+            pos, mask = L.inference_layout(1, 0, dtype=dtype, past=cache.get_seq_length(), device=device)
+            logits, h = self.draft_step(token, h, pos, mask, cache)
             rows.append(self.full_vocab_logits(logits[:, -1]))
         cache.crop(-(self.draft_depth - 1))  # drop the speculative items (crop(0) is a no-op)
         return torch.stack(rows, dim=1)

@@ -116,7 +116,8 @@ class FeatureLayerDrafter(Drafter):
         a = float(self.config.get("feature_noise", 0.0))
         if not self.training or a <= 0:
             return features
-        u = torch.rand(features.shape, generator=generator, dtype=torch.float32)  # CPU draw: reproducible
+        # drawn on the CPU on purpose: the same noise for a seed on every device, then moved
+        u = torch.rand(features.shape, generator=generator, dtype=torch.float32, device="cpu")
         return features + ((u * 2 - 1) * a).to(device=features.device, dtype=features.dtype)
 
     def decode(self, x, attention_mask, position_ids, cache=None, use_cache=False) -> torch.Tensor:

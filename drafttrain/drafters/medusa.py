@@ -154,7 +154,7 @@ class MedusaDrafter(Drafter):
         if rows.any():
             sums.update(group_acceptance_sums(correct[rows], valid[rows]))
         else:
-            sums.update(empty_group_sums(k))
+            sums.update(empty_group_sums(k, device=valid.device))
         return LossOutput(loss=loss, sums=sums, num_tokens=int((batch["lengths"] - 1).clamp_min(0).sum()))
 
     # -- inference ------------------------------------------------------------------------------

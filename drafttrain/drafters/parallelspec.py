@@ -176,7 +176,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
             rows_c.append(c)
             rows_v.append(v)
         if not rows_c:
-            return empty_group_sums(k + 1)
+            return empty_group_sums(k + 1, device=valid.device)
         return group_acceptance_sums(torch.cat(rows_c), torch.cat(rows_v))
 
     # -- inference ------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
         past = cache.get_seq_length()
         u = self.items(next_ids, features)  # [1, n, d]
         x = torch.cat([u, self.mask_embed[None].to(u.dtype)], dim=1)  # [1, n + k, d]
-        pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=u.dtype, past=past)
-        h = self.decode(x, mask.to(u.device), pos.to(u.device), cache=cache, use_cache=True)
+        pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=u.dtype, past=past, device=u.device)
+        h = self.decode(x, mask, pos, cache=cache, use_cache=True)
         cache.crop(-self.num_mask_tokens)  # transformers 5: negative = tokens to remove
         return self.full_vocab_logits(self.logits(h[:, n - 1 :]))

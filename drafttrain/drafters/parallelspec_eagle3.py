@@ -179,7 +179,8 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         """
         n = next_ids.shape[1]
         x = torch.cat([self.items(next_ids, features), self.draft_inputs()[None]], dim=1)  # [1, n + K, 2d]
-        pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=x.dtype, past=cache.get_seq_length())
-        h = self.decode(x, mask.to(x.device), pos.to(x.device), cache=cache, use_cache=True)
+        pos, mask = L.inference_layout(n, self.num_mask_tokens, dtype=x.dtype, past=cache.get_seq_length(),
+                                       device=x.device)  # fmt: skip
+        h = self.decode(x, mask, pos, cache=cache, use_cache=True)
         cache.crop(-self.num_mask_tokens)
         return self.full_vocab_logits(self.vocab_logits(h[:, n - 1 :]))

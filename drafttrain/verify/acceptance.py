@@ -54,6 +54,12 @@ def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
+def _uniform(generator: torch.Generator | None) -> float:
+    """One U(0, 1) draw from ``generator`` on the generator's own device (the engine's is the target's; a
+    CUDA generator cannot draw a CPU tensor). None: torch's global CPU RNG."""
+    return float(torch.rand((), generator=generator, device=generator.device if generator is not None else "cpu"))
+
+
 def target_rows(target_logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """[n + 1, v] rows a rule samples from: the processed distribution, or the logits under greedy
     (argmax is all greedy needs and the rules take the argmax of whatever they get)."""
@@ -110,7 +116,7 @@ def speculative_sampling_chain(
     toks = draft_tokens.tolist()
     for i, x in enumerate(toks):
         p, q = target_probs[i], draft_probs[i]
-        r = float(torch.rand((), generator=generator))
+        r = _uniform(generator)
         # accept d_i with probability min(1, p(d_i) / q(d_i))
         if r * float(q[x]) < float(p[x]):
             continue
@@ -160,7 +166,7 @@ def speculative_sampling_tree(
         accepted = None
         for c in children:
             x = tokens[c]
-            r = float(torch.rand((), generator=generator))
+            r = _uniform(generator)
             # accept child x with probability min(1, p(x) / q(x))
             if r * float(q[x]) < float(p[x]):
                 accepted = c

@@ -326,7 +326,8 @@ def batched_layout(
     real = []
     for i, (m, s) in enumerate(zip(masks, slots)):
         k, pad = s.numel(), q_max - s.numel()
-        j = torch.arange(pad, q_max) if left_pad else torch.arange(k)  # window positions of the real inputs
+        # window positions of the real inputs, kept on the host (BatchedLayout.real: read as ints, moved to index)
+        j = torch.arange(pad, q_max, device="cpu") if left_pad else torch.arange(k, device="cpu")
         real.append(j)
         own[i, j[:, None], j[None, :]] = m.to(device)
         pad_slots = s[0] - pad + torch.arange(pad, device=device) if left_pad else s[-1] + 1 + torch.arange(pad, device=device)

@@ -443,8 +443,8 @@ class SpecEngine:
         pos = [torch.arange(n, device=self.device) for n in lens]
         causal = [torch.ones(n, n, dtype=torch.bool, device=self.device).tril() for n in lens]
         t0 = time.perf_counter()
-        hidden, logits = self._forward(rows, toks, pos, causal, slots, [torch.tensor([n - 1]) for n in lens],
-                                       left_pad=self.mode == "padded")  # fmt: skip
+        last = [torch.tensor([n - 1], device=self.device) for n in lens]  # each prompt's last input: its logits
+        hidden, logits = self._forward(rows, toks, pos, causal, slots, last, left_pad=self.mode == "padded")
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += sum(lens)
@@ -534,8 +534,9 @@ class SpecEngine:
         q = [1 + t.n for t in trees]
         for r, tree in zip(rows, trees):
             seq = self.rows[r]
-            toks.append(torch.cat([torch.tensor([seq.pending]), tree.tokens.cpu()]).to(self.device))
-            depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth()]).to(self.device)
+            # assembled on the host (trees live there, drafttrain.verify.tree), then one copy each
+            toks.append(torch.cat([torch.tensor([seq.pending], device="cpu"), tree.tokens.cpu()]).to(self.device))
+            depth = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), tree.depth()]).to(self.device)
             pos.append(cache.lengths[r] + depth)  # position = cache length + depth
             masks.append(tree.ancestor_mask().to(self.device))
         if self.mode == "padded":  # every row writes at the common offset W
@@ -555,7 +556,7 @@ class SpecEngine:
             slots = [n0 + torch.arange(n, device=self.device) for n0, n in zip(lens, q)]
             self.stats.window_slots += sum(lens)
             self.stats.window_valid += sum(lens)
-        sel = [torch.arange(n) for n in q]
+        sel = [torch.arange(n, device=self.device) for n in q]
         t0 = time.perf_counter()
         hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False)
         dt = time.perf_counter() - t0

@@ -660,8 +660,8 @@ def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
         return DraftTree.empty()
     new_index = {j: k for k, j in enumerate(keep)}
     par = tree.parents.tolist()
-    idx = torch.tensor(list(keep), dtype=torch.long)
-    parents = torch.tensor([new_index[par[j]] if par[j] >= 0 else -1 for j in keep], dtype=torch.long)
+    idx = torch.tensor(list(keep), dtype=torch.long, device="cpu")  # host-side tree bookkeeping (verify.tree)
+    parents = torch.tensor([new_index[par[j]] if par[j] >= 0 else -1 for j in keep], dtype=torch.long, device="cpu")
     return DraftTree.trusted(tree.tokens[idx], parents, tree.draft_probs,
                              None if tree.dist_index is None else tree.dist_index[idx],
                              None if tree.scores is None else tree.scores[idx],

@@ -185,7 +185,7 @@ def _ragged_decode(drafter, cache, rows, xs, pos, masks, slot_ids, extra=None) -
     for b, per_input in enumerate(extra or []):
         for j, anc in enumerate(per_input):
             if anc:  # the read window starts at slot 0: kv index = cache slot
-                lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long)] = 0.0
+                lay.mask[b, 0, int(lay.real[b][j]), torch.tensor(anc, dtype=torch.long, device=lay.mask.device)] = 0.0
     cache.set_plan(lay.plan)
     try:
         h = drafter.decode(lay.scatter(xs, 0.0), lay.mask, lay.scatter(pos), cache=cache, use_cache=True)
@@ -221,7 +221,7 @@ def _own_layout(num_items: int, num_mask_tokens: int) -> tuple[torch.Tensor, tor
     ``past``; the cached items are all visible), built once per (items, K). Shared: never modify."""
     from drafttrain.layout import inference_layout
 
-    p, m = inference_layout(num_items, num_mask_tokens, dtype=torch.float32, past=0)
+    p, m = inference_layout(num_items, num_mask_tokens, dtype=torch.float32, past=0, device="cpu")
     return p[0], m[0, 0] == 0
 
 
@@ -515,8 +515,8 @@ class EagleProposer:
         d, cache = self.drafter, st["cache"]
         device = st["feats"].device
         past, n_new = cache.get_seq_length(), st["ids"].numel()
-        pos, mask = L.inference_layout(n_new, 0, dtype=d.dtype, past=past)
-        logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos.to(device), mask.to(device), cache)
+        pos, mask = L.inference_layout(n_new, 0, dtype=d.dtype, past=past, device=device)
+        logits, f = d.draft_step(st["ids"][None], st["feats"][None], pos, mask, cache)
         st["ids"] = st["feats"] = None  # consumed: the cache now holds these items
         return logits[0, -1], f[0, -1], past + n_new
 
@@ -579,7 +579,7 @@ class EagleProposer:
         ids = torch.tensor([t for r in reqs for t in r[0]], dtype=torch.long, device=device)
         u = d.items(ids[None], torch.cat([r[1] for r in reqs])[None])[0]
         pos = [torch.full((qi,), c - 1 + r[3], dtype=torch.long, device=device) for qi, c, r in zip(q, committed, reqs)]
-        masks = [torch.eye(qi, dtype=torch.bool) for qi in q]  # same-depth nodes never see each other
+        masks = [torch.eye(qi, dtype=torch.bool, device=device) for qi in q]  # same-depth nodes never see each other
         slot_ids = [c + s + torch.arange(qi, device=device) for c, s, qi in zip(committed, spec, q)]
         return self._ragged_forward(slots, list(torch.split(u, q)), pos, masks, slot_ids, [r[2] for r in reqs])
 
@@ -657,12 +657,13 @@ class _StaticTree:
         p = self.p
         keep = [i for i in range(p.template.n) if self.tokens[i] is not None]  # ancestor-closed
         new_index = {i: j for j, i in enumerate(keep)}
-        parents = torch.tensor([new_index[p._parents[i]] if p._parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
-        toks = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
+        parents = torch.tensor([new_index[p._parents[i]] if p._parents[i] >= 0 else -1 for i in keep],
+                               dtype=torch.long, device="cpu")  # a DraftTree lives on the host  # fmt: skip
+        toks = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long, device="cpu")
         if self.sampling.greedy:
             return DraftTree(toks, parents)
         dist = [self._row_of_parent(i) for i in keep]
-        return DraftTree(toks, parents, torch.stack(self.rows), torch.tensor(dist))
+        return DraftTree(toks, parents, torch.stack(self.rows), torch.tensor(dist, device="cpu"))
 
 
 class _DynamicTree:
@@ -719,10 +720,11 @@ class _DynamicTree:
         keep.sort(key=lambda i: (self.depths[i], i))  # parents first
         new_index = {i: j for j, i in enumerate(keep)}
         assert all(self.parents[i] < 0 or self.parents[i] in new_index for i in keep), "reranked tree is not ancestor-closed"
-        return DraftTree(torch.tensor([self.toks[i] for i in keep], dtype=torch.long),
+        return DraftTree(torch.tensor([self.toks[i] for i in keep], dtype=torch.long, device="cpu"),
                          torch.tensor([new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
-                                      dtype=torch.long),
-                         scores=torch.tensor([self.values[i] for i in keep], dtype=torch.float32))  # fmt: skip
+                                      dtype=torch.long, device="cpu"),
+                         scores=torch.tensor([self.values[i] for i in keep], dtype=torch.float32,
+                                             device="cpu"))  # fmt: skip
 
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,

@@ -25,6 +25,9 @@ distributions (ParallelSpec Algorithm 1, "draft future token tree N ... with a s
 and keeps the ``budget`` highest-scoring nodes.
 
 Shape letters: n tree nodes, v vocab, r draft distributions, D depth.
+
+Trees are host-side bookkeeping: the index tensors built here (parents, depths, ancestor masks, tokens
+from lists) are CPU tensors whatever torch's default device is; the engine moves what a forward needs.
 """
 
 from __future__ import annotations
@@ -60,7 +63,12 @@ def _depths(parents: list[int]) -> torch.Tensor:
     d: list[int] = []
     for p in parents:
         d.append(1 if p < 0 else d[p] + 1)
-    return torch.tensor(d, dtype=torch.long)
+    return torch.tensor(d, dtype=torch.long, device="cpu")
+
+
+def _host(x, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a ``dtype`` tensor: a tensor stays on its device, anything else (a list) goes to the CPU."""
+    return torch.as_tensor(x, dtype=dtype, device=x.device if isinstance(x, torch.Tensor) else "cpu")
 
 
 def _children(parents: list[int]) -> tuple[tuple[int, ...], ...]:
@@ -72,7 +80,7 @@ def _children(parents: list[int]) -> tuple[tuple[int, ...], ...]:
 
 def _ancestor_mask(parents: list[int]) -> torch.Tensor:
     n = len(parents)
-    m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    m = torch.zeros(n + 1, n + 1, dtype=torch.bool, device="cpu")
     m[:, 0] = True  # everyone sees the root
     for i, p in enumerate(parents):
         m[i + 1] = m[p + 1]  # the parent's ancestors (row p+1 is final: p < i)
@@ -134,7 +142,7 @@ class DraftTree:
         return cache[key]
 
     def __post_init__(self):
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
+        self.tokens = _host(self.tokens, torch.long).reshape(-1)
         self.parents = torch.as_tensor(self.parents, dtype=torch.long, device=self.tokens.device).reshape(-1)
         n = self.tokens.numel()
         if self.parents.numel() != n:
@@ -144,13 +152,13 @@ class DraftTree:
             if not -1 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: parents must be -1 or an earlier node (topological order)")
         if self.sources is not None:
-            self.sources = torch.as_tensor(self.sources, dtype=torch.long).reshape(-1)
+            self.sources = _host(self.sources, torch.long).reshape(-1)
             if self.sources.numel() != n:
                 raise ValueError(f"sources has {self.sources.numel()} entries for {n} nodes")
         if (self.draft_probs is None) != (self.dist_index is None):
             raise ValueError("draft_probs and dist_index go together")
         if self.dist_index is not None:
-            self.dist_index = torch.as_tensor(self.dist_index, dtype=torch.long).reshape(-1)
+            self.dist_index = _host(self.dist_index, torch.long).reshape(-1)
             if self.dist_index.numel() != n:
                 raise ValueError(f"dist_index has {self.dist_index.numel()} entries for {n} nodes")
             r = self.draft_probs.shape[0]
@@ -204,15 +212,15 @@ class DraftTree:
     @classmethod
     def empty(cls) -> "DraftTree":
         """No candidates: verification then emits only the target's own next token (plain decoding)."""
-        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        return cls(torch.zeros(0, dtype=torch.long, device="cpu"), torch.zeros(0, dtype=torch.long, device="cpu"))
 
     @classmethod
     def chain(cls, tokens: Sequence[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A chain d_1 -> d_2 -> ... (node i's parent is i - 1); ``draft_probs`` [n, v] row i drew node i."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tokens = _host(tokens, torch.long).reshape(-1)
         n = tokens.numel()
-        dist = torch.arange(n) if draft_probs is not None else None
-        return cls(tokens, torch.arange(n) - 1, draft_probs, dist)
+        dist = torch.arange(n, device="cpu") if draft_probs is not None else None
+        return cls(tokens, torch.arange(n, device="cpu") - 1, draft_probs, dist)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,8 +291,9 @@ class TreeTemplate:
             for i, r in enumerate(self.ranks):
                 p = self.parent_list[i]
                 vals.append((1.0 if p < 0 else vals[p]) * float(scores[len(r) - 1][r[-1]]))
-            sc = torch.tensor(vals, dtype=torch.float32)
-        return DraftTree.trusted(torch.tensor(toks, dtype=torch.long), self.parents, draft_probs, dist, sc,
+            sc = torch.tensor(vals, dtype=torch.float32, device="cpu")
+        toks_t = torch.tensor(toks, dtype=torch.long, device="cpu")
+        return DraftTree.trusted(toks_t, self.parents, draft_probs, dist, sc,
                                  {"depth": st["depth"], "children": st["children"], "mask": st["mask"]})  # fmt: skip
 
     @property
@@ -297,7 +306,7 @@ class TreeTemplate:
         if st is None:
             par = self.parents.tolist()
             st = {"parent_list": par, "depth": _depths(par), "children": _children(par), "mask": _ancestor_mask(par),
-                  "dist": torch.tensor([len(r) - 1 for r in self.ranks], dtype=torch.long)}  # fmt: skip
+                  "dist": torch.tensor([len(r) - 1 for r in self.ranks], dtype=torch.long, device="cpu")}  # fmt: skip
             object.__setattr__(self, "_cache", st)
         return st
 
@@ -362,7 +371,7 @@ def _build_template(choices: tuple[tuple[int, ...], ...]) -> TreeTemplate:
     for parent, rs in kids.items():
         if sorted(rs) != list(range(len(rs))):
             raise ValueError(f"children of {parent or 'the root'} have ranks {sorted(rs)}; they must be 0..{len(rs) - 1}")
-    return TreeTemplate(tuple(ranks), torch.tensor(parents, dtype=torch.long))
+    return TreeTemplate(tuple(ranks), torch.tensor(parents, dtype=torch.long, device="cpu"))
 
 
 def chain_template(depth: int) -> TreeTemplate:
