@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ["parallelspec_medusa", "parallelspec_eagle", "medusa", "eagle", "eagle3", "parallelspec_eagle3"]
+RECIPES = ["parallelspec_medusa", "parallelspec_eagle", "medusa", "eagle", "eagle3", "parallelspec_eagle3", "parallelspec", "dflash"]
 # shared by every recipe: same data, seed, batch, schedule and in-run evaluation
 COMMON = [
     "seed=0",
@@ -222,6 +222,44 @@ def summarize(out_root: Path, recipe: str) -> dict:
     }
 
 
+def drafts_per_step(recipe: str, d: dict) -> int:
+    """Draft tokens one drafting step proposes in a chain, from a run's saved drafter config: Medusa's heads,
+    an autoregressive drafter's depth, ParallelSpec's K [MASK] tokens + 1, DFlash's block size - 1."""
+    if recipe == "medusa":
+        return d["num_heads"]
+    if "block_size" in d:
+        return d["block_size"] - 1
+    return d.get("draft_depth", d.get("num_mask_tokens", 0) + 1)
+
+
+def position_acceptance(hist: dict) -> list[float]:
+    """Per-position acceptance of a chain from its histogram of accepted drafts per step ({count: steps}):
+    entry k-1 is P(at least k drafts accepted), k = 1 .. the longest chain seen."""
+    h = {int(k): v for k, v in hist.items()}
+    total = sum(h.values())
+    return [sum(v for j, v in h.items() if j >= k) / total for k in range(1, max(h) + 1)] if total else []
+
+
+def decoding_table(full: list[dict], sets: list[str]) -> list[str]:
+    """Batch-16 speedup, drafting ms per step (the online planner's measured cost: one sequence at batch 1,
+    16 at batch 16) and the chain's per-position acceptance, from ``eval_suite=full`` results."""
+    lines = ["", "Batch-16 speedup (online planner, over plain decoding at batch 16), drafting cost per step and the "
+             "chain's per-position acceptance P(≥ k drafts accepted) at batch 16, per prompt set:", "",
+             "| recipe | set | speedup b16 | draft ms/step b1 | draft ms/step b16 | chain acceptance k=1, 2, ... |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in full:
+        for p in sets:
+            m = r["full"].get(p, {})
+            if not m:
+                continue
+            ms = [(m.get(f"eval/planner_b{b}") or {}).get("draft_ms", {}) for b in (1, 16)]
+            cell = [f"{v:.1f}" if (v := x.get(str(b), x.get(b))) is not None else "n/a" for x, b in zip(ms, (1, 16))]
+            acc = ", ".join(f"{a:.2f}" for a in position_acceptance(m.get("eval/accept_hist_chain") or {}))
+            sp = m.get("eval/speedup_b16")
+            lines.append(f"| {r['recipe']} | {p} | {'n/a' if sp is None else f'{sp:.2f}x'} | {cell[0]} | {cell[1]} | {acc} |")
+    return lines
+
+
 def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
     import torch
 
@@ -250,7 +288,7 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
     ]
     for r in rows:
         d = r["drafter"]
-        depth = d["num_heads"] if r["recipe"] == "medusa" else d.get("draft_depth", d.get("num_mask_tokens", 0) + 1)
+        depth = drafts_per_step(r["recipe"], d)
         passes = f"{depth} ({depth} passes)" if "draft_depth" in d else f"{depth} (1 pass)"
         epochs = f" ({r['epochs']:.1f})" if r.get("epochs") is not None else ""
         lines.append(
@@ -305,11 +343,14 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
                 cells.append(f"{f(m.get('eval/tau'))} | {f(m.get('eval/tau_chain'))} | "
                              f"{f(m.get('eval/speedup_b1'), '{:.2f}x')} ({f(m.get('eval/tau_b1'))})")  # fmt: skip
             lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {eq(equal)} |")
+    if full:
+        lines += decoding_table(full, sets)
+    ks = range(max([5] + [drafts_per_step(r["recipe"], r["drafter"]) for r in rows]))
     acc = ["", "Held-out per-position accuracy acc_k (cond_acc_k):", "",
-           "| recipe | " + " | ".join(f"k={k}" for k in range(5)) + " |", "|---|" + "---|" * 5]  # fmt: skip
+           "| recipe | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]  # fmt: skip
     for r in rows:
         cells = [f"{r['heldout_acc'][f'acc_{k}']:.3f} ({r['heldout_cond_acc'].get(f'cond_acc_{k}', 0):.3f})"
-                 if f"acc_{k}" in r["heldout_acc"] else "" for k in range(5)]  # fmt: skip
+                 if f"acc_{k}" in r["heldout_acc"] else "" for k in ks]  # fmt: skip
         acc.append(f"| {r['recipe']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines + acc)
     md = dest.with_suffix(".md")

@@ -62,6 +62,25 @@ def test_bench_recipes_budget_run_full_eval_and_report(tmp_path, monkeypatch):
     assert len(full_row) == 1 and f"{full['mt_bench']['eval/tau']:.3f}" in full_row[0]
     data = json.loads(dest.with_suffix(".json").read_text())
     assert [r["recipe"] for r in data["runs"]] == ["eagle3"]
+    decode_rows = [line for line in md.splitlines() if line.startswith("| eagle3 | mt_bench | ")]
+    assert len(decode_rows) == 1 and f"{full['mt_bench']['eval/speedup_b16']:.2f}x" in decode_rows[0]
+
+
+def test_report_dflash_drafts_and_chain_acceptance():
+    """DFlash drafts block_size - 1 tokens per pass; a chain's per-position acceptance is the share of
+    steps that accepted at least k drafts; the decoding table reads the planner's drafting ms."""
+    from scripts.bench_recipes import decoding_table, drafts_per_step, position_acceptance
+
+    assert drafts_per_step("dflash", {"block_size": 8, "num_layers": 2}) == 7
+    assert drafts_per_step("eagle3", {"draft_depth": 5}) == 5
+    assert drafts_per_step("parallelspec_eagle3", {"num_mask_tokens": 4}) == 5
+    assert drafts_per_step("medusa", {"num_heads": 4}) == 4
+    assert position_acceptance({"0": 2, "1": 1, "3": 1}) == [0.5, 0.25, 0.25]
+    assert position_acceptance({}) == []
+    m = {"eval/speedup_b16": 1.234, "eval/accept_hist_chain": {"0": 1, "2": 3},
+         "eval/planner_b1": {"draft_ms": {"1": 12.34}}, "eval/planner_b16": {"draft_ms": {"16": 56.78}}}
+    rows = decoding_table([{"recipe": "dflash", "full": {"gsm8k": m}}], ["mt_bench", "gsm8k"])
+    assert rows[-1] == "| dflash | gsm8k | 1.23x | 12.3 | 56.8 | 0.75, 0.75 |"
 
 
 @pytest.mark.parametrize("bad", ["eval_suite=tree", "budget_minutes=0", "recipes=[eagle4]"])
@@ -123,3 +142,17 @@ def test_report_curve_by_training_minutes(tmp_path):
     assert "| recipe | step 100 | step 200 | step 300 |" in md
     assert "| eagle | 1.100 (5.0) | 1.200 (10.0) | 1.300 (15.0) |" in md
     assert "| medusa | 1.200 (13.3) | 1.300 (26.7) | 1.500 (40.0) |" in md
+
+
+def test_parallelspec_is_parallelspec_eagle3_under_the_shared_overrides():
+    """The recipes benchmark trains ``parallelspec_eagle3`` once for both names: under COMMON's shared draft
+    vocabulary the main job's recipe composes to the same job (only its run name, and the output folder named
+    after it, differ; the benchmark sets its own output folder)."""
+    import helpers
+    from scripts.bench_recipes import COMMON
+
+    a, b = (helpers.compose_dict("train", [f"+recipe={r}", *COMMON]) for r in ("parallelspec", "parallelspec_eagle3"))
+    assert a["drafter"]["name"] == "parallelspec_eagle3"
+    names = ("run_name", "output_dir")
+    assert {k: v for k, v in a.items() if k not in names} == {k: v for k, v in b.items() if k not in names}
+    assert a != helpers.compose_dict("train", ["+recipe=parallelspec"])  # without COMMON the vocabularies differ
