@@ -78,9 +78,11 @@ def test_report_dflash_drafts_and_chain_acceptance():
     assert position_acceptance({"0": 2, "1": 1, "3": 1}) == [0.5, 0.25, 0.25]
     assert position_acceptance({}) == []
     m = {"eval/speedup_b16": 1.234, "eval/accept_hist_chain": {"0": 1, "2": 3},
-         "eval/planner_b1": {"draft_ms": {"1": 12.34}}, "eval/planner_b16": {"draft_ms": {"16": 56.78}}}
+         "eval/planner_b1": {"draft_ms": {"1": 12.34}}, "eval/planner_b16": {"draft_ms": {"16": 56.78, "2": 20.0}}}
     rows = decoding_table([{"recipe": "dflash", "full": {"gsm8k": m}}], ["mt_bench", "gsm8k"])
     assert rows[-1] == "| dflash | gsm8k | 1.23x | 12.3 | 56.8 | 0.75, 0.75 |"
+    m["eval/planner_b16"]["draft_ms"] = {"2": 20.0, "5": 31.0}  # the planner never drafted all 16 at once
+    assert decoding_table([{"recipe": "dflash", "full": {"gsm8k": m}}], ["gsm8k"])[-1].startswith("| dflash | gsm8k | 1.23x | 12.3 | 31.0 (5 seq) |")
 
 
 @pytest.mark.parametrize("bad", ["eval_suite=tree", "budget_minutes=0", "recipes=[eagle4]"])
