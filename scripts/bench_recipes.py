@@ -347,7 +347,6 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
                 cells.append(f"{f(m.get('eval/tau'))} | {f(m.get('eval/tau_chain'))} | "
                              f"{f(m.get('eval/speedup_b1'), '{:.2f}x')} ({f(m.get('eval/tau_b1'))})")  # fmt: skip
             lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {eq(equal)} |")
-    if full:
         lines += decoding_table(full, sets)
     ks = range(max([5] + [drafts_per_step(r["recipe"], r["drafter"]) for r in rows]))
     acc = ["", "Held-out per-position accuracy acc_k (cond_acc_k):", "",
