@@ -135,6 +135,7 @@ def _check_values(c: TrainConfig) -> None:
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
     uses_engine = c.trainer.spec_eval.num_prompts > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
     problems += _check_target(c.target, uses_engine=uses_engine)
+    problems += _check_drafter_layers(c)
     problems += _check_backend("data.generation", c.data.generation, c.target)
     if c.optim.decay_over not in ("steps", "minutes"):
         problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
@@ -169,6 +170,25 @@ def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
         except ValueError as err:
             problems.append(str(err))
     return problems
+
+
+def _check_drafter_layers(c: TrainConfig) -> list[str]:
+    """Problems with the target layers the drafter would read (``Drafter.layers_for``: e.g. EAGLE-3's
+    ``aux_layer_ids``, the rule its exports hold too), where the target's depth is known before it loads
+    (``target.num_hidden_layers`` of a tiny target, ``num_hidden_layers`` in ``target.path``'s config.json)."""
+    from dataclasses import asdict
+
+    from drafttrain.drafters import drafter_config
+
+    mc = target_model_config(c.target)
+    depth = c.target.num_hidden_layers if c.target.random_init else (mc or {}).get("num_hidden_layers")
+    if not isinstance(depth, int) or c.drafter.name not in DRAFTERS:
+        return []
+    try:
+        DRAFTERS[c.drafter.name].layers_for(drafter_config(c.drafter.name, asdict(c.drafter)), depth)
+    except ValueError as err:
+        return [f"{err} (target: {depth} decoder layers)"]
+    return []
 
 
 def target_model_config(t: TargetConfig) -> dict | None:

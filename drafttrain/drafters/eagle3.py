@@ -5,8 +5,8 @@ via training-time test", sections 3.1-3.2), trained with the training-time test 
 position: layer ids ``aux_layer_ids`` (default ``(2, L // 2, L - 3)``, vLLM's and speculators'
 convention: **id i is the hidden state entering decoder layer i**, Hugging Face's
 ``output_hidden_states[i]``, 0 = the embeddings; SpecForge writes the same tensors as ``[1, L//2 - 1,
-L - 4]``, "output of layer i", see docs/design.md, "Serving formats"). Targets with fewer than 6 layers clamp the
-defaults into [0, L - 1]. It also reads the final post-norm state (id L, the LM head's input) but only
+L - 4]``, "output of layer i", see docs/design.md, "Serving formats"). Targets with fewer than 7 layers get
+the nearest three distinct increasing ids (:func:`default_aux_layer_ids`). It also reads the final post-norm state (id L, the LM head's input) but only
 for training: the target's next-token distribution, LM head(f_{i+1}), is the TTT loss's target. The
 features handed to it are these layers concatenated in the order of :attr:`Eagle3Drafter.feature_layer_ids`
 = the distinct ids of (low, mid, high, L): ``[..., 4d]`` = [low | mid | high | final] on a real target
@@ -73,12 +73,46 @@ NUM_AUX = 3  # low, middle, high
 
 
 def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 layer ids ``(2, L // 2, L - 3)``, clamped into [0, L - 1] for small targets.
+    """The default EAGLE-3 layer ids (low, middle, high) of an L-layer target: vLLM's ``(2, L // 2, L - 3)``
+    wherever those are distinct (L >= 7), else the nearest ids that pass :func:`aux_layer_ids_problem`:
+    low = min(2, L - 3), high = max(L - 3, low + 2), middle = L // 2 moved into (low, high). Below 3 layers
+    no three distinct ids exist: the ids are clamped into [0, L - 1] (such a target trains, but no
+    engine format can be exported for it).
 
-    Example: L = 30 -> (2, 15, 27); L = 2 -> (1, 1, 0).
+    Example: L = 30 -> (2, 15, 27); L = 6 -> (2, 3, 4); L = 3 -> (0, 1, 2); L = 2 -> (1, 1, 0).
     """
     n = int(num_hidden_layers)
-    return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # type: ignore[return-value]
+    if n < NUM_AUX:
+        return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))  # type: ignore[return-value]
+    low = min(2, n - 3)
+    high = max(n - 3, low + 2)
+    mid = max(low + 1, min(n // 2, high - 1))
+    return (low, mid, high)
+
+
+def aux_layer_ids_problem(ids, num_hidden_layers: int) -> str | None:
+    """Why ``ids`` cannot be an EAGLE-3 drafter's (low, middle, high) layer ids for an L-layer target, None
+    when they can: the rule training's config check and the engine exports
+    (:func:`drafttrain.export.eagle3_common.check_drafter`) share. vLLM captures the layers while walking
+    them in order, once each, so the ids must be three strictly increasing ids in [0, L - 1] (id L, the
+    post-norm state, is not a low/middle/high input; negative ids are refused to keep one convention).
+    """
+    n = int(num_hidden_layers)
+    ids = [int(i) for i in ids]
+    if n < NUM_AUX:
+        return (f"a target with {n} decoder layer(s) has no {NUM_AUX} distinct layer ids, and the engines read "
+                f"{NUM_AUX} (use a target with >= {NUM_AUX} layers)")  # fmt: skip
+    if len(ids) != NUM_AUX or any(i < 0 or i >= n for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+        return (f"must be {NUM_AUX} strictly increasing layer ids in [0, {n - 1}] (id i = the hidden state entering "
+                f"decoder layer i; vLLM concatenates the captured layers in layer order, once each), got {ids}")  # fmt: skip
+    return None
+
+
+def suggested_aux_layer_ids(num_hidden_layers: int) -> str:
+    """The override that gives an L-layer target valid ids (:func:`default_aux_layer_ids`), for error messages:
+    ``drafter.aux_layer_ids=[2,3,4]`` for L = 6."""
+    ids = ",".join(str(i) for i in default_aux_layer_ids(num_hidden_layers))
+    return f"drafter.aux_layer_ids=[{ids}] (the default for {int(num_hidden_layers)} layers, also what null gives)"
 
 
 def feature_layer_ids(aux_ids, num_hidden_layers: int) -> tuple[int, ...]:
@@ -89,19 +123,24 @@ def feature_layer_ids(aux_ids, num_hidden_layers: int) -> tuple[int, ...]:
 
 
 def resolve_aux_layer_ids(ids, num_hidden_layers: int) -> tuple[int, int, int]:
-    """The three layer ids an EAGLE-3 drafter reads: ``ids`` (empty/None = the defaults), each in [0, L - 1].
+    """The three layer ids an EAGLE-3 drafter reads: ``ids`` (empty/None = :func:`default_aux_layer_ids`).
 
     Raises:
-        ValueError: not three ids, or an id outside [0, L - 1] (id L, the post-norm state, is not a
-            low/middle/high input; negative ids are refused to keep one convention in configs).
+        ValueError: ids that break :func:`aux_layer_ids_problem` (the message gives the default ids for this
+            target). A target with fewer than 3 layers is let through with any 3 ids in [0, L - 1]: it
+            trains, though nothing can be exported for it.
     """
     n = int(num_hidden_layers)
     if not ids:
         return default_aux_layer_ids(n)
     ids = tuple(int(i) for i in ids)
-    if len(ids) != NUM_AUX or any(i < 0 or i >= n for i in ids):
-        raise ValueError(f"drafter.aux_layer_ids must be {NUM_AUX} layer ids in [0, {n - 1}] (id i = the hidden "
-                         f"state entering decoder layer i), got {list(ids)}")  # fmt: skip
+    if n < NUM_AUX:
+        if len(ids) != NUM_AUX or any(i < 0 or i >= n for i in ids):
+            raise ValueError(f"drafter.aux_layer_ids must be {NUM_AUX} layer ids in [0, {n - 1}], got {list(ids)}")
+        return ids  # type: ignore[return-value]
+    problem = aux_layer_ids_problem(ids, n)
+    if problem:
+        raise ValueError(f"drafter.aux_layer_ids {problem}; e.g. {suggested_aux_layer_ids(n)}")
     return ids  # type: ignore[return-value]
 
 

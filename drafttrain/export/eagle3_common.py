@@ -40,8 +40,9 @@ def check_drafter(drafter) -> None:
     """Refuse a drafter whose network the engines would not reproduce.
 
     Raises:
-        ExportError: not an EAGLE-3 drafter; biases the engines do not build; layer ids that are not
-            three strictly increasing ids in [0, L - 1].
+        ExportError: not an EAGLE-3 drafter; biases the engines do not build; layer ids that break
+            :func:`drafttrain.drafters.eagle3.aux_layer_ids_problem` (three strictly increasing ids in
+            [0, L - 1]; the message suggests the default ids for the target's depth).
     """
     if drafter.name not in ("eagle3", "parallelspec_eagle3"):
         raise ExportError(f"the EAGLE-3 formats write eagle3 / parallelspec_eagle3 drafters, not '{drafter.name}'")
@@ -60,12 +61,14 @@ def check_drafter(drafter) -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         if getattr(drafter.layer.mlp, name).bias is not None:
             raise ExportError(f"layers.0.mlp.{name} has a bias; the engines' EAGLE-3 MLP has none")
+    from drafttrain.drafters.eagle3 import NUM_AUX, aux_layer_ids_problem, suggested_aux_layer_ids
+
     ids = [int(i) for i in drafter.aux_layer_ids]
     n_layers = int(drafter.shared.model_config.num_hidden_layers)
-    if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= n_layers:
-        raise ExportError(f"aux_layer_ids {ids}: vLLM concatenates the captured layers in layer order, once each, "
-                          f"so the ids must be 3 strictly increasing ids in [0, {n_layers - 1}] "
-                          f"(train with e.g. drafter.aux_layer_ids=[2,{n_layers // 2},{n_layers - 3}])")  # fmt: skip
+    problem = aux_layer_ids_problem(ids, n_layers)  # the same rule training's config check applies
+    if problem:
+        hint = f" (train with {suggested_aux_layer_ids(n_layers)})" if n_layers >= NUM_AUX else ""
+        raise ExportError(f"aux_layer_ids {ids}: {problem}{hint}")
 
 
 def sglang_layer_ids(vllm_ids) -> list[int]:
