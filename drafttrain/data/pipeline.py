@@ -62,9 +62,13 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
 
     ``reports``: a dict that gets the self-distillation report as ``reports["selfdistill"]`` (with ``budget``
     and ``budget_cut`` when ``data.self_distill_minutes`` applied; :func:`drafttrain.data.selfdistill.generate_dataset`).
+
+    Raises:
+        RuntimeError: self-distillation failed on every conversation (the message: how many, and the first
+            failure's conversation id and exception in one line), or no training sequence is left.
     """
     from drafttrain.data.dataset import build_sft_dataset, split_heldout
-    from drafttrain.data.selfdistill import distill_key, load_generated, self_distill
+    from drafttrain.data.selfdistill import all_failed_message, distill_key, load_generated, self_distill
     from drafttrain.target import resolve_feature_layers
 
     L = target.num_hidden_layers
@@ -105,6 +109,9 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
                 )
                 if reports is not None:
                     reports["selfdistill"] = report
+                failure = all_failed_message(report)  # every conversation failed: its cause, not "no training sequences"
+                if failure:
+                    raise RuntimeError(failure)
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"
                 ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)

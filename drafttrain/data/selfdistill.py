@@ -177,7 +177,8 @@ class _State:
     finish: list[str] = field(default_factory=list)
     features: torch.Tensor | None = None
     end_reason: str = ""
-    failed: str = ""
+    failed: str = ""  # the reason counted in the report ("generation error: RuntimeError")
+    error: str = ""  # the failure's own message, one line (``failure_detail``)
 
     @property
     def pending(self) -> bool:
@@ -315,6 +316,13 @@ def teacher_forced_features(target, rows: Sequence[Sequence[int]], feature_layer
     return out
 
 
+def failure_detail(err: BaseException, limit: int = 300) -> str:
+    """An exception as one line, ``"Type: message"`` (whitespace collapsed, at most ``limit`` characters): what a
+    failed conversation's report keeps of its cause."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _teacher_forced_features(states: list[_State], target, gen: GenerationConfig, feature_layers) -> None:
     """``st.features`` of every state from :func:`teacher_forced_features` over its row (``ids[:row_end]``); a
     batch that raises is retried one state at a time, a state that still raises is recorded as failed."""
@@ -328,7 +336,7 @@ def _teacher_forced_features(states: list[_State], target, gen: GenerationConfig
             try:
                 feats += teacher_forced_features(target, [st.ids[: st.row_end]], feature_layers)
             except Exception as err1:  # noqa: BLE001
-                st.failed = f"feature error: {type(err1).__name__}"
+                st.failed, st.error = f"feature error: {type(err1).__name__}", failure_detail(err1)
                 log.error("conversation %s: features failed: %s: %s", st.plan.id, type(err1).__name__, err1)
                 feats.append(None)
     for st, f in zip(states, feats):
@@ -364,7 +372,7 @@ def batches_by_budget(
 
 def generate_shard(
     target, plans: Sequence[ConversationPlan], gen: GenerationConfig, on_tokens: Callable[[int], None] | None = None,
-    feature_layers: Sequence[int] | None = None, vllm=None,
+    feature_layers: Sequence[int] | None = None, vllm=None, errors: dict[int, tuple[str, str]] | None = None,
 ) -> tuple[list[dict], dict[int, str]]:
     """Regenerate the conversations of one shard, turn by turn (round k = every conversation's turn k).
 
@@ -383,6 +391,9 @@ def generate_shard(
     ``vllm``: the job's :class:`~drafttrain.generation.vllm_client.VllmGenerator` (backend vllm; None: one started
     and shut down for this shard).
 
+    ``errors``: a dict that gets, for every conversation that raised, input index -> (source id, the exception
+    as one line, :func:`failure_detail`): the cause that ``failed``'s reasons name only by type.
+
     Returns:
         ``(rows, failed)``: one row dict per conversation that did not fail (see the module docstring
         for the columns), in the order of ``plans``; ``failed`` maps input index -> reason.
@@ -391,7 +402,7 @@ def generate_shard(
 
     if gen.backend == "vllm" and vllm is None:  # a direct call: an engine for this shard only
         with vllm_generator(target, gen) as own:
-            return generate_shard(target, plans, gen, on_tokens, feature_layers, vllm=own)
+            return generate_shard(target, plans, gen, on_tokens, feature_layers, vllm=own, errors=errors)
     tok = target.tokenizer
     stops = end_of_turn_ids(tok) | {t.eot for p in plans for t in p.turns}
     states = []
@@ -419,7 +430,7 @@ def generate_shard(
                     except VllmProcessError:
                         raise
                     except Exception as err1:  # noqa: BLE001
-                        st.failed = f"generation error: {type(err1).__name__}"
+                        st.failed, st.error = f"generation error: {type(err1).__name__}", failure_detail(err1)
                         log.error("conversation %s failed: %s: %s", st.plan.id, type(err1).__name__, err1)
             if on_tokens is not None:
                 on_tokens(n)
@@ -432,6 +443,8 @@ def generate_shard(
     for st in states:
         if st.failed:
             failed[st.plan.index] = st.failed
+            if errors is not None and st.error:
+                errors[st.plan.index] = (st.plan.id, st.error)
             continue
         end = st.row_end
         ids, mask = st.ids[:end], st.mask[:end]
@@ -646,11 +659,14 @@ def _generate_shards(target, job: _Job, gen: GenerationConfig, out_dir: Path, pr
                     out.stopped = True
                     break
                 t_shard, before = time.time(), out.new_tokens
-                rows, failed = generate_shard(target, shards[i], gen, on_tokens, job.layers, vllm=engine)
+                errors: dict[int, tuple[str, str]] = {}
+                rows, failed = generate_shard(target, shards[i], gen, on_tokens, job.layers, vllm=engine, errors=errors)
                 cols = {k: [r[k] for r in rows] for k in job.features}
+                first = min(errors.items()) if errors else None  # the shard's first failure's cause, kept for the report
                 store.write(i, datasets.Dataset.from_dict(cols, features=job.features),
                             {"rows": len(rows), "failed": {str(k): v for k, v in failed.items()},
-                             "tokens": out.new_tokens - before, "seconds": round(time.time() - t_shard, 3)})  # fmt: skip
+                             "tokens": out.new_tokens - before, "seconds": round(time.time() - t_shard, 3),
+                             **({"first_error": [first[0], *first[1]]} if first else {})})  # fmt: skip
                 bar.update(len(shards[i]))
             if budget is None and budget_seconds is not None and j + 1 >= min(PROBE_SHARDS, len(order)):
                 speed = measure_speed(store, [k for k in order[: j + 1] if store.is_done(k)])
@@ -738,6 +754,7 @@ def _final_report(job: _Job, ds, g: _Generated, gen: GenerationConfig, load_stat
     if load_stats is not None:
         skip_reasons.update(load_stats.skipped)
     fail_reasons = Counter(v for i in g.kept for v in store.info(i)["failed"].values())
+    first_errors = [store.info(i)["first_error"] for i in g.kept if store.info(i).get("first_error")]
     meta = ds.with_format(None).select_columns(["num_turns", "loss_mask", "finish_reasons", "end_reason"])
     cut = len(job.plans) - sum(len(job.shards[i]) for i in g.kept)
     report = {
@@ -749,6 +766,7 @@ def _final_report(job: _Job, ds, g: _Generated, gen: GenerationConfig, load_stat
         **({"budget_cut": cut, "budget": g.budget} if g.budget is not None else {}),
         "skip_reasons": dict(skip_reasons.most_common()),
         "fail_reasons": dict(fail_reasons.most_common()),
+        **({"first_failure": dict(zip(("index", "id", "error"), min(first_errors)))} if first_errors else {}),
         "turns_generated": int(sum(meta["num_turns"])) if len(ds) else 0,
         "tokens_generated": int(sum(sum(m) for m in meta["loss_mask"])) if len(ds) else 0,
         "finish_reasons": dict(Counter(f for fs in meta["finish_reasons"] for f in fs)) if len(ds) else {},
@@ -816,7 +834,9 @@ def generate_dataset(
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
         dict with ``input == generated + skipped + failed (+ budget_cut)``, ``skip_reasons``,
-        ``fail_reasons``, turn, token, finish and end-reason counts, and this run's generated tokens/s.
+        ``fail_reasons``, ``first_failure`` (where any conversation raised: ``{"index", "id", "error"}`` of the
+        lowest input index, the exception as one line), turn, token, finish and end-reason counts, and this
+        run's generated tokens/s.
 
     Raises:
         drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a job with other inputs or settings.
@@ -834,6 +854,20 @@ def generate_dataset(
         return None, _partial_report(job, g, t0)
     ds = _assemble(job, g.kept, out_dir, save_dataset)
     return ds, _final_report(job, ds, g, gen, load_stats, out_dir, t0)
+
+
+def all_failed_message(report: dict) -> str | None:
+    """One line for a finished job in which every conversation that was generated failed (None otherwise):
+    how many, and the first failure's conversation and cause (``report["first_failure"]``; the other
+    failures are in the log's ERROR lines). :func:`drafttrain.data.pipeline.prepare_data` raises it instead of
+    the generic "no training sequences"."""
+    failed, done = int(report.get("failed", 0)), int(report.get("generated", 0))
+    if not report.get("complete", True) or done or not failed:
+        return None
+    first = report.get("first_failure")
+    cause = (f"first failure (conversation {first['id']}): {first['error']}" if first
+             else f"reasons {report.get('fail_reasons')}")  # (shards written before causes were kept)
+    return f"self-distillation failed on {failed} of {failed + done} conversations; {cause}"
 
 
 def load_generated(path: str | Path):
