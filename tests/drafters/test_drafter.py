@@ -12,7 +12,7 @@ from drafttrain import layout as L
 from drafttrain.drafters import Drafter
 from drafttrain.losses import group_position_weights, parallel_group_loss
 from drafttrain.metrics import finalize, group_acceptance_sums
-from helpers import make_batch
+from helpers import assert_same_logits, make_batch
 
 K = 3
 # first training loss of the fixed-seed tiny setup in test_first_loss_golden (computed once, 2026-11)
@@ -141,7 +141,7 @@ def test_save_load_round_trip(tiny_target, make_drafter, batch, tmp_path):
         assert torch.equal(sd[k], sd2[k]), k
     dr.eval(), back.eval()
     args = (batch["input_ids"][:1, 1:9], batch["features"][:1, :8])
-    assert torch.equal(dr.propose(*args, DynamicCache()), back.propose(*args, DynamicCache()))
+    assert_same_logits(back.propose(*args, DynamicCache()), dr.propose(*args, DynamicCache()))  # tensors: bitwise, above
 
 
 def test_from_pretrained_empty_dir(tiny_target, tmp_path):
