@@ -37,7 +37,9 @@ class ServeCheckConfig:
     """Run vLLM on the target with and without an exported drafter, beside drafttrain's own engine.
 
     ``export_dir``: a folder written by ``scripts.export`` (its ``export_info.json`` names the format and
-    target); or ``checkpoint`` (+ ``format``): exported first into ``output_dir/export``.
+    target); or ``checkpoint`` (+ ``format``): exported first into ``output_dir/export``. Either is checked
+    first (:func:`drafttrain.export.verify.verify_export`): a modified, truncated or mismatched folder is
+    refused in one line before vLLM or any model starts.
     """
 
     export_dir: str | None = None
@@ -133,7 +135,11 @@ def run(c) -> dict:
                                              num_speculative_tokens=c.num_speculative_tokens))  # fmt: skip
     else:
         raise ConfigError("set export_dir= (a folder from scripts.export) or checkpoint=")
-    info = json.loads((export_dir / "export_info.json").read_text())
+    from drafttrain.export.verify import read_export_info, verify_export
+
+    # the folder checked before vLLM or any model starts: its files against their recorded digests, config.json
+    # against the weights' shapes, and the target it is served with (sizes, fingerprint)
+    info = verify_export(export_dir, c.target_path or read_export_info(export_dir).get("target_path"))
     n_spec = int(c.num_speculative_tokens or info["num_speculative_tokens"])
     target_path = c.target_path or info["target_path"]
     if c.num_threads:

@@ -72,7 +72,9 @@ def module(fmt: str):
 def export_drafter(drafter, fmt: str | None, out_dir: str | Path, **options) -> tuple[str, dict]:
     """Write ``drafter`` to ``out_dir`` in format ``fmt`` (None = the recipe's default).
 
-    Options are the format's (e.g. ``verifier``, ``num_speculative_tokens``, ``target_config``).
+    Options are the format's (e.g. ``verifier``, ``num_speculative_tokens``, ``target_config``). Also writes
+    ``out_dir/export_info.json`` with the weight files' digests and the target's sizes
+    (:func:`drafttrain.export.verify.export_record`), what :func:`load_exported` checks.
 
     Returns:
         (format written, the engine config written to ``out_dir/config.json``).
@@ -83,13 +85,26 @@ def export_drafter(drafter, fmt: str | None, out_dir: str | Path, **options) -> 
     fmt = resolve_format(drafter.name, fmt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return fmt, module(fmt).export(drafter, out, **options)
+    engine_cfg = module(fmt).export(drafter, out, **options)
+    from drafttrain.export.common import write_json
+    from drafttrain.export.verify import INFO, export_record
+
+    write_json(out / INFO, export_record(out, fmt, drafter, options.get("target_config")))
+    return fmt, engine_cfg
 
 
 def load_exported(directory: str | Path, fmt: str, target):
-    """drafttrain's reader of an exported folder: the drafter the engine would run, bound to ``target``."""
+    """drafttrain's reader of an exported folder: the drafter the engine would run, bound to ``target``.
+
+    Raises:
+        ExportError: an unknown format, or the folder fails :func:`drafttrain.export.verify.verify_export`
+            (missing / truncated / modified files, sizes that do not fit ``target``), checked before it loads.
+    """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format '{fmt}'; formats: {format_table()}")
+    from drafttrain.export.verify import verify_export
+
+    verify_export(directory, target, fmt)
     return module(fmt).load(Path(directory), target)
 
 
@@ -168,6 +183,9 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(checkpoint).resolve()), "target_path": target_dir,
             "verifier": verifier, "num_speculative_tokens": n_spec,
             "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg)}  # fmt: skip
+    from drafttrain.export.verify import export_record
+
+    info.update(export_record(out, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
     write_json(out / "export_info.json", info)
     return out
 
