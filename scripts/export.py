@@ -30,8 +30,10 @@ class ExportConfig:
     A drafter trained on a random ``target=tiny`` needs the tiny target saved to disk and named here.
     ``verifier``: the target name written into the exported config (``vllm serve DIR`` serves it);
     null = the target's folder.
-    ``num_speculative_tokens``: the default chain length in the speculators config; null = the drafter's depth
-    (DFlash: B - 1, the only count its export takes).
+    ``num_speculative_tokens``: the chain length K served; null = chosen by the expected speedup from the
+    run's held-out acceptance (``final_metrics.json``) and the target's cost, measured on this host or
+    stated by ``gpu_cost_ratio`` (docs/serving.md, "How K is chosen"); the drafter's depth when the run has
+    no held-out acceptance (DFlash: B - 1, the only count its export takes).
     """
 
     checkpoint: str | None = None
@@ -39,7 +41,9 @@ class ExportConfig:
     output_dir: str | None = None  # null = outputs/export/<run name>-<format>
     target_path: str | None = None
     verifier: str | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | None = None  # null = chosen from the run's held-out acceptance and the cost
+    gpu_cost_ratio: float | None = None  # cost of one more input / a one-input target forward on the serving GPU; null = measure this host
+    draft_cost_ratio: float | None = None  # a drafter pass / a target forward; null = their parameter ratio
     overwrite: bool = False
 
 
@@ -57,7 +61,8 @@ def run(c) -> Path:
     if not c.checkpoint:
         raise ConfigError("checkpoint is required (checkpoint=outputs/<run> or a drafter folder)")
     out = export_run(c.checkpoint, c.format, c.output_dir, target_path=c.target_path, verifier=c.verifier,
-                     num_speculative_tokens=c.num_speculative_tokens, overwrite=c.overwrite)  # fmt: skip
+                     num_speculative_tokens=c.num_speculative_tokens, overwrite=c.overwrite,
+                     gpu_cost_ratio=c.gpu_cost_ratio, draft_cost_ratio=c.draft_cost_ratio)  # fmt: skip
     log.info("wrote %s (from %s)", out, c.checkpoint)
     return out
 
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = run(parse_cli(ExportConfig, argv))
     info = json.loads((out / "export_info.json").read_text())
+    sp = info.get("speculation") or {}
+    if sp.get("expected_speedup") is not None:
+        print(f"[drafttrain] K={sp['num_speculative_tokens']} ({sp['chosen_by']}): expected {sp['expected_speedup']:.2f}x "
+              f"at batch 1, schedule {sp['schedule']}", flush=True)  # fmt: skip
     print(f"[drafttrain] exported {info['recipe']} -> {out} ({info['format']}); serve it with:", flush=True)
     for cmd in info["commands"]:
         print("  " + cmd, flush=True)

@@ -108,41 +108,137 @@ def load_exported(directory: str | Path, fmt: str, target):
     return module(fmt).load(Path(directory), target)
 
 
-def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: dict) -> list[str]:
+VLLM_METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}
+# vLLM methods whose proposer drafts a K chosen per step, so they take num_speculative_tokens_per_batch_size
+# (vLLM 0.32: Medusa and DFlash draft their fixed K; parallel drafting runs its K - 1 mask slots as written)
+DYNAMIC_K_METHODS = ("eagle", "eagle3")
+# vLLM's CPU build on a small host (docs/serving.md): KV cache GiB, memory fraction, longest sequence
+CPU_KV_CACHE_GB, CPU_MEMORY_UTILIZATION, CPU_MAX_MODEL_LEN = 4, 0.3, 1024
+
+
+def vllm_speculative_config(fmt: str, out: Path, n_spec: int, engine_cfg: dict, speculation: dict | None = None) -> dict:
+    """vLLM's ``--speculative-config`` for an exported folder: ``model`` (absolute), ``method``,
+    ``num_speculative_tokens``, ``parallel_drafting`` (a ``peagle`` folder), and the batch-size schedule of K
+    (``num_speculative_tokens_per_batch_size``) when ``speculation`` has one that changes K and the method
+    takes it (:data:`DYNAMIC_K_METHODS`)."""
+    method = VLLM_METHOD[fmt]
+    spec = {"model": str(Path(out).resolve()), "method": method, "num_speculative_tokens": int(n_spec)}
+    parallel = engine_cfg.get("speculators_model_type") == "peagle" or engine_cfg.get("parallel_drafting")
+    if parallel:
+        spec["parallel_drafting"] = True
+    sched = (speculation or {}).get("schedule")
+    if sched and len(sched) > 1 and method in DYNAMIC_K_METHODS and not parallel:
+        spec["num_speculative_tokens_per_batch_size"] = sched
+    return spec
+
+
+def vllm_cpu_command(model: str, spec: dict | None, *, python: str | None = None, threads: str | None = None,
+                     kv_cache_gb: int = CPU_KV_CACHE_GB, memory_utilization: float = CPU_MEMORY_UTILIZATION,
+                     max_model_len: int = CPU_MAX_MODEL_LEN, eager: bool = True, host: str | None = None,
+                     port: int | None = None) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """vLLM's OpenAI server on this CPU host: the environment variables to set and the argv.
+
+    ``python -m vllm.entrypoints.openai.api_server`` under the vLLM venv (vllm-cpu's own ``vllm`` entry point
+    fails looking up the package "vllm"), all paths absolute; ``VLLM_CPU_OMP_THREADS_BIND`` = ``threads``
+    (null: this process's cores), no reserved core, ``kv_cache_gb`` GiB of KV cache; a memory fraction
+    and a sequence length that fit a small host; eager (no torch.compile start-up).
+
+    Args:
+        model: the target's folder; spec: :func:`vllm_speculative_config` (None = plain serving);
+        python: the vLLM venv's python (null: :func:`~drafttrain.generation.vllm_client.vllm_python`, else
+        where ``bash scripts/install_vllm.sh`` puts it).
+
+    Returns:
+        (env, argv): ``env`` the VLLM_CPU_* variables only (add them to the caller's environment).
+    """
+    from drafttrain.cliconfig import ConfigError
+    from drafttrain.generation.vllm_client import cpu_list, vllm_python, vllm_venv
+
+    if python is None:
+        try:
+            python = str(vllm_python() or vllm_venv() / "bin" / "python")
+        except ConfigError:  # a half-installed venv: the line still names where the install puts python
+            python = str(vllm_venv() / "bin" / "python")
+    py = python
+    env = {"VLLM_CPU_OMP_THREADS_BIND": threads or cpu_list(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb))}  # fmt: skip
+    argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model).resolve()),
+            "--gpu-memory-utilization", f"{memory_utilization:g}", "--max-model-len", str(int(max_model_len))]  # fmt: skip
+    if eager:
+        argv.append("--enforce-eager")
+    if host:
+        argv += ["--host", host]
+    if port:
+        argv += ["--port", str(int(port))]
+    if spec:
+        argv += ["--speculative-config", json.dumps(spec)]
+    return env, argv
+
+
+def shell_line(env: dict[str, str], argv: list[str]) -> str:
+    """One pasteable shell line: ``K=V ... argv`` (quoted where needed)."""
+    import shlex
+
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)])
+
+
+def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: dict, speculation: dict | None = None,
+                   target_dir: str | None = None) -> list[str]:  # fmt: skip
     """The shell commands that serve an exported folder (printed, and written to ``export_info.json``).
 
     Args:
         fmt: the format written (a key of :data:`FORMATS`); ``out``: the exported folder;
         ``verifier``: the target name or folder the engine serves; ``n_spec``: tokens drafted per step;
         ``engine_cfg``: the engine config written (its ``speculators_model_type`` "peagle" or
-        ``parallel_drafting`` turns on vLLM's parallel drafting).
+        ``parallel_drafting`` turns on vLLM's parallel drafting); ``speculation``: the export's speculation
+        block (:func:`drafttrain.export.speculation.for_export`: its schedule, and whether any K pays);
+        ``target_dir``: the target's folder on this host (null = ``verifier``).
 
     Returns:
-        vLLM: ``vllm serve VERIFIER --speculative-config '{...}'`` (speculators and DFlash folders name their
-        verifier, so ``vllm serve DIR`` comes first); SGLang: its ``launch_server`` line.
+        vLLM: the GPU form ``vllm serve VERIFIER --speculative-config '{...}'`` (speculators and DFlash folders
+        name their verifier, so ``vllm serve DIR`` comes first), ``python -m scripts.serve`` from the
+        repository, and last the line to paste on this CPU host (:func:`vllm_cpu_command`, absolute paths);
+        where no K pays, that last line serves the target alone and says so in a trailing comment.
+        SGLang: its ``launch_server`` line.
     """
     if fmt == "sglang":
         return [f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {out} --speculative-num-steps {n_spec} "
+                f"--speculative-draft-model-path {Path(out).resolve()} --speculative-num-steps {n_spec} "
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {n_spec + 1}"]  # fmt: skip
-    method = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}[fmt]
-    spec = {"model": str(out), "method": method, "num_speculative_tokens": n_spec}
-    if engine_cfg.get("speculators_model_type") == "peagle" or engine_cfg.get("parallel_drafting"):
-        spec["parallel_drafting"] = True
+    import shlex
+    import sys
+
+    from drafttrain.generation.vllm_client import REPO
+
+    spec = vllm_speculative_config(fmt, out, n_spec, engine_cfg, speculation)
     cmds = [f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"]
     if fmt in ("speculators", "dflash"):
-        cmds.insert(0, f"vllm serve {out}")
+        cmds.insert(0, f"vllm serve {Path(out).resolve()}")
+    pays = (speculation or {}).get("pays")
+    serve = f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m scripts.serve checkpoint={shlex.quote(str(Path(out).resolve()))}"
+    if pays is False:
+        s = speculation["expected_speedup"]
+        note = (f"  # expected {s:.2f}x at best (K={speculation['num_speculative_tokens']}): serve without "
+                "speculation on this host")  # fmt: skip
+        cmds += [serve + " speculative=false" + note, shell_line(*vllm_cpu_command(target_dir or verifier, None)) + note]
+    else:
+        cmds += [serve, shell_line(*vllm_cpu_command(target_dir or verifier, spec))]
     return cmds
 
 
 def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str | Path | None = None,
                target_path: str | None = None, verifier: str | None = None,
-               num_speculative_tokens: int | None = None, overwrite: bool = False, target=None) -> Path:
+               num_speculative_tokens: int | None = None, overwrite: bool = False, target=None,
+               gpu_cost_ratio: float | None = None, draft_cost_ratio: float | None = None) -> Path:
     """Export a training run's (or a drafter folder's) drafter; writes the engine folder + ``export_info.json``.
 
     ``scripts.export`` and the end of ``train.run`` both call this. ``target``: an already loaded
     :class:`~drafttrain.target.Target` of the run (skips loading it again); ``target_path`` replaces the
     run's own target folder; ``verifier`` (null = the target's folder) is the name the engine serves.
+    ``num_speculative_tokens`` (null: chosen) fixes K; otherwise K and its batch-size schedule are chosen
+    from the run's held-out acceptance and the target's cost measured on this host, or stated for a GPU by
+    ``gpu_cost_ratio`` (:func:`drafttrain.export.speculation.for_export`; ``draft_cost_ratio`` states the
+    drafter's); ``export_info.json``'s ``speculation`` block records the choice and its figures.
 
     Returns:
         The folder written (``output_dir``; null = ``outputs/export/<run name>-<format>``).
@@ -177,12 +273,24 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     target = target if target is not None else load_target(tcfg)
     drafter = Drafter.from_pretrained(ddir, target).eval()
     verifier = verifier or target_dir
-    n_spec = int(num_speculative_tokens or drafter.draft_depth)
+    from drafttrain.export import speculation as spx
+
+    fixed, why = num_speculative_tokens, "given: num_speculative_tokens" if num_speculative_tokens else None
+    if fmt == "dflash" and not fixed:  # vLLM runs DFlash's whole block: K = B - 1 is the only count
+        fixed, why = drafter.draft_depth, "DFlash's block: vLLM drafts block_size - 1 tokens per pass"
+    drafting = "autoregressive" if fmt == "sglang" else drafter.spec.drafting  # SGLang drafts step by step
+    try:
+        spec_block = spx.for_export(drafter, target, ddir, drafting, fixed_k=fixed, fixed_reason=why,
+                                    gpu_cost_ratio=gpu_cost_ratio, draft_cost_ratio=draft_cost_ratio)  # fmt: skip
+    except spx.SpeculationError as err:
+        raise ConfigError(f"speculation: {err}") from None
+    n_spec = int(spec_block["num_speculative_tokens"])
     _, engine_cfg = export_drafter(drafter, fmt, out, verifier=verifier, num_speculative_tokens=n_spec,
                                    target_config=target.config)  # fmt: skip
     info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(checkpoint).resolve()), "target_path": target_dir,
             "verifier": verifier, "num_speculative_tokens": n_spec,
-            "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg)}  # fmt: skip
+            "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
+            "speculation": spec_block}  # fmt: skip
     from drafttrain.export.verify import export_record
 
     info.update(export_record(out, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
@@ -191,4 +299,4 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
 
 
 __all__ = ["FORMATS", "ExportError", "export_drafter", "export_run", "format_table", "formats_for", "load_exported",
-           "resolve_format", "serve_commands"]
+           "resolve_format", "serve_commands", "shell_line", "vllm_cpu_command", "vllm_speculative_config"]
