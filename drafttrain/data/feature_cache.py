@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from drafttrain.data.lock import locks_folder
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 from drafttrain.fingerprint import dataset_fingerprint
 from drafttrain.target import resolve_feature_layers
@@ -128,6 +129,7 @@ def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk:
 
 
 @quiet
+@locks_folder("out_dir", "lock_wait_s")  # one run writes a cache folder at a time
 def build_feature_cache(
     target,
     ds,
@@ -140,8 +142,10 @@ def build_feature_cache(
     progress: bool = True,
     target_fingerprint: str | None = None,
     feature_layers=None,
+    lock_wait_s: float = 0.0,
 ) -> dict:
-    """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable).
+    """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable; one run per folder at a
+    time: :func:`drafttrain.data.lock.folder_lock` is held for the whole call).
 
     Args:
         target: a :class:`drafttrain.target.Target`.
@@ -156,6 +160,7 @@ def build_feature_cache(
             part of the job fingerprint and checked when the cache is attached to a training run.
         feature_layers: the target layer ids to store (a drafter's declaration; default the final
             post-norm state), concatenated per position; recorded (resolved) in the metadata.
+        lock_wait_s: seconds to wait while another run writes ``out_dir`` (0: refuse at once).
 
     Returns:
         The metadata dict written to ``feature_cache.json`` (``bytes_estimated``, ``bytes_written``, ...).
@@ -163,6 +168,7 @@ def build_feature_cache(
     Raises:
         ValueError: bad ``dtype``/``top_k``; a dataset without ``input_ids``; a layer id outside the target.
         drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a cache of another dataset or settings.
+        drafttrain.data.lock.FolderLockedError: another process is writing ``out_dir`` (after ``lock_wait_s``).
     """
     import datasets
     from tqdm.auto import tqdm

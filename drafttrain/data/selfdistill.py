@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import GenerationConfig, VllmConfig
+from drafttrain.data.lock import locks_folder
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
 from drafttrain.data.sources import LoadStats
 from drafttrain.generation import generator_for
@@ -789,6 +790,7 @@ def _final_report(job: _Job, ds, g: _Generated, gen: GenerationConfig, load_stat
 
 
 @quiet
+@locks_folder("out_dir", "lock_wait_s")  # one run writes a job folder at a time
 def generate_dataset(
     target,
     conversations: Sequence[dict],
@@ -803,8 +805,11 @@ def generate_dataset(
     max_seconds: float | None = None,
     feature_layers: Sequence[int] | None = None,
     budget_seconds: float | None = None,
+    lock_wait_s: float = 0.0,
 ):
     """Regenerate the assistant turns of ``conversations`` with ``target``, resumably, into ``out_dir``.
+
+    One run writes a job folder at a time: :func:`drafttrain.data.lock.folder_lock` is held for the whole call.
 
     The stages: :func:`_plan_job` (key, plans, shards), :func:`_generate_shards`, then :func:`_assemble` and
     :func:`_final_report` (or :func:`_partial_report` when ``max_seconds`` stopped it).
@@ -830,6 +835,7 @@ def generate_dataset(
             :data:`PROBE_SHARDS` shards lets fit (:func:`budget_shards`, estimated seconds); the rest are
             left out (``report["budget_cut"]`` conversations; ``report["budget"]`` the decision, kept in the
             manifest so that a rerun keeps the same shards). None: every shard.
+        lock_wait_s: seconds to wait while another run writes ``out_dir`` (0: refuse at once).
 
     Returns:
         ``(dataset, report)``: rows in input order (skipped and failed conversations left out) and a
@@ -840,6 +846,7 @@ def generate_dataset(
 
     Raises:
         drafttrain.data.shards.JobMismatchError: ``out_dir`` holds a job with other inputs or settings.
+        drafttrain.data.lock.FolderLockedError: another process is writing ``out_dir`` (after ``lock_wait_s``).
         ValueError: the target has no tokenizer.
     """
     if target.tokenizer is None:
@@ -955,6 +962,9 @@ def self_distill(
         vllm: ``backend=vllm``'s settings (:class:`drafttrain.config.VllmConfig`; None: its defaults).
         budget_minutes: generation minutes at most (``budget_seconds`` of :func:`generate_dataset`); None: every shard.
 
+    Another process writing ``out_dir`` (a training rank, or another run of the same job: the folder is keyed by
+    the job's inputs) is waited for, then its shards are reused.
+
     Returns:
         ``(dataset, report)`` as :func:`generate_dataset`; rows carry ``features`` float16
         [L-1, len(feature_layers) * d].
@@ -967,4 +977,5 @@ def self_distill(
     )
     return generate_dataset(target, conversations, out_dir, gen, target_name=target_name, save_dataset=False,
                             progress=progress, desc="self-distill", reset_on_mismatch=True,
-                            feature_layers=feature_layers, budget_seconds=60 * budget_minutes if budget_minutes else None)
+                            feature_layers=feature_layers, budget_seconds=60 * budget_minutes if budget_minutes else None,
+                            lock_wait_s=float("inf"))  # fmt: skip
