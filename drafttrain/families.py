@@ -24,7 +24,17 @@ sliding        some layers attend a sliding window (Gemma3, Mistral, gpt-oss). T
                (:func:`drafttrain.verify.cache.ragged_attention` raises) rather than decode wrongly.
 softcap        attention logit soft-capping (Gemma2): not in the engine's attention -> refused.
 sinks          learned attention sinks (gpt-oss): not in the engine's attention -> refused.
+mla            multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi): keys and values of other head
+               sizes than ``head_dim``, which the engine's KV cache holds -> refused (:func:`mla_attention`).
 =============  =========================================================================================
+
+Traits an unknown family gets from its config, one rule each, public config attributes only:
+``sliding`` = ``sliding_window`` set; ``softcap`` = ``attn_logit_softcapping`` set; ``mla`` =
+:func:`mla_attention`. Two more rules apply to every family: :func:`logit_multiplier` (Granite's
+``logits_scaling``, Cohere's ``logit_scale``: what the model multiplies its LM head's logits by;
+:class:`drafttrain.target.Target` folds it into the head) and the decoder-layer layout
+:func:`llama_init_weights` reads (pre-norms, a dense SiLU MLP, q/k/v/o of the draft layer's shapes;
+what does not carry over falls back to the Llama-style layer's own initialisation, with the reason logged).
 
 A family with ``engine_refusal`` set cannot be decoded exactly by drafttrain's engine: config validation
 (:func:`check_engine_support`) refuses it with the family named, before any model loads, for every
@@ -44,11 +54,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class Family:
     sliding: bool = False
     softcap: bool = False
     sinks: bool = False
+    mla: bool = False
     tiny: dict[str, Any] = field(default_factory=dict)  # extra config keys of the tiny target
 
     @property
@@ -77,6 +91,8 @@ class Family:
             return "its attention sinks (a learned per-head logit in every softmax) are not in the engine's attention"
         if self.softcap:
             return "its attention logit soft-capping is not in the engine's attention"
+        if self.mla:
+            return "its MLA attention (keys and values of other head sizes than head_dim) is not in the engine's KV cache"
         return None
 
 
@@ -119,7 +135,55 @@ def family_of(config) -> Family:
         if mt in fam.model_types:
             return fam
     return Family(f"generic:{mt or 'unknown'}", (mt,), "", sliding=bool(get("sliding_window", None)),
-                  softcap=bool(get("attn_logit_softcapping", None)))  # fmt: skip
+                  softcap=bool(get("attn_logit_softcapping", None)), mla=mla_attention(config) is not None)  # fmt: skip
+
+
+def _getter(config):
+    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+
+
+def mla_attention(config) -> str | None:
+    """What shows a config's attention is multi-head latent attention (MLA), None where it is not: the rule is
+    ``kv_lora_rank`` or ``q_lora_rank`` set, or a ``v_head_dim`` other than the query/key head size
+    (``qk_head_dim``, else ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim``). Returns the key that
+    shows it, e.g. ``"kv_lora_rank"`` (a transformers config or its ``to_dict()``)."""
+    get = _getter(config)
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        if get(key, None):
+            return key
+    v = get("v_head_dim", None)
+    qk = get("qk_head_dim", None) or ((get("qk_nope_head_dim", None) or 0) + (get("qk_rope_head_dim", None) or 0))
+    qk = qk or get("head_dim", None)
+    if v and qk and int(v) != int(qk):
+        return f"v_head_dim {v} != query/key head size {qk}"
+    return None
+
+
+def architecture_name(config) -> str:
+    """The model's name as a user knows it: ``architectures[0]`` without ``ForCausalLM`` (``DeepseekV3``),
+    else ``model_type``."""
+    get = _getter(config)
+    arch = (get("architectures", None) or [None])[0]
+    if arch:
+        return str(arch).removesuffix("ForCausalLM")
+    return str(get("model_type", None) or "this target")
+
+
+def logit_multiplier(config) -> float:
+    """What the model multiplies its LM head's logits by in its own forward: 1 / ``logits_scaling`` (Granite,
+    which divides) or ``logit_scale`` (Cohere, Cohere2, which multiply); 1.0 for every other config.
+
+    Raises:
+        ValueError: a ``logits_scaling`` of 0 (the model's own forward would divide by zero).
+    """
+    get = _getter(config)
+    scaling = get("logits_scaling", None)
+    if scaling is not None:
+        if float(scaling) == 0.0:
+            raise ValueError("the target's config has logits_scaling = 0: its logits would be divided by zero")
+        return 1.0 / float(scaling)
+    scale = get("logit_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else 1.0
 
 
 def by_name(name: str) -> Family:
@@ -134,32 +198,42 @@ def by_name(name: str) -> Family:
 
 
 def check_engine_support(config, where: str = "drafttrain's engine") -> None:
-    """Refuse a target family the engine cannot decode exactly.
+    """Refuse a target the engine cannot decode exactly (a transformers config or its ``to_dict()``).
 
     Raises:
-        ValueError: the family has attention sinks or soft-capping (message names the family and why).
+        ValueError: the family has attention sinks or soft-capping, or MLA attention (:func:`mla_attention`);
+            the message names the family (MLA: the architecture, ``DeepseekV3``) and why.
     """
+    howto = "train with data.generation.backend=hf and trainer.spec_eval.num_prompts=0"
+    mla = mla_attention(config)
+    if mla:
+        raise ValueError(f"{architecture_name(config)} uses MLA attention ({mla}); the engine's KV cache does not "
+                         f"support it yet (it holds keys and values of one head_dim), so {where} refuses it "
+                         f"({howto})")  # fmt: skip
     fam = family_of(config)
     why = fam.engine_refusal
     if why:
         raise ValueError(f"target family {fam.name!r} cannot be decoded by {where}: {why}; it would decode "
-                         f"differently from the target's own forward, so it is refused (train with "
-                         f"data.generation.backend=hf and trainer.spec_eval.enabled=false)")  # fmt: skip
+                         f"differently from the target's own forward, so it is refused ({howto})")  # fmt: skip
 
 
 def attention_window(config) -> int | None:
     """The smallest sliding window any layer of the target attends (tokens), None where every layer attends
     the whole context. transformers applies a window through the masks it builds; the engine passes its own
     masks, so it runs such a target exactly only while every sequence (prompt + new tokens + drafts) fits.
+    Chunked attention (Llama-4's ``attention_chunk_size``: tokens attend within their chunk) counts as a
+    window of the chunk size: a sequence that fits in one chunk is attended exactly.
     """
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    window = get("sliding_window", None)
-    if not window or get("use_sliding_window", True) is False:
-        return None
     types = get("layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
+    windows = []
+    window = get("sliding_window", None)
+    if window and get("use_sliding_window", True) is not False and (types is None or "sliding_attention" in types):
+        windows.append(int(window))
+    chunk = get("attention_chunk_size", None)  # Llama-4: attention within chunks of this many tokens
+    if chunk and (types is None or "chunked_attention" in types):
+        windows.append(int(chunk))  # exact while the whole sequence is one chunk: the same bound as a window
+    return min(windows) if windows else None
 
 
 # ------------------------------------------------------------------------------------------------ tiny targets
@@ -242,25 +316,35 @@ def effective_norm_weight(norm: nn.Module, hidden_size: int) -> torch.Tensor:
     return out * (1.0 + eps) ** 0.5
 
 
+def _dense_mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP module: ``mlp``, or ``feed_forward`` (Llama-4); None where it has neither."""
+    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+
+
 def split_projections(layer: nn.Module) -> dict[str, torch.Tensor]:
     """A target decoder layer's attention and dense-MLP weights under Llama's names, unfusing Phi3's
-    ``qkv_proj`` / ``gate_up_proj``. MoE layers have no dense MLP (its names are absent); biases are left out.
+    ``qkv_proj`` / ``gate_up_proj``; the MLP is ``mlp`` or ``feed_forward`` (Llama-4). Names a layer does not
+    have are absent: the MLP ones for an MoE layer (no dense MLP), the attention ones for attention without
+    q/k/v/o linears (MLA's low-rank projections). Biases are left out.
 
     Returns:
-        {"q_proj", "k_proj", "v_proj", "o_proj"[, "gate_proj", "up_proj", "down_proj"]} -> weight tensors.
+        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} (those present) -> weights.
     """
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = getattr(layer, "self_attn", None), _dense_mlp(layer)
     out: dict[str, torch.Tensor] = {}
-    if hasattr(attn, "qkv_proj"):
+    if isinstance(getattr(attn, "qkv_proj", None), nn.Linear):
         hd = attn.head_dim
         nq = attn.config.num_attention_heads * hd
         nkv = attn.config.num_key_value_heads * hd
         w = attn.qkv_proj.weight
         out.update(q_proj=w[:nq], k_proj=w[nq : nq + nkv], v_proj=w[nq + nkv : nq + 2 * nkv])
-    else:
+    elif all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
         out.update({n: getattr(attn, n).weight for n in ("q_proj", "k_proj", "v_proj")})
-    out["o_proj"] = attn.o_proj.weight
-    if hasattr(mlp, "gate_up_proj") and isinstance(mlp.gate_up_proj, nn.Linear):
+    if out and isinstance(getattr(attn, "o_proj", None), nn.Linear):
+        out["o_proj"] = attn.o_proj.weight
+    else:
+        out.clear()  # q/k/v without o (or none): nothing of the attention carries over
+    if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and isinstance(getattr(mlp, "down_proj", None), nn.Linear):
         gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
         out.update(gate_proj=gate, up_proj=up, down_proj=mlp.down_proj.weight)
     elif all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
@@ -269,20 +353,81 @@ def split_projections(layer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def is_rms_norm(norm: nn.Module, hidden_size: int) -> bool:
+    """Whether ``norm`` computes an RMSNorm, ``x / rms(x) * w`` for some per-channel w (any parameterisation:
+    Gemma's ``1 + w`` too), probed on two fixed vectors against :func:`effective_norm_weight`. False for a
+    LayerNorm (it subtracts the mean: Cohere's), whose weights cannot become a Llama RMSNorm's."""
+    p = next(norm.parameters(), None)
+    if p is None:
+        return False
+    w = effective_norm_weight(norm, hidden_size)
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) or 0.0)
+    x = torch.randn(2, hidden_size, generator=torch.Generator().manual_seed(0), device="cpu") + 0.5  # a LayerNorm removes the mean
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.cpu()
+    got = norm(x.to(p.device, p.dtype)).float().cpu()
+    tol = 1e-4 if p.dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(got, want, atol=tol * float(want.abs().max()), rtol=tol))
+
+
+@torch.no_grad()
 def llama_init_weights(src: nn.Module, target_config, hidden_size: int) -> dict[str, torch.Tensor]:
     """A target decoder layer's weights where they carry over into a Llama-style layer (x * w norms, SiLU MLP,
     no biases): q/k/v/o projections (:func:`split_projections`), the dense MLP only when the target's is SiLU
     (not an MoE layer, nor Gemma's GELU MLP), and the effective scales of its attention-input norm
     (``input_norm``) and MLP-input norm (``mlp_norm``: Gemma's ``pre_feedforward_layernorm``, else
-    ``post_attention_layernorm``) as Llama weights [d] (:func:`effective_norm_weight`)."""
+    ``post_attention_layernorm``; a parallel layer without one, as Cohere's, feeds its MLP the attention's
+    input norm) as Llama weights [d] (:func:`effective_norm_weight`).
+
+    What does not carry over falls back to what a fresh Llama-style layer starts from, and the reason is
+    logged once (a warning naming the layer's class): q/k/v/o of other shapes than the draft layer's, or
+    none (MLA) -> N(0, initializer_range) (drawn from torch's global generator); an MLP of other shapes ->
+    left out (the draft layer keeps its own); a post-norm layout (OLMo-2: no ``input_layernorm``, norms
+    after attention and MLP) or norms that are not RMSNorms (Cohere's LayerNorm) -> norm weights of 1.
+
+    Returns:
+        {"q_proj", "k_proj", "v_proj", "o_proj", "input_norm", "mlp_norm"[, "gate_proj", "up_proj",
+        "down_proj"]} -> tensors of the draft layer's shapes (norms [d] float32).
+    """
+    dc = draft_layer_config(target_config)
+    d, hd = int(hidden_size), int(dc["head_dim"])
+    nq, nkv, inter = dc["num_attention_heads"] * hd, dc["num_key_value_heads"] * hd, int(dc["intermediate_size"])
+    shapes = {"q_proj": (nq, d), "k_proj": (nkv, d), "v_proj": (nkv, d), "o_proj": (d, nq),
+              "gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter)}  # fmt: skip
     w = split_projections(src)
+    ref = next(src.parameters())
+    reasons = []
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    bad = [n for n in attn if n not in w or tuple(w[n].shape) != shapes[n]]
+    if bad:
+        reasons.append("its attention has no q/k/v/o projections of the draft layer's shapes" if any(n in w for n in attn)
+                       else "its attention has no q/k/v/o projections (e.g. MLA's low-rank ones)")  # fmt: skip
+        for n in attn:
+            w[n] = torch.empty(shapes[n], dtype=ref.dtype, device=ref.device).normal_(0.0, dc["initializer_range"])
     act = getattr(target_config, "hidden_act", None) or getattr(target_config, "hidden_activation", None)
+    mlp_names = ("gate_proj", "up_proj", "down_proj")
     if act != "silu":
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in mlp_names:
             w.pop(name, None)
-    mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or src.post_attention_layernorm
-    w["input_norm"] = effective_norm_weight(src.input_layernorm, hidden_size)
-    w["mlp_norm"] = effective_norm_weight(mlp_norm, hidden_size)
+    elif any(n in w and tuple(w[n].shape) != shapes[n] for n in mlp_names):
+        reasons.append(f"its dense MLP is not {inter} wide (the draft layer's intermediate_size)")
+        for name in mlp_names:
+            w.pop(name, None)
+    input_norm = getattr(src, "input_layernorm", None)
+    mlp_norm = getattr(src, "pre_feedforward_layernorm", None) or getattr(src, "post_attention_layernorm", None)
+    if input_norm is None:
+        reasons.append("it has no input_layernorm (norms after attention and MLP, none before: a post-norm layout)")
+        norms = {}
+    else:
+        norms = {"input_norm": input_norm, "mlp_norm": mlp_norm if mlp_norm is not None else input_norm}
+        odd = [n for n, m in norms.items() if not is_rms_norm(m, d)]
+        if odd:
+            reasons.append(f"its {type(input_norm if 'input_norm' in odd else mlp_norm).__name__} is not an RMSNorm")
+            norms = {}
+    for key in ("input_norm", "mlp_norm"):
+        w[key] = effective_norm_weight(norms[key], d) if key in norms else torch.ones(d, dtype=torch.float32, device=ref.device)
+    if reasons:
+        log.warning("draft layer init from the target's %s: %s; those weights start as a fresh Llama-style "
+                    "layer's instead", type(src).__name__, "; ".join(reasons))  # fmt: skip
     return w
 
 

@@ -85,12 +85,20 @@ class TargetOutput:
 class Target:
     """A frozen causal LM plus its tokenizer.
 
+    Logit scaling: a model whose own forward scales its LM head's logits (Granite divides them by
+    ``logits_scaling``, Cohere multiplies them by ``logit_scale``: :func:`drafttrain.families.logit_multiplier`)
+    has the scale folded into its LM head when the Target is made (an LM head tied to the embedding is untied
+    first; the model's own scale is then set to 1, so ``model(...)`` computes what it computed before). Every
+    reader of the head (:meth:`forward`'s logits, sampling, the engine, the drafters' KL labels, which read
+    ``lm_head.weight``) then gets the model's own distribution.
+
     Attributes:
         model: the HF ``*ForCausalLM`` (eval mode, ``requires_grad=False`` everywhere).
         tokenizer: its tokenizer (None for a random tiny target built without one).
         config: the model config.
         source_dir: the Hugging Face folder the model was loaded from (None: built in memory, e.g. a random
             tiny target); what an external engine (vLLM, generation.backend=vllm) loads.
+        logit_multiplier: the logit scale folded into the LM head (1.0: none).
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, source_dir: str | Path | None = None):
@@ -101,6 +109,7 @@ class Target:
         self.config = model.config
         self.source_dir = Path(source_dir) if source_dir is not None else None
         self._compiled_backbone = None  # built on first use by compiled_backbone()
+        self.logit_multiplier = _fold_logit_scale(model)
 
     # -- modules the drafters share by reference (frozen) --------------------------------------
     @property
@@ -383,6 +392,43 @@ class Target:
         return results
 
 
+@torch.no_grad()
+def _fold_logit_scale(model: nn.Module) -> float:
+    """Fold the model's own logit scale (:func:`drafttrain.families.logit_multiplier`) into its LM head and set
+    the model's scale to 1 (``config.logits_scaling`` / ``config.logit_scale`` and the model's ``logit_scale``
+    attribute), so that ``lm_head(h)`` alone is the model's logits. A head tied to the input embedding gets its
+    own scaled copy (the embedding is left as it is). Returns the multiplier folded (1.0: nothing to do).
+
+    Raises:
+        ValueError: the config's scale is unusable (:func:`drafttrain.families.logit_multiplier`), or the model
+            has no output embedding to fold it into.
+    """
+    from drafttrain import families
+
+    m = families.logit_multiplier(model.config)
+    if m == 1.0:
+        return 1.0
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(model).__name__} scales its logits by {m} but has no LM head weight to fold it into")
+    embed = model.get_input_embeddings()
+    if embed is not None and head.weight is embed.weight:  # tied: the head gets its own (scaled) copy
+        head.weight = nn.Parameter(head.weight.detach() * m, requires_grad=False)
+        model.config.tie_word_embeddings = False
+    else:
+        head.weight.mul_(m)
+    if getattr(head, "bias", None) is not None:
+        head.bias.mul_(m)
+    if getattr(model.config, "logits_scaling", None) is not None:
+        model.config.logits_scaling = 1.0
+    if getattr(model.config, "logit_scale", None) is not None:
+        model.config.logit_scale = 1.0
+    if isinstance(getattr(model, "logit_scale", None), (int, float)):
+        model.logit_scale = 1.0
+    log.info("%s: its logit scale (x %g) is folded into the LM head", type(model).__name__, m)
+    return m
+
+
 def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
     """A random target of ``cfg.family`` sized by ``cfg`` (:func:`drafttrain.families.tiny_config`)."""
     from transformers import AutoModelForCausalLM
@@ -451,7 +497,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
             folder, config=copy.deepcopy(mcfg), dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     model = model.to(device)
-    if pack:
+    target = Target(model, tokenizer, source_dir=None if cfg.random_init else folder)  # (folds a logit scale)
+    if pack:  # after the fold: the packed LM head holds the scaled weights
         n = fastlinear.pack_linears(model, pack)
         log.info("target.fast_linear: %d linear layers on prepacked weights (%s)", n, fastlinear.describe(model))
-    return Target(model, tokenizer, source_dir=None if cfg.random_init else folder)
+    return target

@@ -154,7 +154,8 @@ def _check_values(c: TrainConfig) -> None:
 def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
     """Problems with the target's ``dtype``, ``fast_linear`` and family (train, generate and evaluate share
     them). ``uses_engine``: the job decodes with drafttrain's engine, so a family the engine cannot run
-    exactly (:func:`drafttrain.families.check_engine_support`) is refused here, before any model loads."""
+    exactly (:func:`drafttrain.families.check_engine_support`: attention sinks, soft-capping, MLA attention) is
+    refused here, before any model loads, naming ``target.path`` and the architecture."""
     problems = []
     if t.dtype not in ("float32", "bfloat16", "float16"):
         problems.append("target.dtype must be float32|bfloat16|float16")
@@ -166,9 +167,9 @@ def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
     model_config = target_model_config(t)
     if uses_engine and model_config is not None:
         try:
-            families.check_engine_support(model_config)
+            families.check_engine_support(model_config)  # sinks, soft-capping, MLA: refused by name
         except ValueError as err:
-            problems.append(str(err))
+            problems.append(f"target.path={t.path}: {err}" if t.path and not t.random_init else str(err))
     return problems
 
 
@@ -180,8 +181,8 @@ def _check_drafter_layers(c: TrainConfig) -> list[str]:
 
     from drafttrain.drafters import drafter_config
 
-    mc = target_model_config(c.target)
-    depth = c.target.num_hidden_layers if c.target.random_init else (mc or {}).get("num_hidden_layers")
+    t = c.target
+    depth = t.num_hidden_layers if t.random_init else (target_model_config(t) or {}).get("num_hidden_layers")
     if not isinstance(depth, int) or c.drafter.name not in DRAFTERS:
         return []
     try:

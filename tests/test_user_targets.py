@@ -1,0 +1,233 @@
+"""Targets a user brings (``target.path=<folder>``) of transformers classes the family table does not list:
+tiny random ones (6 layers, d = 128, the SmolLM2 tokenizer) of the real classes. A trait the engine cannot
+honour is refused by name before any data is generated (DeepSeek-V3's MLA attention); a decoder layer whose
+modules do not map onto the Llama-style draft layer (OLMo-2's post-norms, Cohere's LayerNorm and parallel
+block, Llama-4's ``feed_forward``) starts the draft layer from its own initialisation where they do not, with
+the reason logged; a model that scales its logits (Granite, Cohere) gives its own distribution through
+:class:`drafttrain.target.Target`."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from drafttrain import families
+from drafttrain.cliconfig import ConfigError
+from drafttrain.drafters import build_drafter
+from drafttrain.target import Target
+from helpers import compose_dict, make_batch
+
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=4096)  # fmt: skip
+
+
+def _config(kind: str, tokenizer, **extra):
+    import transformers
+
+    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    cls = getattr(transformers, kind)
+    cfg = cls(**SIZES, **ids, **extra)
+    cfg.architectures = [kind.removesuffix("Config").removesuffix("Text") + "ForCausalLM"]
+    return cfg
+
+
+def _target(kind: str, tokenizer, **extra) -> Target:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return Target(AutoModelForCausalLM.from_config(_config(kind, tokenizer, **extra)), tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------ MLA: refused
+
+
+def test_mla_rule_reads_public_config_attributes(tiny_target):
+    import transformers
+
+    assert families.mla_attention(transformers.DeepseekV3Config()) == "kv_lora_rank"
+    assert families.mla_attention({"q_lora_rank": 8}) == "q_lora_rank"
+    assert families.mla_attention({"v_head_dim": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32}).startswith("v_head_dim")
+    assert families.mla_attention({"v_head_dim": 96, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32}) is None
+    assert families.mla_attention(tiny_target.config) is None
+    assert families.family_of({"model_type": "deepseek_v3", "kv_lora_rank": 32}).mla
+    assert families.architecture_name({"architectures": ["DeepseekV3ForCausalLM"]}) == "DeepseekV3"
+
+
+def test_mla_target_is_refused_by_name_before_any_data_is_generated(tiny_target, tmp_path, monkeypatch):
+    """A DeepSeek-V3 folder: every job that decodes with the engine (the default self-distillation and the
+    in-training evaluation) fails at config validation, naming target.path, the architecture and MLA; the
+    self-distillation is never reached. With HF generation and no engine evaluation it validates."""
+    from drafttrain import train as T
+    from drafttrain.data import selfdistill
+    from drafttrain.validation import validate
+
+    cfg = _config("DeepseekV3Config", tiny_target.tokenizer, kv_lora_rank=32, q_lora_rank=48, head_dim=16,
+                  qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    want = (f"target.path={tmp_path}: DeepseekV3 uses MLA attention \\(kv_lora_rank\\); the engine's KV cache does "
+            "not support it yet")  # fmt: skip
+    with pytest.raises(ConfigError, match=want):
+        validate(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}"]))
+    monkeypatch.setattr(selfdistill, "generate_dataset", lambda *a, **k: pytest.fail("self-distillation started"))
+    with pytest.raises(ConfigError, match=want):
+        T.run(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}", f"output_dir={tmp_path / 'run'}",
+                                     "logging.wandb=false"]))  # fmt: skip
+    ok = validate(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}", "data.generation.backend=hf",
+                                         "trainer.spec_eval.num_prompts=0"]))  # fmt: skip
+    assert ok.target.path == str(tmp_path)
+    with pytest.raises(ValueError, match="MLA attention"):
+        families.check_engine_support(cfg)  # what the engine itself checks (SpecEngine, engine_generate)
+
+
+# ------------------------------------------------------------------------------------------------ init fallback
+
+
+@pytest.mark.parametrize("kind,reason", [("Olmo2Config", "no input_layernorm"),
+                                         ("Cohere2Config", "Cohere2LayerNorm is not an RMSNorm")])  # fmt: skip
+def test_draft_layer_init_falls_back_with_the_reason_logged_and_trains(tiny_target, kind, reason, caplog):
+    """OLMo-2 (norms after attention and MLP) and Cohere-2 (parallel attention + MLP, LayerNorm): the EAGLE-3
+    draft layer takes the projections that map (same weights) and its own norms (ones), logging why; then two
+    training steps move it."""
+    extra = {"head_dim": 32} if kind == "Cohere2Config" else {}
+    target = _target(kind, tiny_target.tokenizer, **extra)
+    with caplog.at_level(logging.WARNING, logger="drafttrain.families"):
+        torch.manual_seed(0)
+        drafter = build_drafter("eagle3", {"draft_depth": 3, "ttt_steps": 2}, target).train()
+    assert any(reason in r.getMessage() and "fresh Llama-style" in r.getMessage() for r in caplog.records)
+    assert drafter.aux_layer_ids == (2, 3, 4)
+    d, src = target.config.hidden_size, target.last_layer
+    assert torch.equal(drafter.layer.self_attn.q_proj.weight[:, d:], src.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layer.mlp.down_proj.weight, src.mlp.down_proj.weight)  # SiLU dense MLP: carried over
+    assert torch.equal(drafter.layer.hidden_norm.weight, torch.ones(d))
+    batch = make_batch(target)
+    ids, lengths = batch["input_ids"], batch["lengths"]
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    feats = target.forward(ids, attention_mask=mask, with_logits=False, feature_layers=drafter.feature_layers).features
+    batch = {**batch, "features": feats[:, :-1]}
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
+    before = copy.deepcopy(drafter.fc.weight)
+    for step in range(2):
+        out = drafter.training_loss(batch, torch.Generator().manual_seed(step))
+        assert torch.isfinite(out.loss)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert not torch.equal(before, drafter.fc.weight)
+
+
+def test_llama4_feed_forward_is_the_mlp_the_draft_layer_starts_from(tiny_target):
+    """Llama-4's decoder layer calls its MLP ``feed_forward``: a dense one carries over (no AttributeError)."""
+    target = _target("Llama4TextConfig", tiny_target.tokenizer, head_dim=32, intermediate_size_mlp=256, moe_layers=[],
+                     num_local_experts=2)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle3", {"draft_depth": 3}, target)
+    ff = target.last_layer.feed_forward
+    assert torch.equal(drafter.layer.mlp.gate_proj.weight, ff.gate_proj.weight)
+    assert set(families.split_projections(target.last_layer)) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                  "up_proj", "down_proj"}  # fmt: skip
+
+
+def test_rms_norm_probe_tells_layer_norm_apart(tiny_target):
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    assert families.is_rms_norm(tiny_target.final_norm, tiny_target.config.hidden_size)
+    g = Gemma3RMSNorm(64)
+    with torch.no_grad():
+        g.weight.normal_()
+    assert families.is_rms_norm(g, 64)
+    assert not families.is_rms_norm(CohereLayerNorm(64), 64)
+
+
+# ------------------------------------------------------------------------------------------------ logit scaling
+
+
+@pytest.mark.parametrize("kind,extra", [("GraniteConfig", {"logits_scaling": 8.0}),
+                                        ("CohereConfig", {"logit_scale": 0.25}),
+                                        ("Cohere2Config", {"logit_scale": 0.0625, "head_dim": 32})])  # fmt: skip
+def test_logits_are_the_models_own_with_its_logit_scale(tiny_target, kind, extra):
+    """Target.forward's logits, the LM head the drafters and the engine read, and sampling's logits equal the HF
+    model's own forward (which scales them); the model's own forward is unchanged by the fold, the embedding too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(kind, tiny_target.tokenizer, **extra)).eval()
+    pristine = copy.deepcopy(model)
+    ids = torch.randint(3, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = pristine(ids).logits.float()
+        unscaled = pristine.lm_head(pristine.model(ids).last_hidden_state).float()
+    assert not torch.allclose(want, unscaled, atol=1e-3)  # the scale matters here
+    target = Target(model, tiny_target.tokenizer)
+    assert target.logit_multiplier == pytest.approx(families.logit_multiplier(pristine.config)) != 1.0
+    out = target.forward(ids)
+    torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.nn.functional.linear(out.hidden, target.lm_head.weight).float(), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.get_input_embeddings().weight, pristine.get_input_embeddings().weight)
+    plain = Target(copy.deepcopy(pristine), tiny_target.tokenizer)  # a second Target of a folded model: no refold
+    assert Target(plain.model, tiny_target.tokenizer).logit_multiplier == 1.0
+
+
+def test_logit_scale_survives_a_saved_folder(tiny_target, tmp_path):
+    """target.path=<folder> of a Granite model: load_target gives its own logits (the folder keeps its scale)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("GraniteConfig", tiny_target.tokenizer, logits_scaling=4.0))
+    model.save_pretrained(tmp_path)
+    tiny_target.tokenizer.save_pretrained(tmp_path)
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.eval()(ids).logits.float()
+    target = load_target(TargetConfig(path=str(tmp_path), fast_linear="off"))
+    assert target.logit_multiplier == 0.25
+    torch.testing.assert_close(target.forward(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ train.run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["Olmo2Config", "Cohere2Config"])
+def test_user_target_folder_trains_eagle3_end_to_end(tiny_target, kind, tmp_path):
+    """``train.run`` with ``target.path=<folder>`` (a saved tiny OLMo-2 / Cohere-2) and ``+recipe=eagle3``:
+    self-distillation through the engine, two training steps, the in-training evaluation greedy-equal."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain import train as T
+
+    torch.manual_seed(0)
+    extra = {"head_dim": 32} if kind == "Cohere2Config" else {}
+    model = AutoModelForCausalLM.from_config(_config(kind, tiny_target.tokenizer, **extra))
+    model.save_pretrained(tmp_path / "target")
+    tiny_target.tokenizer.save_pretrained(tmp_path / "target")
+    ov = ["+recipe=eagle3", f"target.path={tmp_path / 'target'}", "data.max_conversations=8",
+          "data.generation.max_new_tokens=8", "data.heldout=2", "trainer.max_steps=2", "trainer.spec_eval.num_prompts=2",
+          "trainer.spec_eval.max_new_tokens=8", "trainer.spec_eval.latency_prompts=0", "trainer.spec_eval.plan=false",
+          "trainer.spec_eval.sssd.source=none", "trainer.spec_eval.batch_size=2", "trainer.log_every=1",
+          "trainer.progress=false", "trainer.num_threads=1", "trainer.mixed_precision=no", "trainer.micro_batch_size=2",
+          "trainer.eval_every=1000", "trainer.save_every=1000", f"output_dir={tmp_path / 'run'}",
+          f"data.cache_dir={tmp_path / 'data'}", "logging.wandb=false", "drafter.draft_vocab_size=0"]  # fmt: skip
+    metrics = T.run(compose_dict("train", ov))
+    assert metrics["step"] == 2 and metrics["eval/greedy_equal"] is True
+
+
+def test_chunked_attention_bounds_the_engine_like_a_window():
+    """Llama-4's chunked attention is applied through masks the engine does not build: exact while a sequence
+    is one chunk, so the engine refuses longer ones as it does past a sliding window."""
+    assert families.attention_window({"attention_chunk_size": 8192, "layer_types": ["chunked_attention",
+                                                                                    "full_attention"]}) == 8192  # fmt: skip
+    assert families.attention_window({"attention_chunk_size": 8192, "layer_types": ["full_attention"]}) is None
+    assert families.attention_window({"sliding_window": 4096, "attention_chunk_size": 8192}) == 4096
+    assert families.attention_window({"model_type": "llama"}) is None
