@@ -9,23 +9,28 @@ verify some, verify none and skip drafting, then draft again) runs deterministic
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import pytest
 import torch
 
 from drafttrain.verify import DraftTree, ParallelSpecProposer, PlainProposer, SpecEngine
-from drafttrain.verify.planner import ForwardCostModel, PlannedProposer, SpeculationPlanner, subtree
+from drafttrain.verify.planner import (
+    ForwardCostModel,
+    PlannedProposer,
+    SpeculationPlanner,
+    subtree,
+)
 from drafttrain.verify.proposers import proposer_for
 
 
 class FixedCost(ForwardCostModel):
-    """t(b, M) = 1 + slope * (M - b): measured forwards are ignored."""
+    """t(b, M) = 1 + slope * (M - b): measured forwards are ignored. ``profiled``: the slope counts as known
+    (else the planner's first drafted step is its profile, as with the real model)."""
 
-    def __init__(self, slope: float):
+    def __init__(self, slope: float, profiled: bool = True):
         super().__init__()
-        self.slope = slope
+        self.slope, self.profiled = slope, profiled
 
     def observe(self, batch, inputs, seconds):
         super().observe(batch, inputs, 0.0)
@@ -33,16 +38,20 @@ class FixedCost(ForwardCostModel):
     def predict(self, batch, inputs):
         return 1.0 + self.slope * (inputs - batch)
 
+    def slope_known(self, batch):
+        return self.profiled or super().slope_known(batch)
 
-def planner(slope: float) -> SpeculationPlanner:
-    """A planner whose costs are fixed: t(b, M) from FixedCost, no measured step overhead."""
-    p = SpeculationPlanner(max_skip=4)
-    p.cost = FixedCost(slope)
+
+def planner(slope: float, profiled: bool = True, **kw) -> SpeculationPlanner:
+    """A planner whose costs are fixed: t(b, M) from FixedCost, no measured step overhead; it drafts from
+    the second step at a batch size (one plain forward as reference)."""
+    p = SpeculationPlanner(**{"max_skip": 4, "probe_budget": 0.03, "plain_first": 1, **kw})
+    p.cost = FixedCost(slope, profiled)
     p.observe_overhead = lambda batch, drafted, seconds: None
     return p
 
 
-def test_cost_model_interpolates_and_is_optimistic_outside():
+def test_cost_model_interpolates_and_extrapolates_at_the_measured_slope():
     c = ForwardCostModel(drift=False)  # absolute times: the table's own rules
     assert c.predict(1, 1) is None
     for t in (1.0, 1.2, 1.1):
@@ -52,22 +61,20 @@ def test_cost_model_interpolates_and_is_optimistic_outside():
     assert c.predict(1, 5) == pytest.approx(1.1 + 0.5 * 1.9)  # linear between measured sizes
     assert c.predict(1, 20) == pytest.approx(3.0 + 11 * 1.9 / 8)  # beyond: the measured per-input slope
     assert c.predict(4, 4) is None  # other batch sizes are measured on their own
-
+    assert c.samples(1, 1) == 3 and c.samples(1, 2) == 0
 
 
 def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
     """Beyond the largest M measured at b, an extra input costs what it cost at the nearest batch size
-    that measured one (continuous batching changes b whenever a sequence ends); flat only when none has."""
+    that measured one (continuous batching changes b whenever a sequence ends); where none has, the
+    plain forward's average cost per input (compute-bound: never flat)."""
     c = ForwardCostModel(drift=False)
     c.observe(16, 16, 1.0)
-    assert c.predict(16, 32) == pytest.approx(1.0)  # nothing known anywhere: optimistic up to double, tried once
-    assert c.predict(16, 100) == pytest.approx(1.0 + 68 / 16)  # beyond: each input at the average cost per input
-    flat = ForwardCostModel(explore="flat", drift=False)  # the model before: flat however far
-    flat.observe(16, 16, 1.0)
-    assert flat.predict(16, 100) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="explore"):
-        ForwardCostModel(explore="steep")
+    assert not c.slope_known(16)
+    assert c.predict(16, 32) == pytest.approx(2.0)  # nothing known anywhere: 1/16 s per input
+    assert c.predict(16, 100) == pytest.approx(1.0 + 84 / 16)
     c.observe(16, 116, 3.0)  # 100 extra inputs cost 2 s at b = 16: 0.02 s each
+    assert c.slope_known(16) and c.slope_known(3)
     c.observe(15, 15, 0.9)
     assert c.predict(15, 65) == pytest.approx(0.9 + 50 * 0.02)
     c.observe(4, 4, 0.5)
@@ -76,6 +83,54 @@ def test_cost_model_borrows_the_per_input_slope_of_the_nearest_batch_size():
     c.observe(6, 6, 0.55)
     assert c.predict(6, 16) == pytest.approx(0.55 + 10 * 0.01)  # b = 4 is nearer to 6 than 15 or 16
     assert c.predict(16, 66) == pytest.approx(2.0)  # measured range: interpolation as before
+
+
+def test_cost_model_never_carries_a_measured_cost_flat():
+    """The batch-16 table of a 2-core Zen 3 run: the plain forward (16 inputs) and a 17-input one measured
+    often at the same time, larger trees each measured once or twice at their (compute-bound) cost. Every
+    larger size is predicted at what it measured, and beyond them the cost keeps growing; the model
+    before carried the 16-input cost flat to every size up to 257 inputs."""
+    c = ForwardCostModel(drift=False)
+    for _ in range(5):
+        c.observe(16, 16, 0.0654)
+        c.observe(16, 17, 0.0652)  # no dearer than 16 inputs: the noise of a shared host
+    for m in (40, 90, 160, 257):
+        c.observe(16, m, 0.0654 * m / 16)  # each extra input at the plain forward's average cost
+    assert c.predict(16, 257) == pytest.approx(0.0654 * 257 / 16)
+    assert c.predict(16, 120) == pytest.approx(0.0654 * 120 / 16)
+    assert c.predict(16, 400) == pytest.approx(0.0654 * 400 / 16, rel=1e-3)  # beyond: the measured slope
+    assert c.measured(16)[16] == c.measured(16)[17] == pytest.approx(0.0653)  # pooled: more inputs never cheaper
+    flat = ForwardCostModel(drift=False)  # a memory-bound host: measured flat, extrapolated at the floor
+    flat.observe(2, 2, 1.0)
+    flat.observe(2, 10, 1.0)
+    assert flat.predict(2, 110) == pytest.approx(1.0 + 100 * 0.02 * 1.0 / 2)
+    with pytest.raises(ValueError, match="min_input_cost"):
+        ForwardCostModel(min_input_cost=0.0)
+    with pytest.raises(ValueError, match="window"):
+        ForwardCostModel(window=0)
+
+
+def test_first_drafting_profiles_the_cost_per_input_then_prices_by_it():
+    """Plain steps first (their median is the reference); where no batch size has measured what an extra
+    input costs, the first drafted step verifies the batch's best b nodes (M = 2b), whatever they are
+    worth; once that forward is measured, a compute-bound host's nodes are priced at their cost and do
+    not pay, and drafting stops."""
+    p = SpeculationPlanner()
+    trees = [_chain([0.6, 0.3, 0.1])] * 16
+    for _ in range(3):
+        assert not p.should_draft(16)
+        p.cost.observe(16, 16, 0.064)
+    assert p.should_draft(16)
+    p.observe_draft(16, 0.036)
+    keep, _ = p.plan(trees)
+    assert sum(map(len, keep)) == 16 and all(k == [0] for k in keep) and p.profiles == 1
+    assert p.should_draft(16)  # a profile starts no skip run
+    p.cost.observe(16, 32, 0.128)  # compute-bound: 4 ms per input, a node worth 0.6 tokens of 4 ms each
+    keep, _ = p.plan(trees)
+    assert keep == [[]] * 16 and p.profiles == 1
+    assert not p.should_draft(16)
+    with pytest.raises(ValueError, match="plain_first"):
+        SpeculationPlanner(plain_first=0)
 
 
 def test_cost_model_follows_the_host_speed_for_sizes_no_longer_measured():
@@ -123,63 +178,6 @@ def test_cost_model_speed_ignores_extrapolations_and_zero_times():
     assert summary["forward_ms"] == {"b1": {1: pytest.approx(1100.0), 5: pytest.approx(3300.0), 9: pytest.approx(5500.0)},
                                      "b2": {2: pytest.approx(3850.0)}}  # median of 7 and 0, at speed 1.1
     assert summary["draft_ms"] == {1: 4.0}
-
-
-def test_cost_model_does_not_trust_a_size_measured_once():
-    """A forward size with fewer than min_samples measurements and over 1.3x dearer than the well-measured
-    sizes say (between them, below the smallest, beyond them along their last slope) is taken at their value
-    until its own median rests on min_samples forwards; a sparse size within 1.3x keeps its own time, and
-    beyond a single well-measured size nothing is known and its own time stands."""
-    def model(min_samples):
-        c = ForwardCostModel(drift=False, min_samples=min_samples)
-        for _ in range(3):
-            c.observe(1, 1, 1.0)
-            c.observe(1, 3, 1.1)
-        c.observe(1, 6, 2.2)  # once, at a bad moment
-        return c
-
-    assert model(1).predict(1, 6) == pytest.approx(2.2)  # the model before: trusted from the first forward
-    c = model(3)
-    assert c.predict(1, 6) == pytest.approx(1.1 + 3 * 0.05)  # the slope of 1 -> 3 carried on
-    assert c.predict(1, 5) == pytest.approx(1.1 + 2 * 0.05)
-    assert c.measured(1)[6] == pytest.approx(1.25)
-    c.observe(1, 6, 1.2)
-    c.observe(1, 6, 1.3)
-    assert c.predict(1, 6) == pytest.approx(1.3)  # three forwards: its own median (of 2.2, 1.2, 1.3)
-    c.observe(1, 9, 0.5)  # a cheap outlier stays as measured: only dearer-than-predicted is doubted
-    assert c.predict(1, 9) == pytest.approx(0.5)
-    c.observe(1, 12, 1.9)  # the well-measured sizes say <= 1.3 + 6 x 0.2 / 3 = 1.7: within 1.3x, its own time
-    assert c.predict(1, 12) == pytest.approx(1.9)
-    c.observe(1, 2, 3.0)  # between well-measured sizes: the line between them
-    assert c.predict(1, 2) == pytest.approx(1.05)
-    below = ForwardCostModel(drift=False)
-    for _ in range(3):
-        below.observe(1, 3, 1.1)
-        below.observe(1, 5, 1.3)
-    below.observe(1, 1, 2.0)  # fewer inputs than every well-measured size: no dearer than the smallest
-    assert below.predict(1, 1) == pytest.approx(1.1)
-    b16 = ForwardCostModel(drift=False)
-    for _ in range(5):
-        b16.observe(16, 16, 1.0)
-    b16.observe(16, 18, 1.5)  # beyond the only well-measured size: no slope known, its own time
-    assert b16.predict(16, 18) == pytest.approx(1.5)
-    with pytest.raises(ValueError, match="min_samples"):
-        ForwardCostModel(min_samples=0)
-
-
-def test_planner_tries_again_a_size_measured_once_at_a_bad_moment():
-    """One 5-input forward measured at 3x the plain forward (where 1-3 inputs cost the same) kept the old
-    planner at two nodes; with min_samples the size is tried again."""
-    def plan(min_samples):
-        p = SpeculationPlanner(min_samples=min_samples)
-        for _ in range(3):
-            for m in (1, 2, 3):
-                p.cost.observe(1, m, 1.0)
-        p.cost.observe(1, 5, 3.0)
-        return p.plan([_chain([0.95, 0.9, 0.85, 0.8])])[0]
-
-    assert plan(1) == [[0, 1]]  # (1 + 1.85) / 1.0 beats (1 + 3.5) / 3.0
-    assert plan(3) == [[0, 1, 2, 3]]  # predicted as cheap as the well-measured sizes say
 
 
 def _chain(scores):
@@ -247,7 +245,6 @@ def test_step_overhead_prices_a_drafted_step():
     the same tree that pays without overhead is not verified with it, and drafting then pauses."""
     tree = _chain([0.9, 0.8])
     p = planner(slope=0.1)  # forward 1.0 s plain, +0.1 s per node
-    p.skip_on_average = False  # the unpaid step alone starts a skip run
     del p.observe_overhead  # the real method: overheads given by hand below
     p.cost.observe(1, 1, 0.0)
     assert p.plan([tree])[0] == [[0, 1]]
@@ -300,7 +297,7 @@ def test_a_sequences_first_drafting_is_not_priced_as_a_step(tiny_target, make_dr
         return orig(slots, sampling, generator)
 
     inner.draft = draft
-    pl = SpeculationPlanner(probe_budget=None)  # skip runs 1, 2, 4, ...: steady steps come soon after
+    pl = SpeculationPlanner(max_skip=1, plain_first=1)  # skip runs of one step: steady steps come soon after
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
     SpecEngine(tiny_target, PlannedProposer(inner, pl), batch_size=3, max_new_tokens=24, stop_token_ids=-1).run(prompts)
@@ -339,14 +336,16 @@ def test_planned_engine_equals_plain_greedy(varied, tiny_target, make_drafter, w
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8, 21, 6)]
     plain = SpecEngine(target, PlainProposer(), batch_size=3, max_new_tokens=24, stop_token_ids=-1).run(prompts)
-    pl = planner(slope)
+    # the first drafted step profiles the cost per input (its b best nodes: also the calibration's first
+    # evidence, which a drafter under-confident at first needs); slope 0 verifies everything from the start
+    pl = planner(slope, profiled=slope == 0.0)
     prop = PlannedProposer(ParallelSpecProposer(drafter, widths=[2, 2, 1, 1], budget=5), pl)
     run = SpecEngine(target, prop, batch_size=2, max_new_tokens=24, stop_token_ids=-1).run(prompts)
     for a, p in zip(run.results, plain.results):
         assert a.tokens == p.tokens
     if slope == 50.0:
-        assert pl.skipped_steps > pl.steps // 2  # drafting mostly skipped; drafted steps are probes:
-        assert pl.nodes_verified <= 2 * (pl.steps - pl.skipped_steps)  # one node per sequence
+        assert pl.skipped_steps > pl.steps // 2  # drafting mostly skipped
+        assert pl.nodes_verified <= 2 and pl.profiles == 1  # the profile's nodes only
     assert run.stats.tree_nodes == pl.nodes_verified
     if slope == 0.0:
         assert pl.nodes_verified == pl.nodes_offered > 0
@@ -439,8 +438,8 @@ def test_bench_planner_variants_side_by_side(tmp_path, checkpoint):
     tiny = ["target.name=tiny", "target.random_init=true", "target.hidden_size=64", "target.intermediate_size=128",
             "target.num_hidden_layers=2", "target.num_attention_heads=4", "target.num_key_value_heads=2"]  # conf/target/tiny.yaml
     res = main([f"run={checkpoint}", *tiny, "sssd=input", "nodes=4", "num_prompts=3", "max_new_tokens=8", "b1_prompts=2",
-                "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full,tree,average]", f"out={out}"])  # fmt: skip
-    variants = ("mixed", "per_source", "full", "tree", "average")
+                "batch_sizes=[1,2]", "rounds=2", "variants=[mixed,per_source,full,tree,realized]", f"out={out}"])  # fmt: skip
+    variants = ("mixed", "per_source", "full", "tree", "realized")
     got = [(r["batch_size"], r["variant"], r["prompts"]) for r in res["rows"]]
     assert got == [(b, v, n) for b, n in ((1, 2), (2, 3)) for v in variants]  # batch 1: 2 prompts, interleaved per prompt
     for r in res["rows"]:
@@ -473,10 +472,10 @@ def _skip_run(p: SpeculationPlanner) -> int:
 
 def test_priced_probes_set_the_skip_run_from_the_measured_loss():
     """An unpaid drafted step that lost L seconds is followed by a skip run of ceil(L / (budget * t_plain) - 1)
-    steps (at least the doubling run, at most max_skip); without a budget, the doubling runs alone."""
+    steps, at least the doubling run (1, 2, 4, ... unpaid steps in a row), at most max_skip."""
 
     def priced(budget, max_skip=64):
-        p = SpeculationPlanner(max_skip=max_skip, probe_budget=budget)
+        p = SpeculationPlanner(max_skip=max_skip, probe_budget=budget, plain_first=1)
         p.cost = FixedCost(5.0)  # plain forward 1 s, +5 s per node: a node never pays
         p.cost.observe(1, 1, 0.0)
         p.observe_draft(1, 0.35)  # drafting lost 0.35 s
@@ -488,10 +487,12 @@ def test_priced_probes_set_the_skip_run_from_the_measured_loss():
     assert _skip_run(p) == 3  # ceil(0.35 / 0.1 - 1)
     p = priced(0.01, max_skip=20)
     assert _skip_run(p) == 20  # ceil(34) capped
-    p = priced(None)
+    p = priced(0.9)  # a generous budget: the doubling runs
     assert _skip_run(p) == 1
-    p.plan([_chain([0.9])])  # the probe verifies the best node (6 s), an unpaid step again: the run doubles
+    p.plan([_chain([0.9])])  # the re-probe does not pay either: the run doubles
     assert _skip_run(p) == 2
+    p.plan([_chain([0.9])])
+    assert _skip_run(p) == 4
     with pytest.raises(ValueError, match="probe_budget"):
         SpeculationPlanner(probe_budget=1.5)
     with pytest.raises(ValueError, match="max_skip"):
@@ -501,8 +502,8 @@ def test_priced_probes_set_the_skip_run_from_the_measured_loss():
 @pytest.mark.parametrize("budget", [0.03, 0.1])
 def test_priced_probes_bound_what_a_drafter_that_never_pays_costs(budget):
     """A drafter whose drafting and probe nodes never pay, over a long run: the time lost against plain
-    decoding (drafting + the probe's node) stays within the budget, where skip runs that are not priced
-    (capped at one step here) lose several times more."""
+    decoding (its drafting) stays within the budget, where skip runs that are not priced (capped at one
+    step here) lose several times more."""
 
     def lost_fraction(p, steps=600):
         lost = 0.0
@@ -513,104 +514,25 @@ def test_priced_probes_bound_what_a_drafter_that_never_pays_costs(budget):
         return lost / steps  # a plain step costs 1 s
 
     def make(**kw):
-        p = SpeculationPlanner(**kw)
+        p = SpeculationPlanner(plain_first=1, **kw)
         p.cost = FixedCost(0.5)
         p.cost.observe(1, 1, 0.0)
         p.observe_draft(1, 0.35)
         return p
 
     priced = lost_fraction(make(probe_budget=budget))
-    doubling = lost_fraction(make(probe_budget=None, max_skip=1))
+    doubling = lost_fraction(make(probe_budget=0.9, max_skip=1))
     assert 0 < priced <= 1.05 * budget
     assert doubling > 2 * priced
 
 
-def test_probe_decay_halves_the_budget_per_unpaid_step_in_a_row():
-    """With probe_decay, the k-th unpaid drafted step in a row is priced at probe_budget / 2^(k-1): its skip
-    run is ceil(L / (budget / 2^(k-1) * t_plain) - 1); without it every run is priced at the full budget.
-    Over a 127-step evaluation of a drafter that never pays, the decaying budget probes less often."""
-
-    def make(decay, max_skip=10_000):
-        p = SpeculationPlanner(max_skip=max_skip, probe_budget=0.1, probe_decay=decay)
-        p.cost = FixedCost(5.0)  # plain forward 1 s, +5 s per node: a node never pays
-        p.cost.observe(1, 1, 0.0)
-        p.observe_draft(1, 0.35)
-        return p
-
-    for decay in (True, False):
-        p = make(decay)
-        runs, expect = [], []
-        for k in range(3):
-            p.plan([_chain([0.9])])  # the first step verifies nothing, the probes after it their best node
-            budget = 0.1 / (2**k if decay else 1)
-            expect.append(max(2**k, math.ceil(p.last_loss / budget - 1.0)))  # at least the doubling run
-            runs.append(_skip_run(p))
-        assert runs == expect
-
-    def probes(decay, steps=127):  # a 127-step evaluation, each probe losing 0.25 of a plain step
-        p = SpeculationPlanner(probe_budget=0.03, probe_decay=decay)
-        p.cost = FixedCost(0.1)
-        p.cost.observe(1, 1, 0.0)
-        p.observe_draft(1, 0.2)
-        n = 0
-        for _ in range(steps):
-            if p.should_draft(1):
-                p.plan([_chain([0.05])])
-                n += 1
-        assert p.last_loss == pytest.approx(0.25)
-        return n
-
-    assert (probes(True), probes(False)) == (5, 7)  # runs 8, 16, 33, 64 against 8, 8, 8, 8, 16, 32
-
-
-def test_row_probe_verifies_its_share_of_the_whole_batch_choice():
-    """A row probe (2 of 8 sequences drafted) whose cost model is still flat up to twice the plain forward's
-    inputs: its own best choice would verify all 4 nodes (free under that guess), but the whole-batch
-    step it stands for verifies 2 x 4 nodes (12-16 inputs: flat; 20 and 24 priced at the average input
-    cost), so with probe_share the probe verifies its share, the 2 best nodes; without, all 4."""
-    empty = DraftTree.empty()
-    for share, expect in ((True, [[0], [0]]), (False, [[0, 1], [0, 1]])):
-        p = SpeculationPlanner(probe_rows=2, probe_share=share)  # the real cost model, explore="double"
-        p.cost.observe(8, 8, 1.0)
-        p.observe_draft(2, 0.02)
-        keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
-        assert keep[:2] == expect and keep[2:] == [[]] * 6
-        assert p.nodes_verified == sum(map(len, expect))
-
-
-def test_skip_on_average_keeps_drafting_through_one_unpaid_step():
-    """With skip_on_average, a step whose own best choice does not pay starts no skip run while the
-    drafted steps' moving gain at this batch size is >= 1; once that average falls below 1, it does."""
-
-    def make(**kw):
-        p = SpeculationPlanner(probe_budget=None, **kw)
-        p.cost = FixedCost(0.1)  # plain forward 1 s, +0.1 s per node
-        p.cost.observe(1, 1, 0.0)
-        p.observe_draft(1, 0.2)  # drafting costs 0.2 s
-        return p
-
-    good, bad = _chain([0.9, 0.8]), _chain([0.01])
-    for kw, expect_skip in ((dict(skip_on_average=False), True), (dict(skip_on_average=True), False)):
-        p = make(**kw)
-        for _ in range(3):
-            assert p.plan([good])[0] == [[0, 1]]  # gain (1 + 1.7) / 1.4 = 1.93
-        assert p.plan([bad])[0] == [[]]  # this step's best is plain decoding
-        assert p.should_draft(1) is not expect_skip
-    p = make(skip_on_average=True)
-    p.plan([good])
-    unpaid = 0
-    while p.should_draft(1) and unpaid < 50:  # unpaid steps (gain 1 / 1.2) pull the average down:
-        p.plan([bad])  # 1.93 -> 1.60, 1.37, 1.21, 1.10, 1.02, 0.96: the sixth starts a skip run
-        unpaid += 1
-    assert unpaid == 6
-
-
-def test_realized_rates_keep_drafting_that_pays_as_measured():
-    """A step whose predicted gain is below 1 starts no skip run while the recent drafted steps at this batch
-    size measured more tokens per second than plain steps (the prediction was wrong there); when they
-    measured fewer, or too few were seen, it does."""
+def test_realized_rates_decide_whether_to_keep_drafting():
+    """Once enough drafting steps are seen, their measured tokens/s against plain steps' decide: a step whose
+    predicted gain is below 1 starts no skip run while drafting measured faster, and a step whose predicted
+    gain is far above 1 starts one when drafting measured slower (the model before only asked the measured
+    rates to keep drafting, never to stop it); with too few seen, the prediction decides."""
     def make(realized, drafted=(2, 1.0), plain=(1, 1.0), n=10):
-        p = SpeculationPlanner(probe_budget=None, realized=realized)
+        p = SpeculationPlanner(realized=realized, plain_first=1)
         p.cost = FixedCost(0.1)  # plain forward 1 s, +0.1 s per node
         p.cost.observe(1, 1, 0.0)
         p.observe_draft(1, 0.2)  # drafting costs 0.2 s
@@ -632,6 +554,16 @@ def test_realized_rates_keep_drafting_that_pays_as_measured():
     p.plan([bad])
     assert p.should_draft(1)
     assert "b1_drafted" in p.summary()["realized_tok_s"]
+    good = _chain([0.9, 0.8])  # predicted: (1 + 1.7) / 1.4, gain 1.9
+    for realized, n, skips in ((True, 10, True), (False, 10, False), (True, 7, False)):
+        p = make(realized, drafted=(1, 2.0), n=n)  # measured: 0.5 tokens/s drafting against 1 plain
+        assert p.plan([good])[0] == [[0, 1]]
+        assert p.should_draft(1) is not skips
+        assert p.summary()["realized_stops"] == int(skips)
+    p = make(True, drafted=(1, 2.0))
+    p.plan([good])
+    assert p.last_loss == pytest.approx(1.0)  # a measured drafting step: 2 s for 1 token, 1 s plain
+    assert _skip_run(p) == 64  # ceil(1 / 0.01 - 1) = 99, at most max_skip
 
 
 def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter, monkeypatch):
@@ -734,105 +666,3 @@ def test_run_interleaved_lock_step():
     assert runs == {"a": ("a", [[7]]), "b": ("b", [[7]])}
     with pytest.raises(ValueError, match="unit"):
         run_interleaved({}, [], unit="batch")
-
-
-def test_row_probes_extrapolate_to_the_whole_batch():
-    """At a batch above probe_rows, a probe drafts probe_rows sequences; whether drafting pays is judged
-    for the whole batch (each drafted node standing for b / drafted of them, drafting priced in proportion):
-    where it pays, the next step drafts every sequence; where it does not, a skip run follows and the next
-    probe again drafts probe_rows sequences."""
-    empty = DraftTree.empty()
-
-    def make(slope, draft_s, grow=False):
-        p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2, probe_grow=grow)
-        p.cost = FixedCost(slope)
-        p.cost.observe(8, 8, 0.0)
-        p.observe_draft(2, draft_s)
-        return p
-
-    p = make(slope=0.01, draft_s=0.02)  # a node costs 1% of a forward; 8 sequences' drafting 0.08 s
-    assert p.draft_rows(8) == 2 and p.draft_rows(2) == 2  # first drafting at b = 8: a row probe
-    keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
-    assert keep[:2] == [[0, 1], [0, 1]] and keep[2:] == [[]] * 6
-    assert p.should_draft(8) and p.draft_rows(8) == 8  # (8 + 4 * 1.7) / (1.08 + 0.16) > 8 / 1: draft them all
-    assert p.draft_cost(8) == pytest.approx(0.08)  # not measured at 8: 2 sequences' time x 4
-    assert p.summary()["row_probes"] == 1
-
-    p = make(slope=0.01, draft_s=0.5)  # drafting dear: 2 s for 8 sequences, the probe's own 2 pay nothing either
-    keep, _ = p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 6, drafted=2)
-    assert not p.should_draft(8)  # a skip run
-    while not p.should_draft(8):
-        pass
-    assert p.draft_rows(8) == 2  # the next probe drafts two again
-    with pytest.raises(ValueError, match="probe_rows"):
-        SpeculationPlanner(probe_rows=0)
-
-
-def test_row_probe_that_pays_grows_the_drafted_rows_by_doubling():
-    """probe_grow (default): a row probe that says drafting pays does not commit the whole batch at once
-    (two sequences are a small sample; measured at batch 16, one such jump made the next step catch the
-    drafter up over 14 prompts, +0.8 s): the next drafted steps draft 4, 8, 16 sequences, each judged for
-    the whole batch like the probe; one that does not pay starts a skip run, after which a probe drafts
-    probe_rows sequences again."""
-    empty = DraftTree.empty()
-    p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)  # probe_grow by default
-    p.cost = FixedCost(0.01)
-    p.cost.observe(16, 16, 0.0)
-    p.observe_draft(2, 0.02)
-    drafted = []
-    for _ in range(4):
-        n = p.draft_rows(16)
-        drafted.append(n)
-        assert p.should_draft(16)
-        keep, _ = p.plan([_chain([0.9, 0.8])] * n + [empty] * (16 - n), drafted=n)
-        assert all(k == [0, 1] for k in keep[:n]) and not any(keep[n:])
-    assert drafted == [2, 4, 8, 16] and p.draft_rows(16) == 16
-    assert p.summary()["row_probes"] == 3  # the steps that drafted some of the sequences
-    # growth that stops paying: a skip run, then a probe of probe_rows again
-    p = SpeculationPlanner(probe_budget=None, max_skip=4, probe_rows=2)
-    p.cost = FixedCost(0.01)
-    p.cost.observe(16, 16, 0.0)
-    p.observe_draft(2, 0.02)
-    p.should_draft(16)
-    p.plan([_chain([0.9, 0.8])] * 2 + [empty] * 14, drafted=2)
-    assert p.draft_rows(16) == 4 and p.should_draft(16)
-    p.observe_draft(4, 4.0)  # drafting turned dear: 4 sequences in 4 s
-    held = []
-    while True:  # the moving average of the gain still pays for a step or so: no growth meanwhile
-        held.append(p.draft_rows(16))
-        p.plan([_chain([0.9, 0.8])] * 4 + [empty] * 12, drafted=4)
-        if not p.should_draft(16):
-            break
-    assert held and set(held) == {4}
-    while not p.should_draft(16):
-        pass
-    assert p.draft_rows(16) == 2
-    # a row probe planned before any forward was measured (direct use; the engine measures plain first)
-    p = SpeculationPlanner(probe_rows=2)
-    keep, _ = p.plan([_chain([0.9])] * 2 + [empty] * 14, drafted=2)
-    assert keep[:2] == [[0], [0]] and p._grow == 2  # nothing measured: verify everything, do not grow yet
-
-
-@pytest.mark.parametrize("slope", [0.0, 50.0])
-def test_planned_engine_row_probes_draft_few_sequences(varied, make_drafter, slope):
-    """Through the engine at batch 4: a drafter that never pays is only ever asked to draft probe_rows
-    sequences (its catch-up for the others is never paid); one that pays drafts the whole batch after the
-    probe; either way the output is plain greedy's."""
-    drafter = make_drafter(seed=3)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8, 21, 6, 9)]
-    plain = SpecEngine(varied, PlainProposer(), batch_size=4, max_new_tokens=20, stop_token_ids=-1).run(prompts)
-    inner = ParallelSpecProposer(drafter, widths=[2, 1, 1], budget=3)
-    sizes = []
-    orig = inner.draft
-    inner.draft = lambda slots, sampling, generator: (sizes.append(len(slots)), orig(slots, sampling, generator))[1]
-    pl = planner(slope)
-    pl.observe_draft = lambda batch, seconds, first=False: None  # drafting free: verification's price alone decides
-    prop = PlannedProposer(inner, pl)
-    run = SpecEngine(varied, prop, batch_size=4, max_new_tokens=20, stop_token_ids=-1).run(prompts)
-    assert [a.tokens for a in run.results] == [p.tokens for p in plain.results]
-    assert sizes and pl.row_probes > 0
-    if slope == 50.0:
-        assert max(sizes) <= 2
-    else:
-        assert max(sizes) == 4
