@@ -8,30 +8,14 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 (:class:`~drafttrain.verify.planner.SpeculationPlanner`):
 
 - ``mixed``: one calibration for every node source, a step priced by its forward and drafting time
-  only (the planner as it was before per-source calibration and step overhead);
-- ``per_source``: each node source (drafter, SSSD, both) calibrated on its own;
-- ``full``: per-source calibration and each step's measured overhead in its price, skip runs of
-  1, 2, 4, ... up to 16 steps after a drafted step that did not pay (the planner before priced probes);
+  only, whether to draft decided by the prediction alone;
+- ``per_source``: ``mixed`` with each node source (drafter, SSSD, both) calibrated on its own;
+- ``full``: ``per_source`` with each step's measured overhead in its price;
 - ``tree``: no planner, the whole tree verified every step (the reference the planner must beat);
-- ``priced``: ``full`` with priced probes: a skip run long enough that the unpaid step's measured loss
-  is at most 3% of the run's plain time, up to 64 steps;
-- ``average``: ``priced``, and a skip run starts only when drafting does not pay on average at this
-  batch size (moving average of the drafted steps' gain), not after every unpaid step;
-- ``average_flat``: ``average`` with the cost model's old guess beyond what was measured (flat however
-  far, where the default is flat up to double the measured size, then the average cost per input);
-- ``row_probes``: ``average`` where, above two sequences, a probe drafts two of them and judges the
-  whole batch from them (every variant above probes the whole batch);
-- ``row_probes_1pct``: ``row_probes`` with a probe budget of 1% of plain decoding's time instead of 3%;
-- ``decay_share``: ``row_probes`` where the budget halves with each further unpaid drafted step in a row
-  and a row probe verifies only its share of what the whole-batch step would verify;
-- ``grow``: ``decay_share`` where a row probe that pays is followed by steps drafting 4, 8, ... sequences,
-  each judged like a probe, instead of the whole batch at once;
-- ``drift``: ``grow`` whose forward-cost model follows the host's speed (every variant above keeps each
-  forward size at the time it was measured);
-- ``sparse``: ``drift`` where a forward size measured fewer than 3 times and over 1.3x dearer than the
-  well-measured sizes say is taken at their value (every variant above trusts a size's first measurement);
-- ``realized``: ``sparse`` where no skip run starts while the recent drafted steps measured more tokens per
-  second than plain steps (every variant above goes by the predicted gain alone), the default planner.
+- ``fixed_speed``: the default planner whose forward-cost model keeps each size at the time it was
+  measured (the default follows the host's speed);
+- ``realized``: ``full`` where the measured rates (drafting steps' tokens/s against plain steps') decide
+  whether to keep drafting once enough are seen: the default planner.
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -53,30 +37,13 @@ from dataclasses import dataclass, field
 from drafttrain.config import TargetConfig
 
 # Each variant is the one the module doc builds it on plus its change; `realized` is SpeculationPlanner()'s defaults.
-_PER_SOURCE = dict(per_source=True, price_overhead=False, probe_budget=None, max_skip=16, skip_on_average=False,
-                   probe_rows=None, drift=False, min_samples=1, realized=False)
-_FULL = {**_PER_SOURCE, "price_overhead": True}
-_PRICED = {**_FULL, "probe_budget": 0.03, "max_skip": 64, "probe_decay": False}
-_AVERAGE = {**_PRICED, "skip_on_average": True}
-_ROW_PROBES = {**_AVERAGE, "probe_rows": 2, "probe_share": False, "probe_grow": False}
-_DECAY_SHARE = {**_ROW_PROBES, "probe_decay": True, "probe_share": True}
-_GROW = {**_DECAY_SHARE, "probe_grow": True}
-_DRIFT = {**_GROW, "drift": True}
-_SPARSE = {**_DRIFT, "min_samples": 3}
+_FULL = {"realized": False}
 VARIANTS = {
-    "mixed": {**_PER_SOURCE, "per_source": False},
-    "per_source": _PER_SOURCE,
+    "mixed": {**_FULL, "per_source": False, "price_overhead": False},
+    "per_source": {**_FULL, "price_overhead": False},
     "full": _FULL,
-    "priced": _PRICED,
-    "average": _AVERAGE,
-    "average_flat": {**_AVERAGE, "explore": "flat"},
-    "row_probes": _ROW_PROBES,
-    "row_probes_1pct": {**_ROW_PROBES, "probe_budget": 0.01},
-    "decay_share": _DECAY_SHARE,
-    "grow": _GROW,
-    "drift": _DRIFT,
-    "sparse": _SPARSE,
-    "realized": {**_SPARSE, "realized": True},  # the default SpeculationPlanner
+    "fixed_speed": {"drift": False},
+    "realized": {},  # the default SpeculationPlanner
 }
 
 
@@ -88,7 +55,7 @@ class BenchPlannerConfig:
     target: TargetConfig = field(default_factory=TargetConfig)  # the run's target (default SmolLM2; target.* keys)
     sssd: str | None = None  # none | input | data; null = the run's trainer.spec_eval.sssd.source
     nodes: int | None = None  # SSSD-only nodes per tree; null = the run's
-    variants: list[str] = field(default_factory=lambda: ["full", "sparse", "realized"])
+    variants: list[str] = field(default_factory=lambda: ["full", "realized"])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     b1_prompts: int = 4  # batch 1 decodes the first prompts only (a batch-1 run is ~16x slower per token)
     num_prompts: int | None = None  # null = the run's trainer.spec_eval.num_prompts (0 in budget runs: set it)
@@ -205,25 +172,13 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              f"Run `{res['run']}`, tree {res['tree']}, SSSD candidates: {res['sssd']}; prompts {res['prompts']} "
              f"(batch 1: the first ones), {res['max_new_tokens']} new tokens, greedy. Speedup = the variant's tokens/s over "
              f"plain decoding's in the same round (median over {res['config']['rounds']} interleaved rounds); "
-             "`mixed` = one calibration for every node source, a step priced by forward + drafting only (the planner "
-             "before per-source calibration); `per_source` = each source calibrated on its own; `full` = per-source and each "
-             "step's measured overhead priced in, skip runs 1, 2, 4, ... up to 16 steps after an unpaid drafted step; "
-             "`priced` = `full` with priced probes: each skip run long enough that the unpaid step's loss is <= 3% of "
-             "the run's plain time, up to 64 steps. The first three keep the doubling skip runs; `tree` = no "
-             "planner, the whole tree verified every step; `average` = `priced`, a skip run only when the moving average "
-             "of the drafted steps' gain at this batch size is below 1; `average_flat` = `average` with the "
-             "cost model flat beyond what was measured (the default: flat up to double, then the average cost per input); "
-             "`row_probes` = `average` where, above two sequences, a probe drafts two of them and judges the whole batch "
-             "from them (the variants before it probe the whole batch); `row_probes_1pct` = `row_probes` with a 1% "
-             "probe budget; `decay_share` = `row_probes` where the budget halves with each further unpaid drafted step "
-             "in a row and a row probe verifies only its share of what the whole-batch step would verify; `grow` = "
-             "`decay_share` where a row probe that pays is followed by steps drafting 4, 8, ... sequences, each judged "
-             "like a probe, not by the whole batch at once; `drift` = `grow` whose forward-cost model follows the host's "
-             "speed (the variants before it keep each forward size at the time it was measured); `sparse` = `drift` where "
-             "a forward size measured fewer than 3 times and over 1.3x dearer than the well-measured sizes say is taken "
-             "at their value (the variants before it trust a size's first measurement); `realized` = `sparse` where no "
-             "skip run starts while the recent drafted steps measured more tokens per second than plain steps (the "
-             "variants before it go by the predicted gain alone; the default planner). Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
+             "`mixed` = one calibration for every node source, a step priced by forward + drafting only, whether to "
+             "draft decided by the prediction alone; `per_source` = `mixed` with each source calibrated on its own; "
+             "`full` = `per_source` with each step's measured overhead priced in; `tree` = no planner, the whole tree "
+             "verified every step; `fixed_speed` = the default planner whose forward-cost model keeps each size at the "
+             "time it was measured; `realized` = `full` where the measured rates (drafting steps' tokens/s against "
+             "plain steps') decide whether to keep drafting (the default planner). "
+             "Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
              "out of both runs' time and their first tokens out of their counts (`EngineStats.decode_tokens_per_s`).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | decoding steps alone: speedup (median) | per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
