@@ -109,8 +109,11 @@ def load_exported(directory: str | Path, fmt: str, target):
 
 
 VLLM_METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}
-# vLLM methods whose proposer drafts a K chosen per step, so they take num_speculative_tokens_per_batch_size
-# (vLLM 0.32: Medusa and DFlash draft their fixed K; parallel drafting runs its K - 1 mask slots as written)
+# vLLM methods whose proposer drafts a K chosen per step, so they take num_speculative_tokens_per_batch_size.
+# vLLM 0.32: Medusa's proposer asserts K == num_speculative_tokens; DFlash drafts its whole block; parallel
+# drafting with a schedule stopped the CPU engine at the first step a K below the maximum was scheduled
+# ("RuntimeError: output with shape [1, 1] doesn't match the broadcast shape [3, 1]"), where EAGLE-3 chains
+# with the same schedule stayed lossless: parallel drafters get the batch-1 K alone.
 DYNAMIC_K_METHODS = ("eagle", "eagle3")
 # vLLM's CPU build on a small host (docs/serving.md): KV cache GiB, memory fraction, longest sequence
 CPU_KV_CACHE_GB, CPU_MEMORY_UTILIZATION, CPU_MAX_MODEL_LEN = 4, 0.3, 1024

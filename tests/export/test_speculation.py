@@ -116,6 +116,8 @@ def test_schedule_goes_into_vllm_config_only_for_methods_that_take_it(tmp_path):
     assert eagle3["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 256, 1]]
     assert eagle3["model"] == str(tmp_path.resolve())
     assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config("vllm_medusa", tmp_path, 3, {}, sp)
+    peagle = vllm_speculative_config("speculators", tmp_path, 3, {"speculators_model_type": "peagle"}, sp)
+    assert peagle["parallel_drafting"] is True and "num_speculative_tokens_per_batch_size" not in peagle
     assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config(
         "speculators", tmp_path, 3, {}, {"schedule": [[1, 256, 3]]})  # one K everywhere: nothing to schedule
 
@@ -296,3 +298,45 @@ def test_bad_cost_is_refused_before_anything_is_written(tmp_path, tiny_target, t
     (run / "final_metrics.json").write_text(json.dumps({"eval/acc_0": 1.5}))
     with pytest.raises(ConfigError, match="acceptance rates must lie in \\[0, 1\\]"):
         export_run(run, output_dir=tmp_path / "out", target_path=str(tiny_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_vllm_follows_the_schedule_losslessly(tmp_path):
+    """vLLM 0.32 (CPU) takes the export's batch-size schedule for an EAGLE-3 chain: at batch 1 it drafts the
+    scheduled K = 1 (one draft token per draft, not the maximum 3) and its output equals plain decoding."""
+    from drafttrain.config import TargetConfig
+    from drafttrain.export import export_drafter
+    from drafttrain.generation.vllm_client import vllm_python
+    from drafttrain.target import load_target
+    from scripts.serve_check import run_vllm
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vLLM is not installed: bash scripts/install_vllm.sh (a second venv, .venv-vllm)")
+    target = load_target(TargetConfig(random_init=True, num_hidden_layers=8, num_attention_heads=2,
+                                      num_key_value_heads=1))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # varied weights: greedy continuations change at every step
+        for p in target.model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=g)
+    tdir = tmp_path / "target"
+    target.model.save_pretrained(tdir)
+    target.tokenizer.save_pretrained(tdir)
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle3", {"draft_vocab_size": 300}, target)
+    drafter.set_draft_vocab(torch.randperm(drafter.vocab_size, generator=torch.Generator().manual_seed(0))[:300])
+    _, cfg = export_drafter(drafter, "speculators", tmp_path / "d", verifier=str(tdir), num_speculative_tokens=3,
+                            target_config=target.config)  # fmt: skip
+    spec = vllm_speculative_config("speculators", tmp_path / "d", 3, cfg, {"schedule": [[1, 1, 1], [2, 256, 0]]})
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 1], [2, 256, 0]]
+    prompt = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    job = {"model": str(tdir), "prompts": [prompt], "max_new_tokens": 16, "stop_token_ids": [], "max_model_len": 256,
+           "max_num_seqs": 1, "eager": True, "runs": [{"speculative_config": None}, {"speculative_config": spec}]}  # fmt: skip
+    plain, sched = run_vllm(py, job, threads=None, memory_gb=1, timeout_s=1500, log_path=tmp_path / "vllm.log")
+    assert "error" not in plain and "error" not in sched, sched.get("error") or plain.get("error")
+    assert sched["outputs"] == plain["outputs"] and len(plain["outputs"][0]) == 16
+    acc = sched["acceptance"]
+    assert acc["num_drafts"] > 0 and acc["num_draft_tokens"] == acc["num_drafts"]  # K = 1 per step, not 3
