@@ -256,15 +256,13 @@ def test_scripts_serve_answers_a_completion(tmp_path):
                             start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 1500
-        while True:
+        while True:  # until the server answers or exits; the timeout mark bounds a hang
             assert proc.poll() is None, "server exited:\n" + (tmp_path / "serve.log").read_text()[-3000:]
             try:
                 with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
                     model = json.loads(r.read())["data"][0]["id"]
                 break
             except OSError:
-                assert time.time() < deadline, "server not ready:\n" + (tmp_path / "serve.log").read_text()[-3000:]
                 time.sleep(3)
         body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
