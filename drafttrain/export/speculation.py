@@ -1,9 +1,10 @@
 """How many tokens to draft per verification step (K) for a served drafter, from measured acceptance and cost.
 
-The cost model (the standard one of speculative decoding: Leviathan, Kalman, Matias 2023, "Fast Inference
-from Transformers via Speculative Decoding", section 3.1 and eq. 1; Chen et al. 2023, "Accelerating Large
-Language Model Decoding with Speculative Sampling", section 2; with per-position rather than one i.i.d.
-acceptance rate, as Li et al. 2024, "EAGLE", report it):
+The cost model is the standard one of speculative decoding (Leviathan, Kalman, Matias 2023, "Fast
+Inference from Transformers via Speculative Decoding", section 3: 3.1 tokens per step, eq. 1; 3.3 walltime
+improvement; 3.5 choosing gamma, the number of drafts; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling", section 2), with measured per-position conditional acceptance in place
+of one i.i.d. rate alpha and measured forward times in place of one cost ratio c:
 
 - **Tokens per verification step.** A chain of K drafts, position k accepted with probability
   ``cond_acc_k`` given that positions < k were (held-out ``eval/cond_acc_k`` of a training run,
@@ -353,7 +354,7 @@ def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k:
 
     K is chosen (:func:`plan`) from the run's held-out ``eval/cond_acc_k`` (:func:`run_metrics`), the
     target's cost (``gpu_cost_ratio``: :meth:`CostModel.stated`; null: :func:`measure_forward_cost` on this
-    host, a few forwards, well under a few seconds for a 135M model on 2 cores) and the drafter's
+    host: 4 shapes x (1 warm-up + 3 timed) no-cache forwards, the largest 16 x (K_max + 1) tokens) and the drafter's
     (``draft_cost_ratio``; null: :func:`param_draft_ratio`). ``fixed_k`` (with ``fixed_reason``) is scored
     instead of chosen. Without held-out acceptance nothing is measured: K = ``fixed_k`` or the drafter's depth.
 
