@@ -175,6 +175,34 @@ class SpecEvalConfig:
     sssd: SpecSSSDConfig = field(default_factory=SpecSSSDConfig)  # hybrid trees: the drafter's + SSSD's candidates
 
 
+#: Training strategies by name (``trainer.strategy``): how a batch becomes a loss (:mod:`drafttrain.train.strategies`
+#: registers each; a strategy registered elsewhere joins this set, so validation accepts its name).
+TRAINING_STRATEGIES: set[str] = {"offline", "on_policy", "mixed"}
+#: ``loss.divergence``: the distance between the target's distribution p and the drafter's q at a labelled slot.
+DIVERGENCES = ("forward_kl", "reverse_kl", "js")
+
+
+@dataclass
+class OnPolicyConfig:
+    """``trainer.on_policy``: the drafter's own drafts, labelled by the frozen target in one forward
+    (:mod:`drafttrain.train.strategies.on_policy`). Read by ``trainer.strategy=on_policy|mixed``."""
+
+    temperature: float = 0.0  # 0 = greedy drafts (argmax); > 0 = drafts sampled at this temperature
+    groups_per_row: int = 8  # parallel groups per training row whose drafts the target labels each step (0 = all)
+    share: float = 1.0  # mixed: the share of micro-batches trained on-policy at the first step (on_policy: 1)
+    share_end: float | None = None  # mixed: the share at trainer.max_steps, linear in between (null = share throughout)
+
+
+@dataclass
+class LossConfig:
+    """``loss``: what every multi-token drafter's objective does with its labelled slots, on offline and
+    on-policy rows alike (the drafter's own loss keys, e.g. ``drafter.loss_decay``, stay in ``drafter``)."""
+
+    divergence: str = "forward_kl"  # forward_kl (KL(p||q), the default) | reverse_kl (KL(q||p)) | js (Jensen-Shannon)
+    cut_at_first_miss: bool = False  # Spec-AUF: slots after a group's first predicted miss count cut_weight
+    cut_weight: float = 0.0  # the weight of the slots after the first miss (0 = left out)
+
+
 @dataclass
 class TrainerConfig:
     """The loop's settings (conf/trainer/default.yaml mirrors these defaults, tested)."""
@@ -192,6 +220,8 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
     spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
+    strategy: str = "offline"  # offline | on_policy | mixed: how a batch becomes a loss (drafttrain/train/strategies)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     export: bool = True  # at the end, write the drafter's serving-engine folder (output_dir/export) and print its `vllm serve` line
     progress: bool = True
 
@@ -243,6 +273,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     run_name: str = "run"
     output_dir: str = "outputs/run"
     seed: int = 0
@@ -416,6 +447,8 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "SpecSSSDConfig": dict(nodes=GE0),
     "SpecTreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
+    "OnPolicyConfig": dict(temperature=GE0, groups_per_row=GE0, share=UNIT, share_end=UNIT),
+    "LossConfig": dict(cut_weight=UNIT),
     "DecisionModelConfig": dict(seed=GE0, hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
                            beta=UNIT),
     "GenerateConfig": dict(max_conversations=GE1, num_threads=GE1, max_minutes=GT0),

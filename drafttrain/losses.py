@@ -2,6 +2,8 @@
 
 - :func:`parallel_group_loss`: ParallelSpec Eq. 3 (and, with the anchor weight left out, Medusa's Eq. 2);
 - :func:`forward_kl`: EAGLE-3's training-time-test term, per TTT step;
+- :func:`reverse_kl`, :func:`js_divergence` (:func:`divergence` picks one by ``loss.divergence``);
+- :func:`after_first_miss`: Spec-AUF's cut of a group's positions after its first predicted miss;
 - :func:`eagle_group_loss`: EAGLE's objective (ParallelSpec Eq. 4) summed over group positions
   (ParallelSpec section 4.3, EAGLE integration; a single position is plain EAGLE).
 
@@ -53,8 +55,66 @@ def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tenso
     return (logp.exp() * (logp - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
 
 
+def reverse_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(q || p) = sum_x q(x) (log q(x) - log p(x)) per row: [m, v] x2 -> [m] float32 (q = the drafter's).
+
+    Mode-seeking: the drafter puts its mass where the target's is, and is not pulled toward covering the
+    target's tail (the reverse-KL objective of on-policy distillation, Gu et al. 2024, "MiniLLM"; DistillSpec,
+    Zhou et al. 2024, compares the directions for drafters).
+    """
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    return (logq.exp() * (logq - torch.log_softmax(target_logits.float(), dim=-1))).sum(-1)
+
+
+def js_divergence(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2, per row: [m, v] x2 -> [m]
+    float32, in nats, bounded by log 2 (one of the divergences DistillSpec, Zhou et al. 2024, compares)."""
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logm = torch.logsumexp(torch.stack([logp, logq]), dim=0) - torch.log(torch.tensor(2.0, device=logp.device))
+    return 0.5 * (logp.exp() * (logp - logm)).sum(-1) + 0.5 * (logq.exp() * (logq - logm)).sum(-1)
+
+
+#: ``loss.divergence`` name -> per-row distance between the drafter's logits and the target's.
+DIVERGENCE_FNS = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "js": js_divergence}
+
+
+def divergence(logits: torch.Tensor, target_logits: torch.Tensor, name: str = "forward_kl") -> torch.Tensor:
+    """The ``loss.divergence`` ``name`` between the target's p = softmax(target_logits) and the drafter's q:
+    [m, v] x2 -> [m] float32 (:func:`forward_kl`, :func:`reverse_kl` or :func:`js_divergence`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    fn = DIVERGENCE_FNS.get(name)
+    if fn is None:
+        raise ValueError(f"unknown divergence {name!r}; known: {sorted(DIVERGENCE_FNS)}")
+    return fn(logits, target_logits)
+
+
+def after_first_miss(correct: torch.Tensor, valid: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Spec-AUF's cut (arXiv 2607.01893: the loss stops after the drafter's first predicted miss in a group,
+    since chain verification never accepts a draft after a rejected one): which group positions lie after a miss.
+
+    Args:
+        correct: [g, P] bool, the drafter's argmax equals the position's label.
+        valid: [g, P] bool, the position has a label (unlabelled positions are neither hits nor misses).
+        scored: [g, P] bool, the position's label can be drafted at all (inside the draft vocabulary); a
+            labelled position that cannot be drafted is a miss.
+
+    Returns:
+        [g, P] bool: True at position k when some labelled position < k is a miss. The first miss itself is
+        never cut: it is the position the drafter must learn.
+
+    Example: correct [[1, 0, 1, 0]], all valid and scored -> [[False, False, True, True]].
+    """
+    miss = valid & ~(correct & scored)
+    before = torch.cumsum(miss.long(), dim=1) - miss.long()  # misses strictly before k
+    return before > 0
+
+
 def weighted_position_mean(
-    values: torch.Tensor, position: torch.Tensor, weights: list[float]
+    values: torch.Tensor, position: torch.Tensor, weights: list[float], slot_weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_k w_k * mean{values of the slots at position k} (positions with no slot add 0, not NaN).
 
@@ -62,13 +122,16 @@ def weighted_position_mean(
         values: [m] float per-slot loss terms.
         position: [m] int64 group position of each slot, in [0, len(weights)).
         weights: one weight per position.
+        slot_weights: [m] float per-slot weights (Spec-AUF's cut: :func:`after_first_miss`); the mean at a
+            position is then sum(w_slot * value) / sum(w_slot), so a slot of weight 0 leaves the mean.
 
     Returns:
-        (loss scalar, per-position sums [P] (detached), per-position counts [P]).
+        (loss scalar, per-position (weighted) sums [P] (detached), per-position (weighted) counts [P]).
     """
     num_pos = len(weights)
-    total = torch.zeros(num_pos, dtype=values.dtype, device=values.device).index_add_(0, position, values)
-    count = torch.zeros(num_pos, dtype=values.dtype, device=values.device).index_add_(0, position, torch.ones_like(values))
+    sw = torch.ones_like(values) if slot_weights is None else slot_weights.to(values.dtype)
+    total = torch.zeros(num_pos, dtype=values.dtype, device=values.device).index_add_(0, position, values * sw)
+    count = torch.zeros(num_pos, dtype=values.dtype, device=values.device).index_add_(0, position, sw)
     w = torch.tensor(weights, dtype=values.dtype, device=values.device)
     loss = (w * total / count.clamp_min(1)).sum()
     return loss, total.detach(), count.detach()

@@ -66,8 +66,11 @@ def merge_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) ->
 def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
     """Turn (already reduced) sums into named metrics: ``{prefix}/acc_k``, ``cond_acc_k``, ``tau_sim``,
     ``loss_k`` (when ``ce_sum``/``ce_count`` are present: mean hard CE at position k), ``kl_k`` (when
-    ``kl_sum``/``kl_count`` are present: EAGLE-3's mean KL at TTT step k) and ``reg_loss_k``
-    (when ``reg_sum``/``reg_count`` are present: EAGLE's mean feature regression loss at position k)."""
+    ``kl_sum``/``kl_count`` are present: EAGLE-3's mean KL at TTT step k), ``reg_loss_k``
+    (when ``reg_sum``/``reg_count`` are present: EAGLE's mean feature regression loss at position k), and
+    on-policy training's ``policy_groups`` (groups labelled by the target) and ``policy_label_agree`` (of the
+    labelled positions whose earlier drafts all equal the offline labels, the share whose on-policy label
+    equals the offline one)."""
     out: dict[str, float] = {}
     if "acc_num" in sums:
         for k in range(sums["acc_num"].numel()):
@@ -89,4 +92,8 @@ def finalize(sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
         for k in range(sums["reg_sum"].numel()):
             if sums["reg_count"][k] > 0:
                 out[f"{prefix}/reg_loss_{k}"] = float(sums["reg_sum"][k] / sums["reg_count"][k])
+    if "policy_groups" in sums:  # on-policy training (drafttrain.drafters.groups.label_own_drafts)
+        out[f"{prefix}/policy_groups"] = float(sums["policy_groups"])
+        if sums["policy_agree_den"] > 0:
+            out[f"{prefix}/policy_label_agree"] = float(sums["policy_agree_num"] / sums["policy_agree_den"])
     return out

@@ -136,6 +136,7 @@ def _check_values(c: TrainConfig) -> None:
     uses_engine = c.trainer.spec_eval.num_prompts > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
     problems += _check_target(c.target, uses_engine=uses_engine)
     problems += _check_drafter_layers(c)
+    problems += _check_strategy(c)
     problems += _check_backend("data.generation", c.data.generation, c.target)
     if c.optim.decay_over not in ("steps", "minutes"):
         problems.append(f"optim.decay_over must be steps|minutes, got {c.optim.decay_over!r}")
@@ -190,6 +191,35 @@ def _check_drafter_layers(c: TrainConfig) -> list[str]:
     except ValueError as err:
         return [f"{err} (target: {depth} decoder layers)"]
     return []
+
+
+def _check_strategy(c: TrainConfig) -> list[str]:
+    """Problems with ``trainer.strategy``, ``trainer.on_policy`` and ``loss``: a known strategy and divergence,
+    values in range, and a drafter whose training loss honours what is asked (``Drafter.objectives``; the
+    refusal names the drafter and its reason)."""
+    from drafttrain.config import DIVERGENCES, TRAINING_STRATEGIES
+
+    out = []
+    st, lc = c.trainer.strategy, c.loss  # value ranges: config.NUMERIC_RANGES
+    if st not in TRAINING_STRATEGIES:
+        out.append(f"trainer.strategy must be one of {'|'.join(sorted(TRAINING_STRATEGIES))}, got {st!r}")
+    if lc.divergence not in DIVERGENCES:
+        out.append(f"loss.divergence must be one of {'|'.join(DIVERGENCES)}, got {lc.divergence!r}")
+    cls = DRAFTERS.get(c.drafter.name)
+    if cls is None:
+        return out
+    wants = {"on_policy": st in ("on_policy", "mixed"), "cut_at_first_miss": lc.cut_at_first_miss,
+             "divergence": lc.divergence != "forward_kl"}  # fmt: skip
+    for what, asked in wants.items():
+        if asked and what not in cls.objectives:
+            if what == "on_policy":
+                out.append(f"trainer.strategy={st}: drafter '{c.drafter.name}' cannot train on its own drafts: "
+                           f"{cls.objective_refusal}")  # fmt: skip
+            else:
+                key = "loss.cut_at_first_miss" if what == "cut_at_first_miss" else f"loss.divergence={lc.divergence}"
+                out.append(f"{key}: drafter '{c.drafter.name}' does not support it (its loss supports: "
+                           f"{sorted(cls.objectives) or 'none of loss.*'})")  # fmt: skip
+    return out
 
 
 def target_model_config(t: TargetConfig) -> dict | None:

@@ -72,7 +72,7 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     from drafttrain.data.template import prompt_ids
     from drafttrain.eval.spec import plain_greedy, run_interleaved
     from drafttrain.target import load_target
-    from drafttrain.train import sssd_for_eval
+    from drafttrain.eval.lockstep import sssd_for_eval
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.planner import PlannedProposer, SpeculationPlanner
     from drafttrain.verify.proposers import PlainProposer, proposer_for

@@ -23,7 +23,7 @@ below, so every recipe trains on the same self-distilled sequences in the same o
 number of steps); the run ends with held-out ``eval/tau_sim`` and greedy chain speculative decoding of
 MT-bench questions, checked token for token against plain greedy. ``eval`` decodes GSM8K questions
 with the saved drafter (``Drafter.from_pretrained``), the same check; ``eval_suite=full`` instead decodes
-MT-bench and GSM8K prompts each with the batched verifier (:func:`drafttrain.train.spec_eval`, no
+MT-bench and GSM8K prompts each with the batched verifier (:func:`drafttrain.eval.lockstep.spec_eval`, no
 SSSD candidates): the recipe's draft tree (EAGLE-2 dynamic tree for the autoregressive drafters, the
 best-first static tree for the parallel ones, the same node budget) and the chain at batch 16, then
 batch-1 latency (plain vs speculative, the online planner), every output checked against plain greedy. ``report`` writes
@@ -70,6 +70,33 @@ STEPS = [
 ]
 
 
+#: Training objectives of one recipe, run as rows named ``RECIPE@VARIANT`` (docs/benchmarks/objectives.md): the
+#: variant's overrides follow COMMON and the plan (``overrides=`` still wins).
+VARIANTS = {
+    "offline": [],
+    "cut": ["loss.cut_at_first_miss=true"],
+    "on_policy": ["trainer.strategy=on_policy"],
+    "on_policy_cut": ["trainer.strategy=on_policy", "loss.cut_at_first_miss=true"],
+    "mixed": ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.share_end=0.0"],
+    "mixed_cut": ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.share_end=0.0",
+                  "loss.cut_at_first_miss=true"],
+}
+
+
+def split_row(name: str) -> tuple[str, list[str]]:
+    """A row name ``RECIPE`` or ``RECIPE@VARIANT`` -> (recipe, the variant's overrides).
+
+    Raises:
+        ValueError: an unknown recipe or variant.
+    """
+    recipe, _, variant = name.partition("@")
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r} in {name!r}; choose from {RECIPES}")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} in {name!r}; choose from {sorted(VARIANTS)}")
+    return recipe, VARIANTS.get(variant, [])
+
+
 def budget_overrides(minutes: float) -> list[str]:
     """Equal wall-clock budget: train until ``minutes`` of training time (the loop's own clock, saved in
     every checkpoint, so a resumed run continues it), a checkpoint and a held-out evaluation every 100
@@ -93,8 +120,10 @@ def train_command(recipe: str, out_root: Path, extra: list[str], budget_minutes:
     then ``extra`` (later overrides win)."""
     plan = STEPS if budget_minutes is None else budget_overrides(budget_minutes)
     out = run_dir(out_root, recipe)
+    base, variant = split_row(recipe)  # a RECIPE@VARIANT row trains RECIPE with the variant's overrides
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
-            f"+recipe={recipe}", *COMMON, *plan, f"output_dir={out}", f"run_name=bench-{recipe}", *extra]  # fmt: skip
+            f"+recipe={base}", *COMMON, *plan, *variant, f"output_dir={out}", f"run_name=bench-{recipe.replace('@', '-')}",
+            *extra]  # fmt: skip
 
 
 def cmd_train(recipe: str, out_root: Path, extra: list[str], budget_minutes: float | None = None) -> None:
@@ -151,14 +180,14 @@ FULL_PROMPTS = {"mt_bench": dict(prompt_stride=5), "gsm8k": dict(prompt_stride=1
 
 
 def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens: int, latency_prompts: int) -> dict:
-    """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.train.spec_eval`) with the run's
+    """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.eval.lockstep.spec_eval`) with the run's
     saved drafter: the recipe's draft tree (widths [4, 2, 1, 1, 1], at most 8 nodes: an EAGLE-2 dynamic
     tree for the autoregressive drafters, the best-first static tree for the parallel ones) and the chain,
     16 sequences at a time, then ``latency_prompts`` of them spread over the list one at a time (batch-1 latency, online
     planner), no SSSD candidates. Writes ``<run>/eval_full.json`` ({prompt set: spec_eval's metrics})."""
     import dataclasses
 
-    from drafttrain.train import spec_eval
+    from drafttrain.eval import lockstep
 
     out = run_dir(out_root, recipe)
     c, target, drafter = load_run(out)
@@ -176,7 +205,7 @@ def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens:
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
         Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        r = spec_eval(c2, target, drafter)
+        r = lockstep.spec_eval(c2, target, drafter)
         result[prompts] = {**r, "seconds": round(time.time() - t0, 1)}
         path.write_text(json.dumps(result, indent=1))
         print(json.dumps({prompts: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/speedup_b1", "eval/greedy_equal")}}))
@@ -219,13 +248,18 @@ def summarize(out_root: Path, recipe: str) -> dict:
         "heldout_curve": [(r["step"], round(final["train_seconds"] / 60 * r["step"] / max(final["step"], 1), 2), r["eval/tau_sim"])
                           for r in rows if "eval/tau_sim" in r],  # fmt: skip
         "epochs": final["samples"] / final["train_rows"] if final.get("train_rows") else None,
+        # on-policy rows: the target's labelling pass per step, and how often its labels equal the offline ones
+        "label_seconds_per_step": (sum(r.get("train/label_seconds", 0.0) for r in train_rows) / max(final["step"], 1)
+                                   if any("train/label_seconds" in r for r in train_rows) else None),  # fmt: skip
+        "policy_label_agree": next((r["train/policy_label_agree"] for r in reversed(train_rows)
+                                    if "train/policy_label_agree" in r), None),  # fmt: skip
     }
 
 
 def drafts_per_step(recipe: str, d: dict) -> int:
     """Draft tokens one drafting step proposes in a chain, from a run's saved drafter config: Medusa's heads,
     an autoregressive drafter's depth, ParallelSpec's K [MASK] tokens + 1, DFlash's block size - 1."""
-    if recipe == "medusa":
+    if recipe.partition("@")[0] == "medusa":
         return d["num_heads"]
     if "block_size" in d:
         return d["block_size"] - 1
@@ -348,6 +382,16 @@ def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
                              f"{f(m.get('eval/speedup_b1'), '{:.2f}x')} ({f(m.get('eval/tau_b1'))})")  # fmt: skip
             lines.append(f"| {r['recipe']} | " + " | ".join(cells) + f" | {eq(equal)} |")
         lines += decoding_table(full, sets)
+    costs = [r for r in rows if r.get("label_seconds_per_step") is not None]
+    if costs:
+        lines += ["", "Step cost of on-policy training: seconds per optimizer step in all, of which the target's "
+                  "labelling pass (one forward over the labelled rows + their groups' drafts); "
+                  "`policy_label_agree`: of the on-policy labels whose context drafts all equal the offline labels, "
+                  "the share equal to the offline label (last logged window):", "",
+                  "| row | step (s) | labelling (s/step) | policy_label_agree |", "|---|---|---|---|"]  # fmt: skip
+        for r in costs:
+            lines.append(f"| {r['recipe']} | {r['step_seconds']:.2f} | {r['label_seconds_per_step']:.2f} | "
+                         f"{f(r['policy_label_agree'])} |")
     ks = range(max([5] + [drafts_per_step(r["recipe"], r["drafter"]) for r in rows]))
     acc = ["", "Held-out per-position accuracy acc_k (cond_acc_k):", "",
            "| recipe | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]  # fmt: skip
@@ -370,7 +414,7 @@ class BenchRecipesConfig:
     """Schema of ``python -m scripts.bench_recipes`` (key=value overrides, validated before any work)."""
 
     phase: str = "report"  # train | eval | report
-    recipe: str | None = None  # train / eval: one of RECIPES
+    recipe: str | None = None  # train / eval: one of RECIPES, or RECIPE@VARIANT (VARIANTS: a training objective)
     out_root: str = "outputs/bench_recipes"  # one training run folder per recipe
     dest: str = "docs/benchmarks/recipes"
     gsm8k_prompts: int = GSM8K_PROMPTS
@@ -389,14 +433,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_cli(BenchRecipesConfig, argv)
     if args.phase not in ("train", "eval", "report"):
         raise ConfigError(f"phase must be train, eval or report, got {args.phase!r}")
-    if args.phase in ("train", "eval") and args.recipe not in RECIPES:
-        raise ConfigError(f"phase={args.phase} needs recipe= one of {RECIPES}")
+    for name in ([args.recipe] if args.phase in ("train", "eval") else []) + list(args.recipes):
+        if name is None:
+            raise ConfigError(f"phase={args.phase} needs recipe= one of {RECIPES} (or RECIPE@VARIANT, {sorted(VARIANTS)})")
+        try:
+            split_row(name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if args.eval_suite not in ("chain", "full"):
         raise ConfigError(f"eval_suite must be chain or full, got {args.eval_suite!r}")
     if args.budget_minutes is not None and args.budget_minutes <= 0:
         raise ConfigError(f"budget_minutes must be > 0, got {args.budget_minutes}")
-    if unknown := [r for r in args.recipes if r not in RECIPES]:
-        raise ConfigError(f"recipes: unknown {unknown}; choose from {RECIPES}")
     out_root, dest = Path(args.out_root).resolve(), Path(args.dest)
     if args.phase == "train":
         cmd_train(args.recipe, out_root, args.overrides, args.budget_minutes)

@@ -28,10 +28,10 @@ def run(cfg: Any) -> dict[str, Any]:
 
     Raises:
         ConfigError: an unknown key or a bad value (before any data is read).
-        FileNotFoundError / ValueError: unreadable decision logs (:func:`drafttrain.train_decision.read_decisions`).
+        FileNotFoundError / ValueError: unreadable decision logs (:func:`drafttrain.train.decision_model.read_decisions`).
     """
     from drafttrain.validation import validate
-    from drafttrain.train_decision import train_decision_model
+    from drafttrain.train.decision_model import train_decision_model
 
     return train_decision_model(validate(cfg, DecisionModelConfig))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafttrain.config import ConfigError
-from drafttrain.train_decision import read_decisions
+from drafttrain.train.decision_model import read_decisions
 from drafttrain.verify.methods.mcsd_decision import DecisionModel, load_decision_model, save_decision_model
 from helpers import compose_dict
 

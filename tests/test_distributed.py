@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafttrain.config import ConfigError, TrainConfig
-from drafttrain.distributed import Zero3LossOutput, configure_deepspeed, frozen_target_context, zero_stage
+from drafttrain.train.distributed import Zero3LossOutput, configure_deepspeed, frozen_target_context, zero_stage
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "conf" / "accelerate").glob("*.yaml"))

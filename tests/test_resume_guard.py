@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from drafttrain import train as T
+from drafttrain.train.loop import MetricsLog
+from drafttrain.validation import resolve_mixed_precision, validate
 from drafttrain.config import ConfigError, to_dict
 
 
@@ -60,9 +62,9 @@ def test_resume_refuses_a_changed_job_naming_the_keys(tmp_path, no_model, change
 
 def test_resume_allows_the_documented_keys(tmp_path):
     ck = _fake_checkpoint(tmp_path)
-    c = T.validate(_cfg(tmp_path, "resume=true", "trainer.max_steps=5000", "trainer.max_minutes=30", "trainer.log_every=3",
+    c = validate(_cfg(tmp_path, "resume=true", "trainer.max_steps=5000", "trainer.max_minutes=30", "trainer.log_every=3",
                         "trainer.save_every=7", "trainer.keep_checkpoints=4", "logging.wandb=false", "run_name=again"))  # fmt: skip
-    c.trainer.mixed_precision = T.resolve_mixed_precision(c.trainer.mixed_precision)
+    c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     assert T.check_resume(c) == ck
 
 
@@ -80,8 +82,8 @@ def test_resume_accepts_keys_added_since_the_checkpoint_at_their_defaults(tmp_pa
         del saved[section][key]
     (ck / "config.json").write_text(json.dumps(saved))
 
-    c = T.validate(_cfg(tmp_path, "resume=true"))
-    c.trainer.mixed_precision = T.resolve_mixed_precision(c.trainer.mixed_precision)
+    c = validate(_cfg(tmp_path, "resume=true"))
+    c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     for section, key in added:  # the new run keeps each at the schema default
         assert getattr(getattr(c, section), key) == defaults[section][key]
     assert T.check_resume(c) == ck
@@ -136,9 +138,9 @@ def test_decay_over_is_checked_before_anything_loads(tmp_path):
     from drafttrain.config import ConfigError
 
     with pytest.raises(ConfigError, match="optim.decay_over must be steps|minutes"):
-        T.validate(_cfg(tmp_path, "optim.decay_over=hours"))
+        validate(_cfg(tmp_path, "optim.decay_over=hours"))
     with pytest.raises(ConfigError, match="needs trainer.max_minutes"):
-        T.validate(_cfg(tmp_path, "optim.decay_over=minutes", "trainer.max_minutes=null"))
+        validate(_cfg(tmp_path, "optim.decay_over=minutes", "trainer.max_minutes=null"))
 
 
 def test_interrupted_saves_are_removed_and_replace_is_atomic(tmp_path):
@@ -172,9 +174,9 @@ def test_metrics_log_is_cut_back_to_the_checkpoint_on_resume(tmp_path):
     fresh run in the same folder starts an empty file (it used to append to the old run's rows)."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5)))  # killed after step 5
-    mlog = T.MetricsLog(path, True)
+    mlog = MetricsLog(path, True)
     mlog.start(3)  # the checkpoint at step 3 had written 3 rows
     mlog.write({"train/loss": 1.0}, 4)
     assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [1, 2, 3, 4] and mlog.lines == 4
-    T.MetricsLog(path, True).start(None)
+    MetricsLog(path, True).start(None)
     assert path.read_text() == ""

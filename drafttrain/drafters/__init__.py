@@ -9,7 +9,16 @@ keys are validated against its ``defaults``, :func:`drafttrain.validation.valida
 
 from __future__ import annotations
 
-from drafttrain.drafters.base import DRAFTERS, LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import (
+    DRAFTERS,
+    LAST_LAYER,
+    Drafter,
+    DrafterSpec,
+    DraftGroups,
+    LossOutput,
+    Objective,
+    SharedTargetModules,
+)
 from drafttrain.drafters.dflash import DFlashDrafter
 from drafttrain.drafters.eagle import EagleDrafter
 from drafttrain.drafters.eagle3 import Eagle3Drafter
@@ -95,10 +104,12 @@ __all__ = [
     "LAST_LAYER",
     "Drafter",
     "DrafterSpec",
+    "DraftGroups",
     "Eagle3Drafter",
     "EagleDrafter",
     "LossOutput",
     "MedusaDrafter",
+    "Objective",
     "ParallelSpecDrafter",
     "ParallelSpecEagle3Drafter",
     "ParallelSpecEagleDrafter",

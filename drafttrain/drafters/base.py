@@ -158,6 +158,56 @@ class LossOutput:
     num_tokens: int = 0  # drafter input slots processed (for tokens/s)
 
 
+@dataclass
+class DraftGroups:
+    """Parallel groups whose drafted continuations the frozen target labels (on-policy training).
+
+    Group g continues row ``row[g]`` of the training batch after item ``anchor[g]`` (so after the token
+    x_{a+1}, the last token the drafter's context holds) with the drafter's own drafts.
+
+    Attributes:
+        row: [g] int64 batch row of each group.
+        anchor: [g] int64 anchor item a of each group (in [0, t); the token context is x_0..x_{a+1}).
+        drafts: [g, K] int64 target token ids d_0..d_{K-1}: the drafter's guesses at group positions 0..K-1,
+            placed at token positions a + 2 .. a + K + 1.
+    """
+
+    row: torch.Tensor
+    anchor: torch.Tensor
+    drafts: torch.Tensor
+
+
+@dataclass
+class Objective:
+    """What a training step asks of a drafter's loss beyond its recipe (``loss.*`` and the training strategy,
+    :mod:`drafttrain.train.strategies`). The default is the offline objective of every recipe.
+
+    Attributes:
+        divergence: ``forward_kl`` | ``reverse_kl`` | ``js`` (:func:`drafttrain.losses.divergence`), where the
+            drafter's loss is a distance to the target's distribution.
+        cut_at_first_miss: Spec-AUF: a group's slots after its first predicted miss (the drafter's argmax differs
+            from the label, or the label lies outside the draft vocabulary) count ``cut_weight``.
+        cut_weight: weight of those slots (0 = left out of the loss and of its per-position means).
+        labeller: on-policy: ``labeller(groups: DraftGroups) -> [g, K, d] float32``, the target's post-norm
+            hidden states at the drafted positions (row j-1 of a group: the state after x_0..x_{a+1}, d_0..d_{j-1},
+            whose LM head is the target's distribution for group position j). None = offline labels.
+        temperature: on-policy drafts: 0 = argmax, > 0 = sampled at this temperature (the step's generator).
+        groups_per_row: on-policy: at most this many groups per row are drafted and labelled (0 = all); the
+            others keep their offline labels.
+    """
+
+    divergence: str = "forward_kl"
+    cut_at_first_miss: bool = False
+    cut_weight: float = 0.0
+    labeller: Any = None
+    temperature: float = 0.0
+    groups_per_row: int = 0
+
+    @property
+    def on_policy(self) -> bool:
+        return self.labeller is not None
+
+
 class Drafter(nn.Module):
     """Base class: config keys, shared target modules (outside the module tree), draft vocabulary, save/load.
 
@@ -169,6 +219,11 @@ class Drafter(nn.Module):
     name: ClassVar[str] = "base"
     spec: ClassVar[DrafterSpec]
     defaults: ClassVar[dict[str, Any]] = {}
+    #: :class:`Objective` features its ``training_loss`` honours: "divergence", "cut_at_first_miss", "on_policy".
+    #: Validation refuses a config asking for one the drafter lacks, naming :attr:`objective_refusal`.
+    objectives: ClassVar[frozenset[str]] = frozenset()
+    #: Why the drafter cannot train on its own drafts (printed when ``trainer.strategy`` asks for it).
+    objective_refusal: ClassVar[str] = "its training loss has no on-policy path yet"
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules):
         """Raises:
@@ -247,12 +302,18 @@ class Drafter(nn.Module):
         K + 1, Medusa K (heads), EAGLE D (autoregressive steps). Proposers size their default chain by it."""
         raise NotImplementedError
 
-    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
+    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                      objective: Objective | None = None) -> LossOutput:  # fmt: skip
         raise NotImplementedError
 
-    def forward(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
-        """The training loss; called through ``forward`` so DDP/DeepSpeed wrappers see the call."""
-        return self.training_loss(batch, generator)
+    def forward(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                objective: Objective | None = None) -> LossOutput:  # fmt: skip
+        """The training loss; called through ``forward`` so DDP/DeepSpeed wrappers see the call. ``objective``
+        (None = the recipe's offline objective) is passed on only when given, so a drafter whose
+        ``training_loss`` takes no objective still trains offline."""
+        if objective is None:
+            return self.training_loss(batch, generator)
+        return self.training_loss(batch, generator, objective)
 
     # -- draft vocabulary -----------------------------------------------------------------------
     @property

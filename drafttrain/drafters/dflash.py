@@ -49,8 +49,9 @@ from torch import nn
 from drafttrain import families
 from drafttrain import layout as L
 from drafttrain import attention as A
-from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, Objective, SharedTargetModules
 from drafttrain.drafters.feature_layer import init_fresh_
+from drafttrain.drafters.groups import cut_weights, label_own_drafts
 from drafttrain.losses import weighted_position_mean
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
 
@@ -83,6 +84,7 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     # feature_layers here is a placeholder: the real ids depend on the config and the target (layers_for)
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=False)
+    objectives = frozenset({"cut_at_first_miss", "on_policy"})  # its loss is hard cross-entropy: no divergence
     defaults = {
         "num_layers": 2,
         "block_size": 8,
@@ -311,38 +313,68 @@ class DFlashDrafter(Drafter):
         mask = mask if A.is_block_mask(mask) else mask.to(x.dtype)
         return kinds, anchors, lab, self.blocks_forward(ctx_kv, x, pos_q, mask)
 
-    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
+    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                      objective: Objective | None = None) -> LossOutput:  # fmt: skip
         """Position-decayed cross-entropy over every block of the batch (module docstring; paper Eq. 4).
 
         Batch keys: ``input_ids`` [b, L] int64 right-padded, ``loss_mask`` [b, L], ``lengths`` [b],
         ``features`` [b, L-1, F] (the layers :attr:`feature_layers` of f_0..f_{L-2}).
+
+        ``objective`` (None = offline): Spec-AUF's cut after a block's first miss, and on-policy labels (the
+        target's argmax after the block's own drafts, :mod:`drafttrain.drafters.groups`; training mode only).
+        A block's drafted slots (kinds 2..B) are its group positions 0..B-2.
         """
+        obj = objective or Objective()
         kinds, anchors, lab, h = self.block_hidden(batch, generator)
-        keep = lab != L.IGNORE_INDEX
+        lab = lab.clone()
+        bsz = self.block_size
+        valid = lab != L.IGNORE_INDEX
+        scored = valid & (self.target_to_draft(lab) >= 0)  # a label outside the draft vocabulary is not trained on
+        row, slots = self._block_groups(kinds)
+        sums: dict[str, torch.Tensor] = {}
+        if obj.on_policy and self.training:
+            final = h.new_zeros((*lab.shape, int(self.shared.model_config.hidden_size)), dtype=torch.float32)
+            anchor = anchors[row, slots[:, 0]] if row.numel() else row
+            sums.update(label_own_drafts(self, h, row, slots, anchor, lab, valid, final, scored, obj, generator))
+        keep = valid & scored
         draft = self.target_to_draft(lab)
-        keep &= draft >= 0  # a label outside the draft vocabulary is not trained on
         logits = self.vocab_logits(h[keep])  # [m, N]
         ce = torch.nn.functional.cross_entropy(logits, draft[keep], reduction="none")
         k = (kinds[keep] - 1).clamp_min(0)  # k = 1..B-1 for the drafted slots
-        bsz = self.block_size
         gamma = float(self.config["loss_decay_gamma"])
         weights = [0.0] + [math.exp(-(j - 1) / gamma) for j in range(1, bsz)]
-        loss, ce_sum, ce_count = weighted_position_mean(ce, k, weights)
-        sums = {"ce_sum": ce_sum[1:], "ce_count": ce_count[1:]}
+        correct = torch.zeros_like(valid)
+        correct[keep] = logits.detach().argmax(-1) == draft[keep]
+        slot_w = cut_weights(row, slots, correct, valid, scored, obj.cut_weight)[keep] if obj.cut_at_first_miss else None
+        loss, ce_sum, ce_count = weighted_position_mean(ce, k, weights, slot_w)
+        sums.update({"ce_sum": ce_sum[1:], "ce_count": ce_count[1:]})
         with torch.no_grad():  # per block: drafted slots k = 1..B-1 in order
-            correct = torch.zeros_like(lab, dtype=torch.bool)
-            correct[keep] = logits.argmax(-1) == draft[keep]
-            valid = (lab != L.IGNORE_INDEX) & (kinds > 1)
-            g = valid.shape[1] // bsz
+            valid_d = valid & (kinds > 1)
+            g = valid_d.shape[1] // bsz
             if g:
                 cg = correct[:, : g * bsz].reshape(-1, bsz)[:, 1:]
-                vg = valid[:, : g * bsz].reshape(-1, bsz)[:, 1:]
+                vg = valid_d[:, : g * bsz].reshape(-1, bsz)[:, 1:]
                 groups = vg[:, 0]
                 sums.update(group_acceptance_sums(cg[groups], vg[groups]) if groups.any()
                             else empty_group_sums(bsz - 1, device=valid.device))  # fmt: skip
             else:
                 sums.update(empty_group_sums(bsz - 1, device=valid.device))
         return LossOutput(loss=loss, sums=sums, num_tokens=int(kinds.gt(0).sum()))
+
+    def _block_groups(self, kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks as group tables (:mod:`drafttrain.drafters.groups`): (row [g], slots [g, B - 1]), slot p of a
+        block = its kind p + 2 slot (the block slots of a row are laid out block by block, kinds 1..B in order)."""
+        bsz = self.block_size
+        rows, tables = [], []
+        for i in range(kinds.shape[0]):
+            nb = int((kinds[i] > 0).sum()) // bsz
+            if nb:
+                tables.append(torch.arange(nb * bsz, device=kinds.device).view(nb, bsz)[:, 1:])
+                rows.append(torch.full((nb,), i, dtype=torch.long, device=kinds.device))
+        if not rows:
+            return (torch.zeros(0, dtype=torch.long, device=kinds.device),
+                    torch.zeros((0, bsz - 1), dtype=torch.long, device=kinds.device))  # fmt: skip
+        return torch.cat(rows), torch.cat(tables)
 
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()

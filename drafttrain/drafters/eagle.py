@@ -53,6 +53,9 @@ class EagleDrafter(FeatureLayerDrafter):
     """
 
     name = "eagle"
+    objective_refusal = ("EAGLE regresses the target's next feature; on its own drafts it would need the target's "
+                         "features along every draft chain, which its loss does not read yet (eagle3, parallelspec and "
+                         "dflash train on-policy)")
     spec = DrafterSpec(drafting="autoregressive", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "draft_depth": 5,

@@ -63,6 +63,8 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    objective_refusal = ("Medusa heads read only the target's last state f_t: no draft ever enters their inputs and "
+                         "they have no group layout for the target to label; train Medusa offline")
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="last", batched=False)
     defaults = {"num_heads": 4, "loss_decay": 0.8, "draft_vocab_size": 0, "kd_weight": 0.0}
 

@@ -45,6 +45,8 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
     """
 
     name = "parallelspec"
+    objective_refusal = ("ParallelSpec's Medusa integration (Eq. 3) has no group objective path yet; the main job's "
+                         "parallelspec recipe (the EAGLE-3 network) and dflash train on-policy")
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     defaults = {
         "num_mask_tokens": 4,

@@ -36,6 +36,9 @@ class ParallelSpecEagleDrafter(ParallelSpecDrafter):
     """
 
     name = "parallelspec_eagle"
+    objective_refusal = ("ParallelSpec's EAGLE integration (Eq. 4) regresses target features and has no group "
+                         "objective path yet; the main job's parallelspec recipe and dflash train on-policy")
+    objectives = frozenset()  # not the parent's: its own loss (Eq. 4)
     defaults = {
         **ParallelSpecDrafter.defaults,
         "loss_decay": 1.0,

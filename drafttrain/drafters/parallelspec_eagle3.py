@@ -38,11 +38,12 @@ from torch import nn
 
 from drafttrain import layout as L
 from drafttrain.attention import layout_mask
-from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import LAST_LAYER, DrafterSpec, LossOutput, Objective, SharedTargetModules
 from drafttrain.drafters.eagle3 import NUM_AUX, Eagle3Drafter
+from drafttrain.drafters.groups import cut_weights, label_own_drafts, parallel_group_slots
 from drafttrain.drafters.parallelspec import ParallelSpecDrafter
 from drafttrain.drafters.target_argmax import memo_of
-from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
+from drafttrain.losses import divergence, group_position_weights, weighted_position_mean
 
 
 class ParallelSpecEagle3Drafter(Eagle3Drafter):
@@ -64,6 +65,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
 
     name = "parallelspec_eagle3"
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
+    objectives = frozenset({"divergence", "cut_at_first_miss", "on_policy"})
     defaults = {
         "num_mask_tokens": 4,
         "mask_token_id": -1,
@@ -124,31 +126,47 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         x = torch.where((lay.slot_kind > 0)[..., None], self.draft_inputs()[0].to(x.dtype), x)
         return self.decode(x, layout_mask(lay, x.dtype), lay.position_ids)
 
-    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
+    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                      objective: Objective | None = None) -> LossOutput:  # fmt: skip
         """The group loss (module docstring) over ParallelSpec's layout; metrics per parallel group.
 
         Batch keys: ``input_ids`` [b, L], ``loss_mask`` [b, L], ``lengths`` [b], ``features`` [b, L-1, F]
         (the layers :attr:`feature_layer_ids`). In eval mode every anchor is scored.
+
+        ``objective`` (:class:`~drafttrain.drafters.base.Objective`; None = offline, forward KL): the divergence,
+        Spec-AUF's cut after a group's first miss, and on-policy labels for the drafter's own drafts
+        (:mod:`drafttrain.drafters.groups`; training mode only).
         """
+        obj = objective or Objective()
         ids, feats = batch["input_ids"], batch["features"]
         t = ids.shape[1] - 1
         items = self.items(ids[:, 1:], feats[:, :t])  # [b, t, 2d]
         lay = self.layouts(batch, generator, ratio=None if self.training else 1.0)
         h = self.forward_layout(items, lay)  # [b, s, d]
-        valid = lay.labels != L.IGNORE_INDEX  # [b, s]
+        labels = lay.labels.clone()  # [b, s] target ids; on-policy relabels group positions 1..K
+        valid = labels != L.IGNORE_INDEX  # [b, s]
+        row, slots = parallel_group_slots(lay.slot_kind, lay.slot_anchor, lay.num_items, self.num_mask_tokens)
         with torch.no_grad():
             final_all = self.final_features(feats[:, :t])  # [b, t, d]
-            final = self.slot_target_features(lay, final_all, valid)  # [m0, d] f_{a+k+1}
-            in_vocab = self._argmax_in_vocab(final, lay, valid, batch, final_all)
-        sel = valid.clone()
-        sel[valid] = in_vocab  # slots that enter the loss
+            final = final_all.new_zeros((*valid.shape, final_all.shape[-1]))  # [b, s, d] f_{a+k+1} per slot
+            final[valid] = self.slot_target_features(lay, final_all, valid)
+            scored = torch.zeros_like(valid)  # the label's full-vocabulary argmax is a draft id
+            scored[valid] = self._argmax_in_vocab(final[valid], lay, valid, batch, final_all)
+        sums: dict[str, torch.Tensor] = {}
+        if obj.on_policy and self.training:
+            anchor = lay.slot_anchor[row, slots[:, 0]] if row.numel() else row
+            sums.update(label_own_drafts(self, h, row, slots, anchor, labels, valid, final, scored, obj, generator))
+        sel = valid & scored  # slots that enter the loss
         logits = self.vocab_logits(h[sel])  # [m, N]
-        kl = forward_kl(logits, self.target_logits(final[in_vocab]))
-        loss, kl_sum, kl_count = weighted_position_mean(kl, lay.slot_kind[sel], self.weights)
-        draft = self.target_to_draft(lay.labels)
+        div = divergence(logits, self.target_logits(final[sel]), obj.divergence)
+        draft = self.target_to_draft(labels)
         correct = torch.zeros_like(valid)
-        correct[sel] = logits.argmax(-1) == draft[sel]
-        sums = {"kl_sum": kl_sum, "kl_count": kl_count, **self._group_sums(lay, correct, valid)}
+        correct[sel] = logits.detach().argmax(-1) == draft[sel]
+        slot_w = None
+        if obj.cut_at_first_miss:
+            slot_w = cut_weights(row, slots, correct, valid, scored, obj.cut_weight)[sel]
+        loss, kl_sum, kl_count = weighted_position_mean(div, lay.slot_kind[sel], self.weights, slot_w)
+        sums.update({"kl_sum": kl_sum, "kl_count": kl_count, **self._group_sums(lay, correct, valid)})
         return LossOutput(loss=loss, sums=sums, num_tokens=int((lay.slot_kind >= 0).sum()))
 
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """The training run's own evaluation, run again on its saved drafter: ``python -m scripts.evaluate preset=training``.
 
-A training run ends with :func:`drafttrain.train.spec_eval` (``trainer.spec_eval.*`` of its config: the
+A training run ends with :func:`drafttrain.eval.lockstep.spec_eval` (``trainer.spec_eval.*`` of its config: the
 prompts, the draft tree with SSSD's candidates from a datastore over its own training answers, the
 lock-step batch-16 and batch-1 timings against plain decoding). :func:`training_eval` runs exactly that
 evaluation, through the same function, on a finished run folder: the run's saved config (validated as it
@@ -37,7 +37,7 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
     from drafttrain.config import upgrade_saved
     from drafttrain.drafters import Drafter
     from drafttrain.target import load_target
-    from drafttrain.train import spec_eval
+    from drafttrain.eval.lockstep import spec_eval
     from drafttrain.validation import validate
 
     run = Path(run)

@@ -222,7 +222,7 @@ def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_dra
 def test_latency_subset_spreads_over_the_prompt_list():
     """The batch-1 latency prompts are spread evenly: with the main job's 16 MT-bench prompts (2 per category,
     in category order) 8 of them are one per category, not the first 4 categories twice."""
-    from drafttrain.train import latency_subset
+    from drafttrain.eval.lockstep import latency_subset
 
     items = list(range(16))
     assert latency_subset(items, 8) == [0, 2, 4, 6, 8, 10, 12, 14]

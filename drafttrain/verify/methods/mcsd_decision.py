@@ -13,7 +13,7 @@ Model: :class:`DecisionModel`, type 2 (two linear layers on the top-k
 probabilities and entropy of the drafter distribution, plus the level's depth: the parallel drafter
 has one distribution per level, :func:`level_features`), trained with
 binary cross-entropy (:func:`decision_loss`) on hard accepted/rejected labels. The training job (step 2)
-is :mod:`drafttrain.train_decision`; what the verifier needs (features, the stop rule, loading) is here.
+is :mod:`drafttrain.train.decision_model`; what the verifier needs (features, the stop rule, loading) is here.
 
 Files: ``<folder>/{model.safetensors,config.json}`` (:func:`save_decision_model`, :func:`load_decision_model`).
 """

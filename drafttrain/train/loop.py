@@ -1,4 +1,4 @@
-"""The one training loop for every drafter (accelerate): steps, metrics, checkpoints, evaluation.
+"""The one training loop for every drafter (accelerate): steps, metrics, the run's stages.
 
 ``run(cfg)`` is what ``train.py`` (the Hydra entry point) calls and what tests call directly.
 Order of work: validate the config (a typo fails here, before any model loads) -> Accelerator ->
@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,21 @@ from typing import Any
 import torch
 
 from drafttrain.config import TrainConfig, to_dict
+from drafttrain.eval import lockstep
 from drafttrain.fingerprint import dataset_fingerprint, git_sha
+from drafttrain.train.checkpoint import (
+    CHECKPOINTS,
+    TrainState,
+    atomic_save_pretrained,
+    check_resume,
+    fault_point,
+    remove_incomplete_checkpoints,
+    save_checkpoint,
+)
+from drafttrain.train.schedule import lr_lambda, set_schedule_lr
 from drafttrain.validation import resolve_mixed_precision, validate
 
 log = logging.getLogger(__name__)
-
-CHECKPOINTS = "checkpoints"
-COMPLETE = "COMPLETE"
 
 
 # ==================================================================================================
@@ -49,233 +56,11 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     from drafttrain.config import MOVED_KEYS
 
     check_moved(overrides, MOVED_KEYS)  # an old key names its new home
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     return validate(cfg)
 
-
-# ==================================================================================================
-# schedule, checkpoints
-# ==================================================================================================
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / max(warmup, 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def schedule_factor(step: int, train_seconds: float, c: TrainConfig) -> float:
-    """The lr factor for optimizer step ``step`` (0-based) of run ``c``: :func:`lr_lambda` over
-    ``trainer.max_steps`` (``optim.decay_over=steps``), or, with ``decay_over=minutes``, the same warm-up
-    (steps) and a cosine whose progress is the training time spent, ``train_seconds / (60 * max_minutes)``:
-    a run bounded by its time budget ends its decay when the budget ends, whatever its step rate."""
-    o = c.optim
-    if o.decay_over != "minutes" or step < o.warmup_steps:
-        return lr_lambda(step, o.warmup_steps, c.trainer.max_steps, o.min_lr_ratio)
-    progress = min(1.0, train_seconds / (60.0 * c.trainer.max_minutes))
-    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class TrainState:
-    """Loop counters saved with every checkpoint (accelerate custom checkpoint object)."""
-
-    def __init__(self):
-        self.step = 0  # optimizer steps done
-        self.samples = 0  # global samples consumed (the data position)
-        self.train_seconds = 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "samples": self.samples, "train_seconds": self.train_seconds}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.step, self.samples, self.train_seconds = int(d["step"]), int(d["samples"]), float(d["train_seconds"])
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder under ``out_dir/checkpoints`` (None if there is none)."""
-    root = out_dir / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
-    return done[-1] if done else None
-
-
-def remove_incomplete_checkpoints(out_dir: Path) -> list[Path]:
-    """Delete what a killed save left behind: ``.tmp_*`` / ``.old_*`` folders and ``step_*`` folders
-    without the COMPLETE marker (rank 0 only). Returns the removed paths."""
-    root = out_dir / CHECKPOINTS
-    gone = [p for p in root.glob(".tmp_step_*")] + [p for p in root.glob(".old_step_*")]
-    gone += [p for p in root.glob("step_*") if not (p / COMPLETE).is_file()]
-    for p in gone:
-        shutil.rmtree(p, ignore_errors=True)
-        log.warning("removed an incomplete checkpoint folder %s (a save was interrupted)", p)
-    return gone
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished folder ``tmp`` to ``final`` (same file system), replacing an older ``final``.
-
-    Both renames are atomic: a kill leaves either the old folder, or none at ``final`` (the old one
-    is then at ``.old_<name>`` and removed by the next save), never a half-written ``final``.
-    """
-    old = final.with_name(f".old_{final.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def fault_point(name: str, step: int) -> None:
-    """Test-only fault injection: ``DRAFTTRAIN_FAULT=<name>@<step>`` makes this process SIGKILL itself at
-    the named point of that step (``step``: mid-step, after backward and before the optimizer step;
-    ``checkpoint``: while a checkpoint is being written, state saved but no marker; ``complete``: right
-    after a checkpoint became COMPLETE). Unset (always, outside ``tests/test_train_cli.py``): nothing."""
-    spec = os.environ.get("DRAFTTRAIN_FAULT")
-    if spec and spec == f"{name}@{step}":
-        import signal
-
-        print(f"[drafttrain] DRAFTTRAIN_FAULT: SIGKILL at {spec}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path, metrics_lines: int = 0) -> Path:
-    """accelerate state (drafter, optimizer, scheduler, RNG, TrainState) + drafter safetensors + config + git SHA.
-
-    Written into ``checkpoints/.tmp_step_N`` by every rank, then (after a barrier across ranks, so
-    every rank's shards are on disk) rank 0 writes the COMPLETE marker and renames the folder to
-    ``step_N``. A run killed at any point leaves either a complete checkpoint or a temporary folder
-    that the next save (or resume) removes; :func:`latest_checkpoint` only trusts COMPLETE ones.
-    ``metrics_lines`` (rows of ``metrics.jsonl`` so far) goes into ``meta.json``: a resume cuts the
-    file back to it, so every step is logged once. Old checkpoints beyond ``keep_checkpoints`` are removed.
-    """
-    from drafttrain.distributed import full_drafter
-
-    root = out_dir / CHECKPOINTS
-    path = root / f"step_{state.step:07d}"
-    tmp = root / f".tmp_{path.name}"
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
-    model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
-    if accelerator.is_main_process:
-        model.save_pretrained(tmp / "drafter")
-        (tmp / "config.json").write_text(json.dumps(to_dict(c), indent=1))
-        from drafttrain.fingerprint import target_fingerprint
-
-        meta = {"git_sha": git_sha() or "unknown", **state.state_dict(), "metrics_lines": metrics_lines,
-                "target_fingerprint": target_fingerprint(c.target)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    fault_point("checkpoint", state.step)
-    accelerator.wait_for_everyone()  # every rank's part is written before the marker
-    if accelerator.is_main_process:
-        (tmp / COMPLETE).write_text("ok")
-        replace_dir(tmp, path)
-        fault_point("complete", state.step)
-        remove_incomplete_checkpoints(out_dir)
-        done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
-        for old in done[: -c.trainer.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return path
-
-
-#: Keys that may differ between a checkpoint's config and a resumed run's (everything else must match,
-#: or ``resume=true`` refuses). Prefixes end with a dot or an underscore. trainer.max_steps: the
-#: learning rate follows the warm-up + cosine schedule of the *new* max_steps from the resume step on.
-RESUME_MAY_CHANGE = (
-    "resume", "run_name", "output_dir", "data.cache_dir", "logging.", "trainer.max_steps", "trainer.max_minutes",
-    "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints", "trainer.num_threads",
-    "trainer.progress", "trainer.spec_eval",
-    "data.generation.vllm.",  # where vLLM runs (python, cores, memory), not what it generates; absent before it existed
-)  # fmt: skip
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def resume_mismatch(saved: dict, now: dict, defaults: dict | None = None) -> list[str]:
-    """Keys (dotted) whose values differ between a checkpoint's config and this run's, leaving out
-    :data:`RESUME_MAY_CHANGE`; each as ``"key: checkpoint X, now Y"``.
-
-    A key absent from the checkpoint's config whose value now is its schema default (``defaults``,
-    :class:`~drafttrain.config.TrainConfig`'s when None) is not a difference: the checkpoint was written
-    before the key existed, when the code behaved as that default does (e.g. ``trainer.export``,
-    ``trainer.attention``, ``data.self_distill_minutes``). Absent with another value still differs.
-    """
-    a, b = _flat(saved), _flat(now)
-    d = _flat(to_dict(TrainConfig()) if defaults is None else defaults)
-
-    def differs(k: str) -> bool:
-        if k.startswith(RESUME_MAY_CHANGE):
-            return False
-        if k not in a and k in b and k in d and b[k] == d[k]:
-            return False  # added after the checkpoint was written, and left at its default
-        return a.get(k) != b.get(k)
-
-    keys = sorted(k for k in set(a) | set(b) if differs(k))
-    return [f"{k}: checkpoint {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r}" for k in keys]
-
-
-def check_resume(c: TrainConfig) -> Path | None:
-    """The checkpoint ``resume=true`` will load, after checking it is this job's (no model loads here).
-
-    Raises:
-        ConfigError: the checkpoint's config differs in a key outside :data:`RESUME_MAY_CHANGE`; the
-            message names every differing key with both values.
-    """
-    from drafttrain.config import ConfigError
-    from drafttrain.data.shards import read_json
-
-    ckpt = latest_checkpoint(Path(c.output_dir))
-    if ckpt is None:
-        return None
-    saved = read_json(ckpt / "config.json", f"delete {ckpt} (an older checkpoint, if any, is used) and rerun")
-    diff = resume_mismatch(saved, to_dict(c))
-    meta_path = ckpt / "meta.json"
-    meta = read_json(meta_path, f"delete {ckpt} (an older checkpoint, if any, is used) and rerun") if meta_path.is_file() else {}
-    if meta.get("target_fingerprint"):
-        from drafttrain.fingerprint import target_fingerprint
-
-        now = target_fingerprint(c.target)
-        if meta["target_fingerprint"] != now:
-            diff.append(f"target weights: checkpoint {meta['target_fingerprint']}, now {now}")
-    if diff:
-        raise ConfigError(
-            f"resume=true: {ckpt} was written by a different job; these keys differ: {'; '.join(diff)}. "
-            f"Only {', '.join(RESUME_MAY_CHANGE)} may change on resume. Use another output_dir, or resume=false to "
-            f"start over."
-        )
-    return ckpt
-
-
-def set_schedule_lr(optimizer, base_lrs: list[float], step: int, c: TrainConfig, train_seconds: float = 0.0) -> None:
-    """Set every param group's lr to the schedule's value for the next step (after a resume, and after
-    every step under ``optim.decay_over=minutes``): :func:`schedule_factor` of the *current*
-    ``trainer.max_steps`` / ``max_minutes``, which a resume may have changed."""
-    factor = schedule_factor(step, train_seconds, c)
-    for group, base in zip(optimizer.param_groups, base_lrs):
-        group["lr"] = base * factor
-
-
-def atomic_save_pretrained(model, final: Path) -> None:
-    """``model.save_pretrained`` into a temporary folder renamed into place (:func:`replace_dir`)."""
-    tmp = final.with_name(f".tmp_{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    replace_dir(tmp, final)
 
 
 # ==================================================================================================
@@ -396,6 +181,7 @@ class _Run:
     n_params: int = 0
     launch: dict[str, Any] | None = None
     mlog: MetricsLog | None = None
+    strategy: Any = None  # the training strategy (drafttrain.train.strategies): rows -> batch -> loss
     data_reports: dict[str, Any] = field(default_factory=dict)  # prepare_data's (the self-distillation report)
 
     @property
@@ -443,7 +229,7 @@ def run(cfg) -> dict[str, Any]:
                             if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
         print(f"[drafttrain] done: {summary}", flush=True)
         if "eval/tau" in final:
-            print(f"[drafttrain] {speedup_line(final)}", flush=True)
+            print(f"[drafttrain] {lockstep.speedup_line(final)}", flush=True)
         if c.trainer.export:
             export_for_serving(c, out_dir)
     accelerator.wait_for_everyone()
@@ -452,11 +238,11 @@ def run(cfg) -> dict[str, Any]:
 
 
 def _start_run(c: TrainConfig) -> _Run:
-    """Threads, the Accelerator (CPU/GPU, DDP or DeepSpeed: :mod:`drafttrain.distributed`), the run folder
+    """Threads, the Accelerator (CPU/GPU, DDP or DeepSpeed: :mod:`drafttrain.train.distributed`), the run folder
     with ``config.json`` and ``target.json`` (rank 0), and the seed."""
     from accelerate.utils import set_seed
 
-    from drafttrain.distributed import close_file_logs, make_accelerator
+    from drafttrain.train.distributed import close_file_logs, make_accelerator
     from drafttrain.fingerprint import target_fingerprint
 
     target_fp = target_fingerprint(c.target)  # config + weights hash (cached); recorded with every checkpoint
@@ -480,7 +266,7 @@ def _load_target_and_data(r: _Run) -> None:
     """The frozen target (whole on every rank, outside DeepSpeed), the drafter's config and declared target
     layers, and the train / held-out datasets (:func:`drafttrain.data.pipeline.prepare_data`)."""
     from drafttrain.data.pipeline import prepare_data
-    from drafttrain.distributed import frozen_target_context
+    from drafttrain.train.distributed import frozen_target_context
     from drafttrain.drafters import drafter_class, drafter_config
     from drafttrain.target import load_target
 
@@ -497,7 +283,7 @@ def _load_target_and_data(r: _Run) -> None:
 def _build_drafter(r: _Run) -> None:
     """The drafter (its draft vocabulary from the training answers where it has one), AdamW, the warm-up +
     cosine schedule, all prepared by the accelerator, and the loop counters registered for checkpointing."""
-    from drafttrain.distributed import prepare
+    from drafttrain.train.distributed import prepare
     from drafttrain.drafters import build_drafter
 
     c, target = r.c, r.target
@@ -523,6 +309,9 @@ def _build_drafter(r: _Run) -> None:
     r.drafter, r.opt, r.sched = prepare(r.accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
     r.state = TrainState()
     r.accelerator.register_for_checkpointing(r.state)
+    from drafttrain.train.strategies import build_strategy
+
+    r.strategy = build_strategy(c, target, r.layers)  # trainer.strategy: how a batch becomes a loss
     r.base_lrs = r.sched.scheduler.base_lrs if hasattr(r.sched, "scheduler") else r.sched.base_lrs  # (accelerate wraps it)
 
 
@@ -551,7 +340,7 @@ def _start_logging(r: _Run, resume_from: Path | None, metrics_lines: int | None)
     """``launch.json`` (processes and the host facts that decide the speed figures), the W&B run (a resumed
     run continues its own) and ``metrics.jsonl`` (cut back to ``metrics_lines`` on resume)."""
     from drafttrain import fastattention, fastlinear
-    from drafttrain.distributed import launch_info
+    from drafttrain.train.distributed import launch_info
     from drafttrain.host import native_bf16
 
     c, accelerator, out_dir = r.c, r.accelerator, r.out_dir
@@ -582,10 +371,10 @@ def _train_steps(r: _Run) -> bool:
     Returns whether the time budget stopped the run before ``max_steps``."""
     from tqdm.auto import tqdm
 
-    from drafttrain.data.batches import get_batch, sample_indices
-    from drafttrain.distributed import full_drafter, peak_memory_mb, per_rank
+    from drafttrain.data.batches import sample_indices
+    from drafttrain.train.distributed import full_drafter, peak_memory_mb, per_rank
     from drafttrain.metrics import finalize, merge_sums
-    from drafttrain.tracking import log_eval_table
+    from drafttrain.train.tracking import log_eval_table
 
     c, accelerator, state, drafter, opt = r.c, r.accelerator, r.state, r.drafter, r.opt
     target, layers, train_ds, held_ds, main = r.target, r.layers, r.train_ds, r.held_ds, r.main
@@ -607,7 +396,7 @@ def _train_steps(r: _Run) -> bool:
         for m in range(accum):
             start = state.samples + m * world * mbs + accelerator.process_index * mbs
             idx = sample_indices(start, mbs, len(train_ds), c.seed, lengths, group)
-            batch = get_batch(train_ds, target, idx, accelerator.device, layers)
+            batch = r.strategy.make_batch(train_ds, idx, accelerator.device)
             # anchors drawn from (seed, step, global micro-batch index): the same samples get the same anchors
             # whether a micro-batch runs on another rank or as another accumulation step (1 process: m)
             micro = m * world + accelerator.process_index
@@ -615,7 +404,7 @@ def _train_steps(r: _Run) -> bool:
             # accumulate(): no gradient sync before the last micro-step; backward() divides the loss by
             # accum (DeepSpeed: by its gradient_accumulation_steps) and DeepSpeed steps at the boundary
             with accelerator.accumulate(drafter), accelerator.autocast():
-                out = drafter(batch, gen)
+                out = r.strategy.loss(drafter, batch, gen, state.step, micro)  # trainer.strategy: rows -> loss
                 accelerator.backward(out.loss)
             fault_point("step", state.step + 1)
             window_sums = merge_sums(window_sums, out.sums)
@@ -649,6 +438,7 @@ def _train_steps(r: _Run) -> bool:
                 "train/seconds_per_step": (time.time() - window_t0) / window_n,
                 "train/samples": state.samples,
                 "train/peak_mem_mb": max(per_rank(accelerator, peak_memory_mb(accelerator.device))),
+                **r.strategy.window_metrics(),
                 **finalize(sums, "train"),
             }
             r.log_metrics(metrics, state.step)
@@ -663,7 +453,7 @@ def _train_steps(r: _Run) -> bool:
         if se_every and state.step % se_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
-                res = spec_eval(c, target, model, train_ds)
+                res = lockstep.spec_eval(c, target, model, train_ds)
                 r.log_metrics(res, state.step)
                 if c.logging.wandb:
                     log_eval_table(accelerator, res, state.step)
@@ -678,11 +468,11 @@ def _train_steps(r: _Run) -> bool:
 
 def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
     """The final metrics: counters, held-out metrics, a last checkpoint, the drafter saved to
-    ``output_dir/drafter`` and, on rank 0, the speculative evaluation (:func:`spec_eval`) and ``wall_seconds``
+    ``output_dir/drafter`` and, on rank 0, the speculative evaluation (:func:`drafttrain.eval.lockstep.spec_eval`) and ``wall_seconds``
     (logged to metrics.jsonl / W&B). Every rank returns its dict; rank 0's has the evaluation."""
-    from drafttrain.distributed import full_drafter, peak_memory_mb, per_rank
+    from drafttrain.train.distributed import full_drafter, peak_memory_mb, per_rank
     from drafttrain.metrics import finalize
-    from drafttrain.tracking import log_eval_table
+    from drafttrain.train.tracking import log_eval_table
 
     c, accelerator, state, drafter, main = r.c, r.accelerator, r.state, r.drafter, r.main
     target, layers, train_ds, held_ds = r.target, r.layers, r.train_ds, r.held_ds
@@ -712,7 +502,7 @@ def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
         atomic_save_pretrained(model, r.out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
             model.pack_for_inference()  # training is over (never mid-run: DeepSpeed updates param.data)
-            final.update(spec_eval(c, target, model, train_ds))
+            final.update(lockstep.spec_eval(c, target, model, train_ds))
         final["wall_seconds"] = round(time.time() - r.t_start, 1)
         r.log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:
@@ -763,134 +553,3 @@ def budget_line(final: dict[str, Any], c: TrainConfig) -> str | None:
     if not parts:
         return None
     return "time budgets cut this run to the host's speed: " + "; ".join(parts)
-
-
-def speedup_line(final: dict[str, Any]) -> str:
-    """One sentence with what the evaluation means for a user: τ, speedup at each batch size, losslessness."""
-    def by_batch(prefix: str) -> str:  # "batch 1: 1.17x, batch 16: 0.98x" from the keys prefix<N>, by N
-        found = sorted((int(k[len(prefix):]), v) for k, v in final.items()
-                       if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, float))  # fmt: skip
-        return ", ".join(f"batch {b}: {v:.2f}x" for b, v in found)
-
-    parts, dec = by_batch("eval/speedup_b"), by_batch("eval/speedup_decode_b")
-    eq = "every output equal to plain greedy decoding" if final.get("eval/greedy_equal") else "OUTPUTS DIFFER from plain greedy"
-    decode = f" (decoding steps alone, prompt forwards left out: {dec})" if dec else ""
-    return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step; speculative vs plain decoding, "
-            f"tokens/s in the same engine: {parts or 'not timed'}{decode}; {eq}")
-
-
-def latency_subset(items: list, k: int) -> list:
-    """``k`` of ``items`` spread evenly over the list (index ``floor(i * n / k)``, i < k; all of them when
-    k >= n): the batch-1 latency prompts. The main job's 16 MT-bench prompts are 2 per category in
-    category order, so k = 8 takes one per category (the first k would cover only the first k / 2).
-
-    Raises:
-        ValueError: k < 0.
-    """
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    n = len(items)
-    if k >= n:
-        return list(items)
-    return [items[i * n // k] for i in range(k)]
-
-
-def sssd_for_eval(c: TrainConfig, train_ds=None):
-    """The SSSD drafter of ``trainer.spec_eval.sssd`` (None for ``source=none``): input trie only, or with a
-    datastore over the answers of ``train_ds`` (the self-distilled rows: the target's own outputs)."""
-    from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
-    from drafttrain.verify.methods.sssd_datastore import Datastore, documents_from_rows
-
-    src = c.trainer.spec_eval.sssd.source
-    if src == "none":
-        return None
-    store = None
-    if src == "data":
-        if train_ds is None:
-            raise ValueError("trainer.spec_eval.sssd.source=data needs the training data")
-        t0 = time.time()
-        store = Datastore.from_documents(documents_from_rows(train_ds.with_format(None).select_columns(["input_ids", "loss_mask"])))
-        log.info("SSSD datastore over the training answers: %d tokens in %.1f s", len(store), time.time() - t0)
-    return SSSDDrafter(SSSDConfig(), store)
-
-
-def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
-    """Greedy speculative decoding of held-out prompts: eval/tau, token-for-token equality, and wall-clock speedup.
-
-    With ``trainer.spec_eval.batch_size`` N > 1 the prompts go through the bundled batched verifier N at a
-    time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``plan``, the
-    online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
-    speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
-    ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from that many prompts (:func:`latency_subset`)
-    decoded one at a time (the latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
-    in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
-    run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
-    ``compile_target`` runs the batch-1 latency runs on the compiled target forward (compiled first, untimed;
-    ``eval/compile_seconds_b1``). ``sssd.source`` != none merges SSSD's training-free candidates into every tree
-    (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``).
-    """
-    from drafttrain.data.sources import load_eval_prompts
-    from drafttrain.data.template import prompt_ids
-    from drafttrain.eval.spec import evaluate_prompts, evaluate_prompts_batched
-
-    drafter.eval()
-    se = c.trainer.spec_eval
-    rows = load_eval_prompts(se.prompts, limit=se.num_prompts, offset=se.prompt_offset, stride=se.prompt_stride)
-    prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
-    bs = se.batch_size
-    tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
-    if bs > 1:
-        tree.update(sssd=sssd_for_eval(c, train_ds), sssd_nodes=se.sssd.nodes)
-    lat = None
-    b1 = latency_subset(list(range(len(prompts))), se.latency_prompts)  # the batch-1 prompts' indices
-    with torch.autocast("cpu", enabled=False):
-        if bs > 1:
-            r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
-                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.plan,
-                                         interleave="step", **tree)  # fmt: skip
-            if se.latency_prompts > 0:
-                lat = evaluate_prompts_batched(target, drafter, [prompts[i] for i in b1], se.max_new_tokens,
-                                               batch_size=1, progress=c.trainer.progress, plan=se.plan,
-                                               full_tree=not se.plan, interleave="step",
-                                               compile_target=se.compile_target, **tree)  # fmt: skip
-        else:
-            r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)
-    if not r["greedy_equal"]:
-        log.error("speculative output differs from plain greedy on prompts %s", r["mismatches"])
-    if lat is not None and not lat["greedy_equal"]:
-        log.error("batch-1 speculative output differs from plain greedy on prompts %s", lat["mismatches"])
-    with (Path(c.output_dir) / "eval_outputs.jsonl").open("w") as f:
-        for row, o in zip(rows, r["outputs"]):
-            text = target.tokenizer.decode(o["tokens"])
-            f.write(json.dumps({"id": row["id"], "tau": o["tau"], "equal_to_plain_greedy": o["equal"], "text": text}) + "\n")
-    planned = "speedup_planned" in r
-    speedup = r["speedup_planned"] if planned else r["speedup"]
-    out = {
-        "eval/tau": r["tau"],
-        "eval/greedy_equal": r["greedy_equal"] and (lat is None or lat["greedy_equal"]),
-        f"eval/speedup_b{bs}": speedup,
-        **({"eval/speedup_b1": lat["speedup"]} if lat is not None else {}),
-        # the same ratios over the decoding steps alone (both runs make the same prompt forwards)
-        f"eval/speedup_decode_b{bs}": r["speedup_planned_decode"] if planned else r["speedup_decode"],
-        **({"eval/speedup_decode_b1": lat["speedup_decode"]} if lat is not None else {}),
-        "eval/speedup": speedup,
-        "eval/spec_tokens_per_s": r["spec_tokens_per_s_planned"] if planned else r["spec_tokens_per_s"],
-        "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
-        "eval/accept_hist": r["accept_hist"],
-        "eval/batch_size": bs,
-        **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
-        # what the planner did (steps skipped, nodes verified, calibration): the speedup depends on its path
-        **({f"eval/planner_b{bs}": r["planner"]} if planned else {}),
-        **({"eval/planner_b1": lat["planner"]} if lat is not None and "planner" in lat else {}),
-        **({"eval/plain_tokens_per_s_b1": lat["plain_tokens_per_s"], "eval/spec_tokens_per_s_b1": lat["spec_tokens_per_s"],
-            "eval/tau_b1": lat["tau"], "eval/latency_prompts": len(lat["outputs"]),
-            "eval/prompts_b1": ",".join(rows[i]["id"] for i in b1)} if lat is not None else {}),
-        **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
-        **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
-                                       "tree_nodes_per_step") if k in r},  # fmt: skip
-        **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),
-        **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
-           if bs > 1 and (se.tree.widths is not None or se.tree.budget is not None) else {}),
-        "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
-    }
-    return out
