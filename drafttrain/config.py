@@ -494,6 +494,7 @@ def numeric_problems(obj, prefix: str = "") -> list[str]:
     return problems
 
 
+#: Generation backends (``generation.backend``); :mod:`drafttrain.generation` implements one for each.
 BACKENDS = ("engine", "hf", "vllm")
 
 

@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None):
     if c.preset == "training":
         from drafttrain.eval.preset import training_eval
 
-        r = training_eval(c.checkpoint, num_threads=c.num_threads)
+        # an output_dir other than the one the preset's keys compose to wins; otherwise the run folder's eval_preset/
+        default = parse_cli(eval_schema(), ["preset=training", f"checkpoint={c.checkpoint}"], config_name="evaluate")
+        given = c.output_dir != default.output_dir
+        r = training_eval(c.checkpoint, output_dir=c.output_dir if given else None, num_threads=c.num_threads)
         keys = ("eval/tau", "eval/greedy_equal", "eval/speedup_b16", "eval/speedup_b1", "eval/speedup")
         print("[drafttrain] preset=training: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r), flush=True)
         return r

@@ -96,3 +96,54 @@ def test_data_does_not_reach_into_the_verifier_or_the_exporters():
     bad = {m: sorted(d for d in deps if d.startswith(("drafttrain.verify", "drafttrain.export")))
            for m, deps in import_graph().items() if m.startswith("drafttrain.data")}  # fmt: skip
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+#: The layer of every top-level part, highest first: a module may import its own layer and the layers below it,
+#: never one above (scripts -> train -> eval -> export / data -> generation -> verify / drafters -> target -> config).
+#: validation is the composition root under the jobs; the pure helpers sit beside or under the target.
+LAYERS = {
+    "train": 8,
+    "eval": 7,
+    "export": 6, "data": 6,
+    "validation": 5,
+    "generation": 4,
+    "verify": 3, "drafters": 3,
+    "fingerprint": 2.5,
+    "target": 2, "layout": 2, "losses": 2, "metrics": 2, "attention": 2,
+    "families": 1.5, "fastlinear": 1.5, "fastattention": 1.5, "sampling": 1.5, "assets": 1.5, "host": 1.5,
+    "config": 1,
+    "cliconfig": 0,
+}  # fmt: skip
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run up the layer order, or between verify and drafters (same layer, kept apart)."""
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = _part(m), _part(d)
+            if a == b or a not in LAYERS or b not in LAYERS:
+                continue
+            if LAYERS[a] < LAYERS[b] or {a, b} == {"verify", "drafters"}:
+                bad.append(f"{m} -> {d}")
+    return sorted(bad)
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in import_graph() if m.count(".")} - {"__init__"}
+    assert parts <= set(LAYERS), f"place these in LAYERS: {sorted(parts - set(LAYERS))}"
+
+
+def test_imports_follow_the_layer_order():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_import_that_runs_up():
+    assert layer_violations({"drafttrain.eval.preset": {"drafttrain.train.loop"},
+                             "drafttrain.drafters.x": {"drafttrain.verify.cache"},
+                             "drafttrain.train.loop": {"drafttrain.eval.lockstep"}}) == [
+        "drafttrain.drafters.x -> drafttrain.verify.cache", "drafttrain.eval.preset -> drafttrain.train.loop"]  # fmt: skip

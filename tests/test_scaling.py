@@ -211,7 +211,7 @@ def test_resume_zero3_checkpoint_on_two_nodes(runs, cache, tmp_path):
 def test_wandb_offline_run_matches_metrics_jsonl(runs, name):
     """Every scalar in metrics.jsonl is in the offline W&B history at the same step with the same value;
     the run config carries the trainer config, the git SHA and the launch; the eval tables are there."""
-    from drafttrain.train.wandb_offline import read_run
+    from drafttrain.eval.wandb_offline import read_run
 
     run_dir = runs[name]
     wb = read_run(run_dir, strict=True)
@@ -247,7 +247,7 @@ def test_wandb_offline_run_matches_metrics_jsonl(runs, name):
 def test_wandb_reader_reassembles_records_across_blocks(tmp_path):
     """A config value of 100 kB spans several 32 KiB blocks (FIRST/MIDDLE/LAST chunks) and comes back
     whole; history, summary and the exit code too (a wandb offline run written in a subprocess)."""
-    from drafttrain.train.wandb_offline import read_run
+    from drafttrain.eval.wandb_offline import read_run
 
     script = (
         "import wandb\n"

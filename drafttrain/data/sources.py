@@ -470,8 +470,13 @@ def load_eval_prompts(name: str, limit: int | None = None, offset: int = 0, stri
             messages = _first_turn_messages(row, path, index)
             rid = row.get("id", row.get("question_id", index))
             rows.append({"id": str(rid), "messages": messages})
+    elif name.endswith((".jsonl", ".json")) or "/" in name or "\\" in name:  # meant as a file: say it is missing
+        raise ValueError(f"prompts file {name!r} does not exist (a built-in set is one of {list(EVAL_SETS)})")
     else:
         raise ValueError(f"unknown eval prompt set {name!r}: choose one of {list(EVAL_SETS)} or give a path to a .jsonl file")
+    if not rows:
+        raise ValueError(f"prompts file {name!r} holds no prompts (one json object per line, with \"prompt\", "
+                         f"\"turns\" or \"messages\")")  # fmt: skip
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     rows = rows[offset::stride]

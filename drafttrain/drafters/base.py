@@ -27,7 +27,7 @@ consumer follows it and none looks at a drafter's name or probes its attributes:
   KV cache appends; ``"last"``: only the last position's feature (Medusa heads; no drafter cache).
 - ``batched``: the drafter implements the one-decoder-layer interface of
   :class:`~drafttrain.drafters.feature_layer.FeatureLayerDrafter` (``items``, ``decode``, ``logits`` /
-  ``forward_inputs``, ``draft_inputs``, ``new_ragged_cache``), so proposers draft the whole batch in
+  ``forward_inputs``, ``draft_inputs``, ``kv_cache_shape``), so proposers draft the whole batch in
   shared forwards over one ragged drafter cache. False: proposers call :meth:`propose` once per
   sequence, each with its own ``DynamicCache``.
 

@@ -63,10 +63,19 @@ from torch import nn
 from drafttrain import families
 from drafttrain import layout as L
 from drafttrain.attention import implementation_for, ttt_block_mask
-from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, SharedTargetModules
+from drafttrain.drafters.base import (
+    LAST_LAYER,
+    Drafter,
+    DrafterSpec,
+    DraftGroups,
+    LossOutput,
+    Objective,
+    SharedTargetModules,
+)
 from drafttrain.drafters.feature_layer import FeatureLayerDrafter, init_fresh_
+from drafttrain.drafters.groups import choose_groups, pick_drafts
 from drafttrain.drafters.target_argmax import full_vocab_argmax, memo_of
-from drafttrain.losses import forward_kl, group_position_weights, weighted_position_mean
+from drafttrain.losses import divergence, group_position_weights, weighted_position_mean
 from drafttrain.metrics import empty_group_sums, group_acceptance_sums
 
 NUM_AUX = 3  # low, middle, high
@@ -167,6 +176,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
     name = "eagle3"
     # feature_layers here is a placeholder: the real ids depend on the config and the target (layers_for)
     spec = DrafterSpec(drafting="autoregressive", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
+    objectives = frozenset({"divergence", "cut_at_first_miss", "on_policy"})
     defaults = {
         "draft_depth": 5,
         "ttt_steps": 7,
@@ -390,13 +400,16 @@ class Eagle3Drafter(FeatureLayerDrafter):
         return self.fc.weight.new_zeros((0, 2 * self.hidden_size))
 
     # -- training -------------------------------------------------------------------------------
-    def ttt_hidden(self, input_ids: torch.Tensor, features: torch.Tensor, num_steps: int | None = None) -> list[torch.Tensor]:
+    def ttt_hidden(self, input_ids: torch.Tensor, features: torch.Tensor, num_steps: int | None = None,
+                   tokens_hook=None) -> list[torch.Tensor]:  # fmt: skip
         """The unrolled training-time-test pass (module docstring; mask :func:`drafttrain.layout.ttt_mask`).
 
         Args:
             input_ids: [b, L] int64 right-padded tokens x_0..x_{L-1}.
             features: [b, L-1, F] the target features of the items (f_0..f_{L-2}, layers :attr:`feature_layer_ids`).
             num_steps: K (default ``ttt_steps``).
+            tokens_hook: on-policy training: ``tokens_hook(k, tokens [b, t], h_prev [b, t, d]) -> [b, t]``, the
+                tokens step k >= 1 reads (default: the ground truth x_{j+k+1}); e.g. the drafter's own drafts.
 
         Returns:
             K tensors [b, t, d] (t = L - 1): h of step k at row j (row j = the chain from item j, depth k;
@@ -413,6 +426,8 @@ class Eagle3Drafter(FeatureLayerDrafter):
         for k in range(k_steps):
             if k:  # step k, row j: ground-truth x_{j+k+1} with h of step k - 1 at row j
                 tok = torch.cat([input_ids[:, 1 + k :], input_ids.new_zeros((b, k))], dim=1)[:, :t]
+                if tokens_hook is not None:
+                    tok = tokens_hook(k, tok, out[-1])
                 x = self.items(tok, out[-1])
             pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype, dense=self.attention == "dense", device=device)
             mask = mask.expand(b, -1, -1, -1) if mask is not None else ttt_block_mask(t, k, device)
@@ -453,34 +468,98 @@ class Eagle3Drafter(FeatureLayerDrafter):
         index[keep] = torch.arange(int(keep.sum()), device=labels.device)
         return keep, index, self.target_logits(fv[in_vocab])
 
-    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> LossOutput:
+    def training_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                      objective: Objective | None = None) -> LossOutput:  # fmt: skip
         """The TTT loss (module docstring) and the acceptance metrics of the same unrolled pass.
 
         Batch keys: ``input_ids`` [b, L] int64 (right-padded), ``loss_mask`` [b, L], ``lengths`` [b],
         ``features`` [b, L-1, F] (the layers :attr:`feature_layer_ids` of f_0..f_{L-2}, F = 4d on a real target).
+
+        ``objective`` (None = offline, forward KL): ``loss.divergence``; Spec-AUF's cut (row j's steps after its
+        chain's first predicted miss); on-policy (training mode): for up to ``groups_per_row`` rows j per
+        sequence, step k >= 1 reads the drafter's own draft of step k - 1 instead of x_{j+k+1}, and its label
+        is the target's distribution after x_0..x_{j+1}, d_0..d_{k-1} (``objective.labeller``, one target
+        forward for the batch).
         """
+        obj = objective or Objective()
         ids, feats = batch["input_ids"], batch["features"]
         k_steps = self.ttt_steps
-        t = ids.shape[1] - 1
+        b, t = ids.shape[0], ids.shape[1] - 1
         labels = L.batch_item_labels(ids, batch["loss_mask"], batch["lengths"])  # [b, t]
         keep, index, tlogits = self._target_side(self.final_features(feats[:, :t]), labels, batch)
-        group = L.shifted_labels(labels, k_steps)  # [b, t, K]: step k row j -> y_{j+k}
+        group = L.shifted_labels(labels, k_steps).clone()  # [b, t, K]: step k row j -> y_{j+k} (own memory: relabelled)
+        valid = group != L.IGNORE_INDEX
+        scored = torch.zeros_like(valid)  # [b, t, K]: the label of step k at row j can be drafted
+        for k in range(k_steps):
+            scored[:, : t - k, k] = keep[:, k:]
+        policy = obj.on_policy and self.training and k_steps > 1
+        sums: dict[str, torch.Tensor] = {}
+        hook, chosen = None, None
+        if policy:
+            cand = valid[..., 0] & valid[..., 1:].any(-1)  # rows whose chain has a label to replace
+            rr, jj = torch.nonzero(cand, as_tuple=True)
+            pick = choose_groups(rr, obj.groups_per_row, generator)
+            chosen = (rr[pick], jj[pick])
+            drafts = torch.zeros((int(pick.sum()), k_steps), dtype=torch.long, device=ids.device)
+
+            def hook(k, tok, h_prev):  # step k reads the draft of step k - 1 on the chosen rows
+                with torch.no_grad():
+                    lg = self.vocab_logits(h_prev[chosen].detach())
+                    drafts[:, k - 1] = self.draft_token_ids.to(ids.device)[pick_drafts(lg, obj.temperature, generator)]
+                tok = tok.clone()
+                tok[chosen] = drafts[:, k - 1]
+                return tok
+
+        hidden = self.ttt_hidden(ids, feats, tokens_hook=hook)
+        on_feats = on_top = None
+        if policy and drafts.shape[0]:
+            with torch.no_grad():
+                on_feats = obj.labeller(DraftGroups(row=chosen[0], anchor=chosen[1], drafts=drafts[:, : k_steps - 1]))
+                g = drafts.shape[0]
+                on_top = full_vocab_argmax(self.shared.lm_head, on_feats.reshape(-1, on_feats.shape[-1])).view(g, -1)
+                old = group[chosen][:, 1:]  # [g, K-1] offline labels of steps 1..K-1
+                v = valid[chosen][:, 1:]
+                same = drafts[:, : k_steps - 1] == group[chosen][:, : k_steps - 1]
+                prefix_ok = torch.cumprod(same.long(), dim=1).bool()
+                sums.update({"policy_groups": torch.tensor(float(g), device=ids.device),
+                             "policy_agree_den": (v & prefix_ok).float().sum(),
+                             "policy_agree_num": (v & prefix_ok & (on_top == old)).float().sum()})  # fmt: skip
+                group[chosen[0], chosen[1], 1:] = torch.where(v, on_top, old)
+                sc = scored[chosen]
+                sc[:, 1:] = torch.where(v, self.t2d.to(on_top.device)[on_top], sc[:, 1:])
+                scored[chosen] = sc
+        elif policy:
+            z = torch.zeros((), device=ids.device)
+            sums.update({"policy_groups": z, "policy_agree_den": z.clone(), "policy_agree_num": z.clone()})
+        on_row = torch.full((b, t), -1, dtype=torch.long, device=ids.device)  # chosen rows -> their group index
+        if on_feats is not None:
+            on_row[chosen] = torch.arange(on_feats.shape[0], device=ids.device)
         correct = torch.zeros_like(group, dtype=torch.bool)
-        kl_terms, steps = [], []
-        for k, h in enumerate(self.ttt_hidden(ids, feats)):
-            rows = torch.zeros_like(keep)
-            rows[:, : t - k] = keep[:, k:]  # row j scored where position j + k is kept
+        miss_before = torch.zeros((b, t), dtype=torch.bool, device=ids.device)  # Spec-AUF: a miss at an earlier step
+        terms, steps, slot_w = [], [], []
+        for k, h in enumerate(hidden):
+            rows = valid[..., k] & scored[..., k]  # row j scored at step k
             logits = self.vocab_logits(h[rows])  # [m_k, N]
-            kl_terms.append(forward_kl(logits, tlogits[index[:, k:][keep[:, k:]]]))
+            tl = torch.empty((logits.shape[0], tlogits.shape[-1]), dtype=torch.float32, device=logits.device)
+            own = (on_row[rows] >= 0) & (k >= 1)  # on-policy rows of this step
+            off_rows = rows.clone()
+            off_rows[rows] = ~own
+            tl[~own] = tlogits[index[:, k:][off_rows[:, : t - k]]]
+            if own.any():
+                tl[own] = self.target_logits(on_feats[on_row[rows][own], k - 1].to(h.dtype))
+            terms.append(divergence(logits, tl, obj.divergence))
             steps.append(torch.full((logits.shape[0],), k, dtype=torch.long, device=logits.device))
             with torch.no_grad():
                 draft = self.target_to_draft(group[..., k])
                 correct[..., k][rows] = logits.argmax(-1) == draft[rows]
+                if obj.cut_at_first_miss:
+                    slot_w.append(torch.where(miss_before[rows], float(obj.cut_weight), 1.0).float())
+                    miss_before |= valid[..., k] & ~(correct[..., k] & scored[..., k])
         weights = group_position_weights(k_steps - 1, float(self.config["loss_decay"]))
-        loss, kl_sum, kl_count = weighted_position_mean(torch.cat(kl_terms), torch.cat(steps), weights)
-        sums = {"kl_sum": kl_sum, "kl_count": kl_count}
+        loss, kl_sum, kl_count = weighted_position_mean(torch.cat(terms), torch.cat(steps), weights,
+                                                        torch.cat(slot_w) if slot_w else None)  # fmt: skip
+        sums.update({"kl_sum": kl_sum, "kl_count": kl_count})
         depth = min(self.draft_depth, k_steps)
-        valid = group != L.IGNORE_INDEX
         anchors = valid[..., 0]
         sums.update(group_acceptance_sums(correct[anchors][:, :depth], valid[anchors][:, :depth])
                     if anchors.any() else empty_group_sums(depth, device=valid.device))  # fmt: skip

@@ -172,18 +172,11 @@ class FeatureLayerDrafter(Drafter):
         its K [MASK] inputs), [k, d]; none here ([0, d]: an autoregressive drafter drafts from its items)."""
         return self.fc.weight.new_zeros((0, self.fc.out_features))
 
-    def new_ragged_cache(self, device: torch.device | str):
-        """An empty one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` (0 rows, 256 slots, grown
-        on demand) shaped for this drafter's decoder layer, in its dtype: the batched proposers' cache."""
-        from types import SimpleNamespace
-
-        from drafttrain.verify.cache import RaggedKVCache
-
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(key/value heads, head dim) of this drafter's one decoder layer: what a KV cache for its batched
+        drafting needs (the verifier's proposers build it, :func:`drafttrain.verify.proposers.drafter_kv_cache`)."""
         attn = self.layer.self_attn
-        n_kv = attn.config.num_key_value_heads
-        cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
-                              head_dim=attn.head_dim, hidden_size=n_kv * attn.head_dim)  # fmt: skip
-        return RaggedKVCache(cfg, 0, 256, self.dtype, device)
+        return int(attn.config.num_key_value_heads), int(attn.head_dim)
 
     def draft_step(self, next_ids, features, position_ids, attention_mask, cache=None):
         """:meth:`forward_inputs` over the items (next_ids [b, q] int64, features [b, q, d]): the EAGLE step.

@@ -84,14 +84,30 @@ def check_checkpoint(c: EvalConfig) -> Path | None:
     return ddir
 
 
-def load_prompts(c: EvalConfig, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """Prompt ids (chat template applied) and their token ids."""
+def prompt_rows(c: EvalConfig) -> list[dict]:
+    """The evaluation's prompt rows (``c.prompts``, offset, stride, limit), read before any model loads.
+
+    Raises:
+        ConfigError: an unknown set, a missing, empty or malformed prompts file (one line naming the cause and
+            the file's line), or no prompt left at ``prompt_offset``.
+    """
+    from drafttrain.cliconfig import ConfigError
     from drafttrain.data.sources import load_eval_prompts
+
+    try:
+        rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset, stride=c.prompt_stride)
+    except ValueError as err:
+        raise ConfigError(f"prompts={c.prompts}: {err}") from None
+    if not rows:
+        raise ConfigError(f"prompts={c.prompts}: no prompts at prompt_offset={c.prompt_offset}")
+    return rows
+
+
+def load_prompts(c: EvalConfig, tokenizer, rows: list[dict] | None = None) -> tuple[list[str], list[list[int]]]:
+    """Prompt ids (chat template applied) and their token ids (``rows``: :func:`prompt_rows`, read when None)."""
     from drafttrain.data.template import prompt_ids
 
-    rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset, stride=c.prompt_stride)
-    if not rows:
-        raise ValueError(f"no prompts in {c.prompts!r} at offset {c.prompt_offset}")
+    rows = prompt_rows(c) if rows is None else rows
     return [r["id"] for r in rows], [prompt_ids(tokenizer, r["messages"]) for r in rows]
 
 
@@ -216,9 +232,10 @@ def evaluate(cfg) -> dict[str, Any]:
     for spec in specs:  # before the target loads: a missing file fails fast
         if spec.preflight is not None:
             spec.preflight(c)
+    rows = prompt_rows(c)  # a missing, empty or malformed prompts file too
     target = load_target(c.target)
     drafter = load_drafter(c, ddir, target) if any(s.needs_drafter for s in specs) else None
-    ids, prompts = load_prompts(c, target.tokenizer)
+    ids, prompts = load_prompts(c, target.tokenizer, rows)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
     sampling = SamplingParams(c.temperature, c.top_p, c.top_k)
     log.info("evaluating %d prompts of %s, batch sizes %s, modes %s, methods %s", len(prompts), c.prompts,

@@ -5,7 +5,7 @@ the tests cover what it draws. Sources:
 
 - a run folder written by :mod:`drafttrain.train`: ``metrics.jsonl`` (every logged metric by step),
   ``final_metrics.json``, ``config.json``; when ``metrics.jsonl`` is missing (e.g. a copied W&B run),
-  the offline W&B run under ``wandb/`` is read instead (:mod:`drafttrain.train.wandb_offline`);
+  the offline W&B run under ``wandb/`` is read instead (:mod:`drafttrain.eval.wandb_offline`);
 - evaluation reports (JSON) from the harness (``python -m scripts.evaluate``), read leniently: any
   JSON object that carries a batch size and a τ counts as one result row, whatever the nesting, with
   the recipe / prompt set taken from the object or the objects around it. Missing reports are fine:
@@ -62,6 +62,16 @@ class RunLog:
         return rows[-1] if rows else {}
 
 
+def accept_hist_items(hist: dict | list | None) -> list[tuple[int, int]]:
+    """(accepted drafts, verification steps) pairs sorted by count, from the dict that
+    :func:`drafttrain.eval.spec.evaluate_prompts` returns (int keys) or its JSON form (str keys)."""
+    if not hist:
+        return []
+    if isinstance(hist, list):
+        return [(a, int(n)) for a, n in enumerate(hist)]
+    return sorted((int(a), int(n)) for a, n in hist.items())
+
+
 def load_run(run_dir: str | Path, source: str = "auto") -> RunLog:
     """Read a run folder.
 
@@ -84,7 +94,7 @@ def load_run(run_dir: str | Path, source: str = "auto") -> RunLog:
                 row = json.loads(line)
                 by_step.setdefault(int(row["step"]), {}).update(row)
     elif source == "wandb":
-        from drafttrain.train.wandb_offline import read_run
+        from drafttrain.eval.wandb_offline import read_run
 
         wb = read_run(run_dir)
         for row in wb.history:
@@ -231,7 +241,6 @@ def plot_position_acceptance(run: RunLog):
 
 def plot_accept_hist(run: RunLog):
     """Histogram of accepted drafts per verification step in the run's last speculative evaluation."""
-    from drafttrain.train.tracking import accept_hist_items
 
     fig, (ax,) = _figure()
     rows = [r for r in run.history if r.get("eval/accept_hist")]

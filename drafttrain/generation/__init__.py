@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-BACKENDS = ("engine", "hf", "vllm")
+from drafttrain.config import BACKENDS  # the one list of generation backends (the schemas validate against it)
 
 
 class Generator(Protocol):

@@ -4,7 +4,7 @@
 - :mod:`drafttrain.train.strategies`: how a batch becomes a loss (``trainer.strategy``: offline rows, the
   drafter's own drafts labelled by the target, or a mix); the loop calls a strategy and nothing else;
 - :mod:`drafttrain.train.schedule`, :mod:`drafttrain.train.checkpoint`: lr schedule; saves, resume checks;
-- :mod:`drafttrain.train.distributed`, :mod:`drafttrain.train.tracking`, :mod:`drafttrain.train.wandb_offline`:
+- :mod:`drafttrain.train.distributed`, :mod:`drafttrain.train.tracking`, :mod:`drafttrain.eval.wandb_offline`:
   accelerate / DeepSpeed set-up, W&B tables, reading offline W&B runs;
 - :mod:`drafttrain.train.decision_model`: the MCSD decision model's own small training job.
 

@@ -17,18 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from drafttrain.eval.plots import accept_hist_items  # the one reader of accept histograms (eval)
+
 SUMMARY_COLUMNS = ["step", "prompt_set", "tau", "speedup", "greedy_equal", "spec_tokens_per_s", "plain_tokens_per_s"]
 HIST_COLUMNS = ["prompt_set", "accepted_drafts", "tokens_per_forward", "steps"]
 
-
-def accept_hist_items(hist: dict | list | None) -> list[tuple[int, int]]:
-    """(accepted drafts, verification steps) pairs sorted by count, from the dict that
-    :func:`drafttrain.eval.spec.evaluate_prompts` returns (int keys) or its JSON form (str keys)."""
-    if not hist:
-        return []
-    if isinstance(hist, list):
-        return [(a, int(n)) for a, n in enumerate(hist)]
-    return sorted((int(a), int(n)) for a, n in hist.items())
 
 
 def eval_table_rows(result: dict[str, Any], step: int) -> tuple[list[list], list[list]]:

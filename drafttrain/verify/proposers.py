@@ -150,11 +150,25 @@ class ReplayProposer:
         self._state.pop(slot, None)
 
 
+def drafter_kv_cache(drafter, device: torch.device | str):
+    """An empty one-layer :class:`~drafttrain.verify.cache.RaggedKVCache` (0 rows, 256 slots, grown on demand)
+    shaped for the drafter's decoder layer (``drafter.kv_cache_shape()``: key/value heads, head dim), in its
+    dtype: the batched proposers' drafter cache."""
+    from types import SimpleNamespace
+
+    from drafttrain.verify.cache import RaggedKVCache
+
+    n_kv, head_dim = drafter.kv_cache_shape()
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=n_kv, num_attention_heads=n_kv,
+                          head_dim=head_dim, hidden_size=n_kv * head_dim)  # fmt: skip
+    return RaggedKVCache(cfg, 0, 256, drafter.dtype, device)
+
+
 def _reset_drafter_row(drafter, cache, slot: int, like: torch.Tensor):
     """Give ``slot`` an empty row in the drafter's one-layer :class:`~drafttrain.verify.cache.RaggedKVCache`
-    (``drafter.new_ragged_cache``, created on first use, grown by rows as slots appear). Returns the cache."""
+    (:func:`drafter_kv_cache`, created on first use, grown by rows as slots appear). Returns the cache."""
     if cache is None:
-        cache = drafter.new_ragged_cache(like.device)
+        cache = drafter_kv_cache(drafter, like.device)
     if slot >= cache.batch_size:
         cache.add_rows(slot + 1 - cache.batch_size)
     cache.valid[slot] = False
@@ -250,7 +264,7 @@ class ParallelSpecProposer:
     :class:`~drafttrain.drafters.base.DrafterSpec`): the features of every new item (``step_input =
     "items"``) or of the last one only (``"last"``, Medusa), of the declared ``feature_layers``.
     With a drafter that declares ``batched`` (the one-decoder-layer interface: ``items``, ``decode``,
-    ``logits``, ``draft_inputs``, ``new_ragged_cache``) and ``batched=True`` the drafter runs **one
+    ``logits``, ``draft_inputs``, ``kv_cache_shape``) and ``batched=True`` the drafter runs **one
     forward per step for the whole batch**: every sequence's new items + its ``draft_inputs()`` (K mask
     inputs) in a ``[B, q_max]`` layout over a one-layer
     :class:`~drafttrain.verify.cache.RaggedKVCache` (each sequence at its own offset; the mask

@@ -28,6 +28,31 @@ def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path):
     ours = [json.loads(x) for x in (run / "eval_outputs.jsonl").read_text().splitlines()]
     theirs = [json.loads(x) for x in (run / "eval_preset" / "eval_outputs.jsonl").read_text().splitlines()]
     assert ours == theirs and len(ours) > 0
+    elsewhere = tmp_path / "elsewhere"  # output_dir= on the command line is where the outputs go
+    main(["preset=training", f"checkpoint={run}", f"output_dir={elsewhere}"])
+    assert [json.loads(x) for x in (elsewhere / "eval_outputs.jsonl").read_text().splitlines()] == ours
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, r"prompts file '.*nope.jsonl' does not exist"),
+    ("", r"holds no prompts"),
+    ('{"prompt": "hi"}\nnot json\n', r"p.jsonl:2: malformed json"),
+    ('{"question": "hi"}\n', r"prompt row 0 has none of 'prompt'"),
+])  # fmt: skip
+def test_a_bad_prompts_file_fails_in_one_line_before_the_target_loads(tmp_path, monkeypatch, content, match):
+    import drafttrain.target
+    from drafttrain.config import ConfigError
+    from scripts.evaluate import main
+
+    def no_target(*a, **k):
+        raise AssertionError("the target loaded before the prompts were checked")
+
+    monkeypatch.setattr(drafttrain.target, "load_target", no_target)
+    path = tmp_path / ("nope.jsonl" if content is None else "p.jsonl")
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        main(["target=tiny", "untrained_drafter=true", f"prompts={path}", f"output_dir={tmp_path / 'out'}"])
 
 
 def test_preset_needs_a_run_folder(tmp_path):

@@ -3,7 +3,7 @@ divergences, and the refusals.
 
 - A strategy that makes its own rows trains a tiny drafter through the unchanged loop.
 - ``trainer.strategy=on_policy`` / ``mixed`` (with ``loss.cut_at_first_miss``) finish tiny runs of the main
-  job's recipe and DFlash with every speculative output equal to plain greedy decoding.
+  job's recipe, DFlash and EAGLE-3 with every speculative output equal to plain greedy decoding.
 - On the target's own greedy rows, a drafter that drafts the rows gets on-policy labels equal to the offline
   ones (the theory behind ``train/policy_label_agree``); a drafter that drafts something else gets new ones.
 - The cut: ``cut_weight=1`` is the offline loss to the bit; ``cut_weight=0`` leaves the slots after a group's
@@ -104,6 +104,7 @@ def test_an_unknown_strategy_or_an_unsupported_objective_is_refused_before_any_m
     ("parallelspec", ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.temperature=1.0",
                       "loss.cut_at_first_miss=true", "loss.divergence=js"]),
     ("dflash", ["trainer.strategy=on_policy", "loss.cut_at_first_miss=true", "drafter.block_size=4"]),
+    ("eagle3", ["trainer.strategy=on_policy", "loss.cut_at_first_miss=true", "drafter.ttt_steps=3"]),
 ])  # fmt: skip
 def test_on_policy_runs_finish_greedy_equal(tmp_path, recipe, extra):
     final, rows = _run(tmp_path, [f"+recipe={recipe}", *extra])
@@ -183,18 +184,22 @@ def test_after_first_miss_cuts_what_follows_the_first_miss_only():
     assert w.tolist() == [[1.0, 1.0, 1.0, 0.25, 0.25]]  # group slots 1 (hit), 3 (miss), 4 (after it); 0, 2 in no group
 
 
-def test_cut_weight_one_is_the_offline_loss_and_zero_drops_the_slots_after_a_miss(varied_target):
+@pytest.mark.parametrize("name,config", [("parallelspec_eagle3", {"num_mask_tokens": 3, "anchor_ratio": 1.0}),
+                                         ("eagle3", {"ttt_steps": 4}),
+                                         ("dflash", {"block_size": 4, "num_layers": 1})])  # fmt: skip
+def test_cut_weight_one_is_the_offline_loss_and_zero_drops_the_slots_after_a_miss(varied_target, name, config):
     torch.manual_seed(0)
-    d = build_drafter("parallelspec_eagle3", {"num_mask_tokens": 3, "anchor_ratio": 1.0}, varied_target).train()
+    d = build_drafter(name, config, varied_target).train()
     batch = make_batch(varied_target)
     batch["features"] = varied_target.features(batch["input_ids"], feature_layers=d.feature_layers)[:, :-1]
     off = d.training_loss(batch, torch.Generator().manual_seed(1))
     one = d.training_loss(batch, torch.Generator().manual_seed(1), Objective(cut_at_first_miss=True, cut_weight=1.0))
     zero = d.training_loss(batch, torch.Generator().manual_seed(1), Objective(cut_at_first_miss=True, cut_weight=0.0))
     assert torch.equal(off.loss, one.loss)
-    assert zero.sums["kl_count"][0] == off.sums["kl_count"][0]  # nothing precedes position 0
-    assert (zero.sums["kl_count"][1:] <= off.sums["kl_count"][1:]).all()
-    assert (zero.sums["kl_count"][1:] < off.sums["kl_count"][1:]).any()  # an untrained drafter misses
+    key = "ce_count" if name == "dflash" else "kl_count"  # per-position (weighted) slot counts
+    assert zero.sums[key][0] == off.sums[key][0]  # nothing precedes position 0
+    assert (zero.sums[key][1:] <= off.sums[key][1:]).all()
+    assert (zero.sums[key][1:] < off.sums[key][1:]).any()  # an untrained drafter misses
     assert zero.loss != off.loss
 
 
