@@ -237,6 +237,40 @@ def target_model_config(t: TargetConfig) -> dict | None:
     return None
 
 
+#: Below this many parameters (estimated from ``target.path``'s config.json) a target is a test model: the
+#: main job's data and evaluation sizes (hundreds of conversations, 16 x 128-token prompts) make no sense for it.
+SMALL_TARGET_PARAMS = 50_000_000
+#: The smoke-run sizes ``target=tiny`` gets (conf/target_sizes/tiny.yaml), as overrides.
+SMOKE_SIZES = ("data.max_conversations=24", "data.heldout=4", "data.generation.max_new_tokens=16",
+               "trainer.spec_eval.num_prompts=4", "trainer.spec_eval.max_new_tokens=16",
+               "trainer.spec_eval.latency_prompts=2")  # fmt: skip
+
+
+def estimated_params(model_config: dict) -> int | None:
+    """Parameters of a decoder-only transformer from its config.json keys (embeddings, attention and MLP
+    weights per layer, an untied head): an estimate for sizing data, not an exact count. None when a key is
+    missing."""
+    try:
+        d, layers, v = int(model_config["hidden_size"]), int(model_config["num_hidden_layers"]), int(model_config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    inter = int(model_config.get("intermediate_size") or 4 * d)
+    tied = bool(model_config.get("tie_word_embeddings", False))
+    return v * d * (1 if tied else 2) + layers * (4 * d * d + 3 * d * inter)
+
+
+def smoke_size_hint(c: TrainConfig) -> str | None:
+    """One line for a ``target.path`` model far smaller than a real target run at the main job's sizes: its
+    estimated size and the overrides that give it ``target=tiny``'s smoke sizes. None otherwise."""
+    if c.target.random_init or not c.target.path:
+        return None
+    n = estimated_params(target_model_config(c.target) or {})
+    if n is None or n >= SMALL_TARGET_PARAMS or c.data.max_conversations <= 64:
+        return None
+    return (f"target.path={c.target.path} has ~{n / 1e6:.1f}M parameters but this run uses the main job's sizes "
+            f"(data.max_conversations={c.data.max_conversations}); for a smoke run add: {' '.join(SMOKE_SIZES)}")
+
+
 def _check_backend(key: str, g, target: TargetConfig) -> list[str]:
     """Problems of ``g.backend`` (a GenerationConfig or DistillConfig at ``key``); for ``vllm``, the ones that would
     otherwise fail after the target has loaded: no vLLM python, no HF folder of the target for vLLM to load."""

@@ -316,3 +316,25 @@ def test_data_generation_has_generate_datas_keys_and_defaults():
     assert asdict(DistillConfig()) == {k: gen[k] for k in asdict(DistillConfig())}
     c = validate(compose_dict(["+recipe=parallelspec", "data.generation.batch_size=8"]))
     assert c.data.generation.batch_size == 8 and c.data.generation.max_new_tokens == 128  # conf/data/selfdistill.yaml
+
+
+def test_a_small_local_target_at_the_main_jobs_sizes_gets_a_line_saying_how_to_shrink_them(tmp_path):
+    """target.path to a 7M-parameter model composes the main job's data sizes: the run's first line names its
+    size and the overrides of target=tiny's smoke sizes; with those overrides, or for a real-sized model, no line."""
+    import json as _json
+
+    from drafttrain.train import compose_config
+    from drafttrain.validation import SMOKE_SIZES, estimated_params, smoke_size_hint
+
+    small = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 6, "intermediate_size": 512,
+             "vocab_size": 49152, "tie_word_embeddings": True, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(_json.dumps(small))
+    assert 6e6 < estimated_params(small) < 8e6
+    c = compose_config(["+recipe=parallelspec", f"target.path={tmp_path}"])
+    hint = smoke_size_hint(c)
+    assert hint is not None and "~7." in hint and "data.max_conversations=840" in hint
+    assert all(x in hint for x in SMOKE_SIZES)
+    assert smoke_size_hint(compose_config(["+recipe=parallelspec", f"target.path={tmp_path}", *SMOKE_SIZES])) is None
+    big = {**small, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24}
+    (tmp_path / "config.json").write_text(_json.dumps(big))
+    assert smoke_size_hint(compose_config(["+recipe=parallelspec", f"target.path={tmp_path}"])) is None

@@ -209,6 +209,10 @@ def run(cfg) -> dict[str, Any]:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
     c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    from drafttrain.validation import smoke_size_hint
+
+    if hint := smoke_size_hint(c):  # a small local model at the main job's sizes: say how to shrink them
+        print(f"[drafttrain] {hint}", flush=True)
     c.trainer.mixed_precision = resolve_mixed_precision(c.trainer.mixed_precision)
     resume_from = check_resume(c) if c.resume else None  # a changed job fails here, before anything loads
     r = _start_run(c)
