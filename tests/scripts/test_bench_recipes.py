@@ -136,6 +136,8 @@ def test_report_curve_by_training_minutes(tmp_path):
     assert "| eagle | 1.100 (100) | 1.200 (200) | 1.350 (400) | 1.420 (600) | 1.400 (800) | 1.420 (600) |" in md
     assert "| eagle3 | 1.000 (10) | 1.100 (20) | 1.300 (40) | 1.500 (60) | 1.600 (80) | 1.600 (80) |" in md
     assert "the same in every run (abc)" in md
+    assert "![held-out τ_sim by training minute](page_tau_sim.png)" in md  # the curves drawn beside the page
+    assert (tmp_path / "page_tau_sim.png").read_bytes()[:4] == b"\x89PNG"
     assert "at equal steps" not in md  # eagle3 stopped at step 80: no evaluated step in common
 
     run("medusa", 300, 100, [1.2, 1.3, 1.5])  # 100 steps = 13.3 min

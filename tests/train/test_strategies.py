@@ -215,3 +215,29 @@ def test_divergences():
     assert torch.equal(divergence(a, b, "js"), js_divergence(a, b))
     with pytest.raises(ValueError, match="unknown divergence"):
         divergence(a, b, "kl")
+
+
+# -- why on-policy adds nothing to a drafter that never reads its own drafts ---------------------------
+@pytest.mark.parametrize("name,config", [("parallelspec_eagle3", {"num_mask_tokens": 3, "anchor_ratio": 1.0}),
+                                         ("dflash", {"block_size": 4, "num_layers": 1})])  # fmt: skip
+def test_on_policy_with_the_cut_is_the_offline_cut_for_a_drafter_fed_masks(varied_target, name, config):
+    """A parallel or block drafter's inputs at group positions are [MASK] tokens, whatever it drafted: on the
+    target's own greedy rows its on-policy labels differ from the offline ones only after the group's first
+    miss (the drafts before it equal the row), and ``cut_weight=0`` drops exactly those slots, so on-policy +
+    cut is the offline cut's loss. Without the cut the relabelled slots after a miss change the loss."""
+    target = varied_target
+    torch.manual_seed(0)
+    d = build_drafter(name, config, target).train()
+    ids, mask, lengths = _greedy_rows(target, n_rows=3, prompt=1, new=20)  # every label is the target's argmax
+    batch = {"input_ids": ids, "loss_mask": mask, "lengths": lengths,
+             "features": target.features(ids, feature_layers=d.feature_layers)[:, :-1]}  # fmt: skip
+    policy = dict(labeller=lambda groups: label_drafts(target, ids, lengths, groups), groups_per_row=0)
+
+    def loss(**kw):
+        return d.training_loss(batch, torch.Generator().manual_seed(1), Objective(**kw))
+
+    off_cut, pol_cut = loss(cut_at_first_miss=True), loss(cut_at_first_miss=True, **policy)
+    assert pol_cut.sums["policy_groups"] > 0
+    assert torch.allclose(pol_cut.loss, off_cut.loss, rtol=1e-4, atol=1e-5)
+    off, pol = loss(), loss(**policy)
+    assert not torch.allclose(pol.loss, off.loss, rtol=1e-3)  # an untrained drafter misses: the labels after differ
