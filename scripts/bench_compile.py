@@ -132,7 +132,7 @@ class _EngineVariant:
 
 
 def bench(cfg: BenchCompileConfig) -> dict:
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     unknown = sorted(set(cfg.variants) - set(VARIANTS))
     if unknown or not cfg.variants:
@@ -153,7 +153,7 @@ def bench(cfg: BenchCompileConfig) -> dict:
         # oneDNN, what inductor's freezing packs with, so eager and compiled share their linears' library
         packed = "onednn" if fastlinear.onednn_available() else "auto"
         fl = packed if "packed" in name or name.startswith("engine") else "off"
-        return load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": fl}))
+        return build_run(cfg, fast_linear=fl).target
 
     names = ["eager_plain"] + [v for v in cfg.variants if v != "eager_plain"]  # the numerics' reference first
     targets = {v: target(v) for v in names}

@@ -10,7 +10,7 @@ Two measurements on the real target's shapes (SmolLM2-135M: 9 query heads, 3 key
   committed-slot mask), under :func:`drafttrain.fastattention.use` ``sdpa`` (transformers' sdpa call:
   grouped-query heads packed as [b, h_kv, group, hd] queries) and ``kernel``; then ``tree_points``
   (batch, queries per row: a verification step's root + draft nodes, causal among themselves), where
-  ``sdpa`` is what the engine ran there before: its grouped-query matmuls (``_grouped_attention``) for a
+  ``sdpa`` is what the engine ran there before: its grouped-query matmuls (``grouped_attention``) for a
   batch, sdpa with ``enable_gqa`` for one sequence;
 - **per forward**: the engine's forward (:meth:`~drafttrain.verify.engine.SpecEngine.forward_trees`, logits
   included) at each batch size with ``forward_tokens`` inputs per row (1: a plain decoding step; k: root +
@@ -68,7 +68,7 @@ def _interleaved(fns: dict, repeats: int) -> dict[str, float]:
 
 def per_call(attn_module, cfg: BenchDecodeAttentionConfig, h: int, h_kv: int, hd: int) -> list[dict]:
     from drafttrain import fastattention
-    from drafttrain.verify.cache import _grouped_attention, ragged_attention
+    from drafttrain.verify.cache import grouped_attention, ragged_attention
 
     g = torch.Generator().manual_seed(cfg.seed)
     rows = []
@@ -89,7 +89,7 @@ def per_call(attn_module, cfg: BenchDecodeAttentionConfig, h: int, h_kv: int, hd
         def call(name):
             def f():
                 if name == "sdpa" and nq > 1 and b > 1:  # the engine's batched verification attention before the kernel
-                    return _grouped_attention(q, k, v, mask, hd**-0.5)
+                    return grouped_attention(q, k, v, mask, hd**-0.5)
                 if nq > 1 and b == 1:  # one sequence's tree: sdpa with enable_gqa (the engine's choice) vs the kernel itself
                     if name == "sdpa":
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5,
@@ -140,7 +140,7 @@ def per_forward(target, cfg: BenchDecodeAttentionConfig) -> list[dict]:
 def bench(cfg: BenchDecodeAttentionConfig) -> dict:
     from drafttrain import fastattention
     from drafttrain.cliconfig import ConfigError
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     if any(nq > fastattention.MAX_QUERIES and b > 1 for b, nq in cfg.tree_points):  # before any model loads
         raise ConfigError(f"tree_points above fastattention.MAX_QUERIES={fastattention.MAX_QUERIES} queries at batch > 1 "
@@ -148,7 +148,7 @@ def bench(cfg: BenchDecodeAttentionConfig) -> dict:
     if not fastattention.available():
         raise ConfigError(f"the decode attention kernel is unavailable here: {fastattention.unavailable_reason()}")
     torch.set_num_threads(cfg.threads)
-    target = load_target(cfg.target)
+    target = build_run(cfg).target
     c = target.config
     h, h_kv = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // h
@@ -175,7 +175,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         "## Per call (one layer)",
         "",
         "Queries per row > 1: a verification step (root + a chain of drafts); there **sdpa** is what the engine "
-        "runs there: its grouped-query matmuls (`_grouped_attention`) at batch > 1 above "
+        "runs there: its grouped-query matmuls (`grouped_attention`) at batch > 1 above "
         "`fastattention.MAX_QUERIES` queries per row (the kernel up to it), sdpa with `enable_gqa` on the one "
         "sequence at batch 1 (the kernel called directly there, for comparison: the engine keeps sdpa).",
         "",

@@ -46,12 +46,12 @@ class BenchDraftCostConfig:
 def bench(cfg: BenchDraftCostConfig) -> dict:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.verify import ParallelSpecProposer, SpecEngine
     from scripts.common import load_drafter
 
     torch.set_num_threads(cfg.threads)
-    target = load_target(cfg.target)
+    target = build_run(cfg).target
     drafter = load_drafter(target, cfg.drafter, cfg.seed, pack=False)
     packed = load_drafter(target, cfg.drafter, cfg.seed)  # the same weights, its linears and head prepacked
     rows_in = load_eval_prompts(cfg.prompts, limit=max(cfg.batch_sizes))

@@ -195,14 +195,13 @@ def forward_ms(eng, k: int, switch: LinearSwitch, repeats: int, seed: int, varia
 
 
 def bench(cfg: BenchForwardCostConfig) -> dict:
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     bw = memory_bandwidth_gbs(cfg.bandwidth_mb)
     gflops = matmul_gflops()
-    tcfg = TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"})
-    target = load_target(tcfg)
+    target = build_run(cfg, fast_linear="off").target
     unknown = set(cfg.variants) - {"plain", "onednn", "kernel", "kernel_avx2"}
     if unknown:
         raise ValueError(f"variants: unknown {sorted(unknown)}; choose from plain, onednn, kernel, kernel_avx2")

@@ -188,7 +188,7 @@ def _backends(target, args, work: Path) -> dict:
         backend, _, suffix = name.partition(":")
         linear = "" if suffix == "sdpa" else suffix
         if switch is not None:
-            switch.use(linear or True)  # no suffix: the default backend, as load_target(auto) packs it
+            switch.use(linear or True)  # no suffix: the default backend, as build_run's target (fast_linear=auto) packs it
         out_dir = work / f"backends-{name.replace(':', '-')}-{i}"
         shutil.rmtree(out_dir, ignore_errors=True)
         load0 = os.getloadavg()[0]
@@ -264,11 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     results = json.loads(path.read_text()) if path.is_file() else {}
     if args.phase != "report":
         from drafttrain.config import TargetConfig
-        from drafttrain.target import load_target
+        from drafttrain.compose import build_run
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        target = load_target(TargetConfig())  # fp32: this CPU has no fast bf16
+        target = build_run(TargetConfig(), dtype="float32").target  # fp32: this CPU has no fast bf16
         # warm-up (untimed): the first forward pages the weights in and builds the kernels
         target.generate([list(range(1, 65))] * 2, 4, return_features=False)
         work = Path(args.work)

@@ -37,9 +37,9 @@ class BenchHybridConfig:
 def bench(cfg: BenchHybridConfig) -> dict:
     from drafttrain.config import ConfigError, to_dict
     from drafttrain.validation import validate
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.eval.lockstep import spec_eval
-    from scripts.common import load_drafter, load_run_config, run_train_data
+    from scripts.common import load_run_config, run_train_data
 
     bad = sorted(set(cfg.sources) - {"none", "input", "data"})
     if bad:
@@ -47,8 +47,8 @@ def bench(cfg: BenchHybridConfig) -> dict:
     saved = load_run_config(cfg.run)
     saved["output_dir"] = "outputs/bench_hybrid"  # eval_outputs.jsonl of each evaluation
     base = validate(saved)
-    target = load_target(base.target)
-    drafter = load_drafter(target, cfg.run)
+    built = build_run(base, drafter=cfg.run)  # the run's drafter, packed like its target
+    target, drafter = built.target, built.drafter
     train_ds = run_train_data(base, target) if "data" in cfg.sources else None
     rows = []
     for src in cfg.sources:

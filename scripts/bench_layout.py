@@ -89,13 +89,13 @@ def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
     from drafttrain.data.pipeline import LocalProcess, prepare_data
     from drafttrain.data.vocab import frequent_tokens
     from drafttrain.drafters import build_drafter, drafter_config
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.train import compose_config
 
     c = compose_config(["+recipe=parallelspec_medusa", *overrides])  # the Medusa integration: drafter parallelspec
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
-    target = load_target(c.target)
+    target = build_run(c).target
     train_ds, _ = prepare_data(c, target, LocalProcess())
     lengths = [len(x) for x in train_ds.with_format(None)["input_ids"]]
     mbs = c.trainer.micro_batch_size

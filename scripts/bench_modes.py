@@ -121,19 +121,19 @@ def write_markdown(data: dict, out: Path) -> None:
 def replan(out: Path) -> None:
     """Re-run only the planner (forward times measured now) for the batch sizes of an existing modes.json."""
     from drafttrain.validation import validate_eval
-    from drafttrain.eval.harness import _git_sha
+    from drafttrain.eval.harness import run_git_sha
     from drafttrain.verify.methods.sssd import plan_sssd_budget
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     data = json.loads(out.with_suffix(".json").read_text())
     cc = dict(data["mt_bench"]["command_config"])
     c = validate_eval(cc)
-    target = load_target(c.target)
+    target = build_run(c).target
     import torch
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
-    data["replanned"] = {"git_sha": _git_sha(), "plans": {str(b): plan_sssd_budget(c, target, b) for b in c.batch_sizes}}
+    data["replanned"] = {"git_sha": run_git_sha(), "plans": {str(b): plan_sssd_budget(c, target, b) for b in c.batch_sizes}}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     write_markdown(data, out)
 

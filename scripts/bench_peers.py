@@ -70,7 +70,7 @@ class BenchPeersConfig:
 def bench(cfg: BenchPeersConfig) -> dict:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import end_of_turn_ids, prompt_ids
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.verify import PlainProposer, SpecEngine
     from drafttrain.verify.proposers import proposer_for
     from scripts.bench_forward_cost import LinearSwitch
@@ -80,7 +80,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
     if bad:
         raise ValueError(f"unknown methods {bad}; choose from {list(METHODS)}")
     torch.set_num_threads(cfg.threads)
-    target = load_target(TargetConfig(**{**cfg.target.__dict__, "fast_linear": "off"}))
+    target = build_run(cfg, fast_linear="off").target
     switch = LinearSwitch(target.model)  # plain (as transformers loads it) <-> prepacked, same parameters
     drafted = {"engine_spec", "engine_hybrid", "engine_spec_compiled", "engine_hybrid_compiled"}
     switch.use(True)  # the drafter is packed like the target it drafts for (Drafter.pack_for_inference)

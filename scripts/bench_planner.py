@@ -71,12 +71,12 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
     from drafttrain.eval.spec import plain_greedy, run_interleaved
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.eval.lockstep import sssd_for_eval
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.planner import PlannedProposer, SpeculationPlanner
     from drafttrain.verify.proposers import PlainProposer, proposer_for
-    from scripts.common import load_drafter, load_run_config, run_train_data
+    from scripts.common import load_run_config, run_train_data
 
     if bad := sorted(set(cfg.variants) - set(VARIANTS) - {"tree"}):
         raise ConfigError(f"variants: unknown {bad}; choose from {sorted(VARIANTS) + ['tree']}")
@@ -94,8 +94,8 @@ def bench(cfg: BenchPlannerConfig) -> dict:
         sssd_d["nodes"] = cfg.nodes
     c = validate(saved)
     se = c.trainer.spec_eval
-    target = load_target(cfg.target)
-    drafter = load_drafter(target, cfg.run)
+    built = build_run(cfg, drafter=cfg.run)  # the run's drafter, packed like its target
+    target, drafter = built.target, built.drafter
     sssd = sssd_for_eval(c, run_train_data(c, target) if se.sssd.source == "data" else None)
     rows = load_eval_prompts(se.prompts, limit=cfg.num_prompts or se.num_prompts, offset=se.prompt_offset,
                              stride=se.prompt_stride)  # fmt: skip

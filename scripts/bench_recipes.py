@@ -151,14 +151,13 @@ def load_run(out: Path):
 
     from drafttrain.config import upgrade_saved
     from drafttrain.validation import validate
-    from drafttrain.drafters import Drafter
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))
     if c.trainer.num_threads:
         torch.set_num_threads(c.trainer.num_threads)
-    target = load_target(c.target)
-    return c, target, Drafter.from_pretrained(out / "drafter", target).eval()
+    built = build_run(c, drafter=out / "drafter", pack=False)  # the saved drafter as it is (unpacked)
+    return c, built.target, built.drafter
 
 
 def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:

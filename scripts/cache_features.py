@@ -38,7 +38,8 @@ def run(cfg) -> dict:
 
     from drafttrain.data.feature_cache import build_feature_cache, estimate_bytes
     from drafttrain.data.selfdistill import load_generated
-    from drafttrain.target import load_target, resolve_target_dir
+    from drafttrain.compose import build_run
+    from drafttrain.target import resolve_target_dir
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
@@ -54,8 +55,7 @@ def run(cfg) -> dict:
           f"estimated {est} bytes ({est / 2**20:.1f} MiB) in {out}", flush=True)
     if c.estimate:
         return {"bytes_estimated": est, "rows": len(ds)}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(c.target, device=device)
+    target = build_run(c, device="auto").target  # CUDA where torch sees a device
     from drafttrain.fingerprint import target_fingerprint
 
     fp = target_fingerprint(c.target)  # the target's content (config + weights), not its name

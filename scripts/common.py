@@ -132,13 +132,13 @@ def load_drafter(target, checkpoint: str | None, seed: int = 0, pack: bool = Tru
     """
     from omegaconf import OmegaConf
 
-    from drafttrain.eval.harness import _drafter_dir, inference_drafter
+    from drafttrain.compose import build_run
 
     if checkpoint:
-        return inference_drafter(target, _drafter_dir(Path(checkpoint).expanduser()), pack=pack)
+        return build_run(None, target=target, drafter=checkpoint, pack=pack).drafter
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "drafter" / "parallelspec.yaml"), resolve=True)
     cfg.pop("name", None)
-    return inference_drafter(target, None, untrained_config=cfg, seed=seed, pack=pack)
+    return build_run(None, target=target, untrained_drafter=cfg, seed=seed, pack=pack).drafter
 
 
 # ==================================================================================================

@@ -38,7 +38,7 @@ def run(cfg) -> dict:
 
     from drafttrain.data.selfdistill import generate_dataset
     from drafttrain.data.sources import LoadStats, load_conversations
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
@@ -47,8 +47,7 @@ def run(cfg) -> dict:
     stats = LoadStats(name=c.source)
     convs = load_conversations(c.source, split=c.split, max_conversations=c.max_conversations, stats=stats)
     log.info(stats.report())
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(c.target, device=device)
+    target = build_run(c, device="auto").target  # CUDA where torch sees a device
     from drafttrain.fingerprint import target_fingerprint
 
     fp = target_fingerprint(c.target)  # the target's content (config + weights), not its name

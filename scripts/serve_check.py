@@ -114,7 +114,7 @@ def run(c) -> dict:
     from drafttrain.data.template import end_of_turn_ids, prompt_ids
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.export import load_exported
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
 
     if c.num_prompts < 1 or c.max_new_tokens < 1 or c.prompt_stride < 1 or c.prompt_offset < 0:
         raise ConfigError("num_prompts, max_new_tokens and prompt_stride must be >= 1, prompt_offset >= 0")
@@ -144,7 +144,7 @@ def run(c) -> dict:
     target_path = c.target_path or info["target_path"]
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
-    target = load_target(TargetConfig(path=target_path))
+    target = build_run(TargetConfig(path=target_path)).target
     rows = load_eval_prompts(c.prompts, limit=c.num_prompts, offset=c.prompt_offset, stride=c.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     stops = sorted(end_of_turn_ids(target.tokenizer))

@@ -100,12 +100,13 @@ def test_data_does_not_reach_into_the_verifier_or_the_exporters():
 
 #: The layer of every top-level part, highest first: a module may import its own layer and the layers below it,
 #: never one above (scripts -> train -> eval -> export / data -> generation -> verify / drafters -> target -> config).
-#: validation is the composition root under the jobs; the pure helpers sit beside or under the target.
+#: validation is the composition root under the jobs, compose (build_run) what they load their models through;
+#: the pure helpers sit beside or under the target.
 LAYERS = {
     "train": 8,
     "eval": 7,
     "export": 6, "data": 6,
-    "validation": 5,
+    "validation": 5, "compose": 5,
     "generation": 4,
     "verify": 3, "drafters": 3,
     "fingerprint": 2.5,
@@ -147,3 +148,32 @@ def test_the_layer_check_finds_an_import_that_runs_up():
                              "drafttrain.drafters.x": {"drafttrain.verify.cache"},
                              "drafttrain.train.loop": {"drafttrain.eval.lockstep"}}) == [
         "drafttrain.drafters.x -> drafttrain.verify.cache", "drafttrain.eval.preset -> drafttrain.train.loop"]  # fmt: skip
+
+
+def script_problems(sources: dict[str, str]) -> list[str]:
+    """Scripts that load a target their own way (a ``load_target(`` call, not :func:`drafttrain.compose.build_run`)
+    or import a private name of the package (``from drafttrain... import _x``). ``sources``: name -> source text."""
+    bad = []
+    for name, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == "load_target":
+                    bad.append(f"{name}:{node.lineno}: load_target( (build the target with drafttrain.compose.build_run)")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("drafttrain"):
+                bad += [f"{name}:{node.lineno}: imports private {node.module}.{a.name}"
+                        for a in node.names if a.name.startswith("_")]  # fmt: skip
+    return bad
+
+
+def test_scripts_build_through_compose_and_import_no_private_name():
+    """One way to build a run's target (same dtype, device, fast_linear everywhere); scripts use public names only."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "scripts").rglob("*.py"))}
+    assert sources and script_problems(sources) == []
+
+
+def test_the_script_check_finds_a_private_import_and_a_load_target_call():
+    assert script_problems({"s.py": "from drafttrain.eval.harness import _git_sha, evaluate\n"
+                                    "from drafttrain import target\nt = target.load_target(cfg)\n"}) == [
+        "s.py:1: imports private drafttrain.eval.harness._git_sha",
+        "s.py:3: load_target( (build the target with drafttrain.compose.build_run)"]  # fmt: skip

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from drafttrain.compose import build_run, drafter_dir, inference_drafter
 from drafttrain.config import ConfigError, EvalConfig
 from drafttrain.validation import eval_schema, validate_eval
 
@@ -32,16 +33,6 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------------
-
-
-def _drafter_dir(checkpoint: Path) -> Path:
-    from drafttrain.drafters.base import DRAFTER_CONFIG
-
-    if (checkpoint / DRAFTER_CONFIG).is_file():
-        return checkpoint
-    if (checkpoint / "drafter" / DRAFTER_CONFIG).is_file():
-        return checkpoint / "drafter"
-    raise FileNotFoundError(f"no drafter checkpoint in {checkpoint} (expected drafter/{DRAFTER_CONFIG} or {DRAFTER_CONFIG})")
 
 
 def check_checkpoint(c: EvalConfig) -> Path | None:
@@ -58,7 +49,7 @@ def check_checkpoint(c: EvalConfig) -> Path | None:
     if c.checkpoint is None:
         return None
     ckpt = Path(c.checkpoint).expanduser()
-    ddir = _drafter_dir(ckpt)
+    ddir = drafter_dir(ckpt)
     for tpath in (ddir.parent / "target.json", ckpt / "target.json", ddir.parent.parent.parent / "target.json"):
         if tpath.is_file():  # written by training: the target's content fingerprint (config + weights)
             from drafttrain.fingerprint import target_fingerprint
@@ -117,24 +108,6 @@ def load_drafter(c: EvalConfig, ddir: Path | None, target):
     return inference_drafter(target, ddir, untrained_config={}, seed=c.seed)
 
 
-def inference_drafter(target, ddir: Path | None, untrained_config: dict | None = None, seed: int = 0,
-                      pack: bool = True):  # fmt: skip
-    """A drafter ready to draft: ``Drafter.from_pretrained(ddir)`` in eval mode, or (``ddir`` None) a fresh
-    ParallelSpec drafter built from ``untrained_config`` (``{}``: the class defaults) under ``seed``; with
-    ``pack``, on prepacked weights when the target is (:meth:`~drafttrain.drafters.base.Drafter.pack_for_inference`).
-    Shared by the evaluation harness and the benchmark scripts (``scripts.common.load_drafter``)."""
-    from drafttrain.drafters import Drafter, build_drafter
-
-    if ddir is not None:
-        drafter = Drafter.from_pretrained(ddir, target).eval()
-    else:
-        torch.manual_seed(seed)
-        drafter = build_drafter("parallelspec", dict(untrained_config or {}), target).eval()
-    if pack:
-        drafter.pack_for_inference()  # inference only: prepacked like the target (target.fast_linear)
-    return drafter
-
-
 def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[int]) -> dict[str, Any]:
     """Where a speculative output first leaves the plain one, and the target's top-2 logit gap there.
 
@@ -147,7 +120,7 @@ def diagnose_mismatch(target, prompt: list[int], spec: list[int], plain: list[in
     return {"position": i, "top2_gap": float(top[0] - top[1])}
 
 
-def _git_sha() -> str | None:
+def run_git_sha() -> str | None:
     """The code's git commit (``DRAFTTRAIN_GIT_SHA`` wins: runs from an exported copy of the repository)."""
     import os
 
@@ -217,7 +190,6 @@ def evaluate(cfg) -> dict[str, Any]:
     from drafttrain.data.template import end_of_turn_ids
     from drafttrain.eval.report import write_report
     from drafttrain.sampling import SamplingParams
-    from drafttrain.target import load_target
     from drafttrain.verify.engine import SpecEngine
     from drafttrain.verify.methods import METHODS, MethodContext
     from drafttrain.verify.methods.mtad import output_perplexity
@@ -233,7 +205,7 @@ def evaluate(cfg) -> dict[str, Any]:
         if spec.preflight is not None:
             spec.preflight(c)
     rows = prompt_rows(c)  # a missing, empty or malformed prompts file too
-    target = load_target(c.target)
+    target = build_run(c).target
     drafter = load_drafter(c, ddir, target) if any(s.needs_drafter for s in specs) else None
     ids, prompts = load_prompts(c, target.tokenizer, rows)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))
@@ -313,7 +285,7 @@ def evaluate(cfg) -> dict[str, Any]:
             rec["perplexity"] = output_perplexity(target, prompts, toks)
     results = {
         "command_config": to_dict_eval(c),
-        "git_sha": _git_sha(),
+        "git_sha": run_git_sha(),
         "machine": {
             "device": str(target.device), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
@@ -351,4 +323,4 @@ def to_dict_eval(c: EvalConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
 
 
-__all__ = ["evaluate", "check_checkpoint", "load_prompts", "load_drafter"]
+__all__ = ["evaluate", "check_checkpoint", "load_prompts", "load_drafter", "run_git_sha"]

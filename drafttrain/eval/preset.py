@@ -35,8 +35,7 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
     import torch
 
     from drafttrain.config import upgrade_saved
-    from drafttrain.drafters import Drafter
-    from drafttrain.target import load_target
+    from drafttrain.compose import build_run
     from drafttrain.eval.lockstep import spec_eval
     from drafttrain.validation import validate
 
@@ -50,9 +49,8 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
     out = Path(output_dir) if output_dir else run / "eval_preset"
     out.mkdir(parents=True, exist_ok=True)
     c = dataclasses.replace(c, output_dir=str(out), trainer=dataclasses.replace(c.trainer, progress=False))
-    target = load_target(c.target)
-    drafter = Drafter.from_pretrained(run / "drafter", target).eval()
-    drafter.pack_for_inference()
+    built = build_run(c, drafter=run / "drafter")  # the saved drafter packed for inference, as the run's final eval
+    target, drafter = built.target, built.drafter
     train_ds = None
     if c.trainer.spec_eval.batch_size > 1 and c.trainer.spec_eval.sssd.source == "data":
         from accelerate import Accelerator

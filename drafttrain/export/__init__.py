@@ -252,10 +252,10 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
         ExportError: the recipe has no such format, or the format cannot hold the drafter exactly.
     """
     from drafttrain.config import ConfigError, TargetConfig
-    from drafttrain.drafters import Drafter
+    from drafttrain.compose import build_run
     from drafttrain.drafters.base import DRAFTER_CONFIG
     from drafttrain.export.common import drafter_dir, run_config, write_json
-    from drafttrain.target import load_target, resolve_target_dir
+    from drafttrain.target import resolve_target_dir
 
     try:
         ddir = drafter_dir(checkpoint)
@@ -273,8 +273,8 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"output_dir {out} is not empty (overwrite=true replaces its files)")
     target_dir = str(Path(resolve_target_dir(tcfg)).resolve())
-    target = target if target is not None else load_target(tcfg)
-    drafter = Drafter.from_pretrained(ddir, target).eval()
+    built = build_run(tcfg, target=target, drafter=ddir, pack=False)  # the saved weights as they are (no packing)
+    target, drafter = built.target, built.drafter
     verifier = verifier or target_dir
     from drafttrain.export import speculation as spx
 

@@ -271,12 +271,12 @@ def _load_target_and_data(r: _Run) -> None:
     layers, and the train / held-out datasets (:func:`drafttrain.data.pipeline.prepare_data`)."""
     from drafttrain.data.pipeline import prepare_data
     from drafttrain.train.distributed import frozen_target_context
+    from drafttrain.compose import build_run
     from drafttrain.drafters import drafter_class, drafter_config
-    from drafttrain.target import load_target
 
     c = r.c
     with frozen_target_context(r.accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
-        r.target = load_target(c.target, device=r.accelerator.device)
+        r.target = build_run(c, device=r.accelerator.device).target
     r.dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
     # the target layers the drafter declares: what self-distillation stores and every batch carries
     r.layers = drafter_class(c.drafter.name).layers_for(r.dcfg, r.target.num_hidden_layers)

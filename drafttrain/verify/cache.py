@@ -348,7 +348,7 @@ def batched_layout(
 # ---------------------------------------------------------------------------------------------
 
 
-def _grouped_attention(query, key, value, mask, scale: float | None) -> torch.Tensor:
+def grouped_attention(query, key, value, mask, scale: float | None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v with grouped-query heads folded into the query axis (two batched
     matmuls, no key/value repeat).
 
@@ -391,7 +391,7 @@ def ragged_attention(
     Otherwise, without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
     sequence's queries attend to its own cache row only. ``ragged_segments.batched`` (default) runs
     that as ONE attention call per layer (sdpa's causal kernel for a packed prefill, else the decode
-    kernel where it applies, else sdpa for one query per sequence or :func:`_grouped_attention`):
+    kernel where it applies, else sdpa for one query per sequence or :func:`grouped_attention`):
     the queries are gathered into ``[B, h, q_max, hd]`` (a sequence with fewer
     than q_max inputs repeats its last query; those outputs are dropped) against ``keys[rows, :, :kv_max]``
     with each token's own mask row, so a step of 16 sequences costs one attention call per layer
@@ -431,7 +431,7 @@ def ragged_attention(
             # Real query j of a sequence sees its keys 0..j (< its length); the repeated queries past
             # its end see other slots, and their outputs are dropped. Measured on the 2-core CPU, the
             # engine prefilling 47 ShareGPT prompts (up to 218 tokens) at once: 12.4 / 11.4 -> 9.1 / 8.5 s
-            # against _grouped_attention with the materialised mask (64 x 200 tokens: 69 vs 177 ms a layer).
+            # against grouped_attention with the materialised mask (64 x 200 tokens: 69 vs 177 ms a layer).
             out = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )
@@ -442,7 +442,7 @@ def ragged_attention(
                 qb, k, v, attn_mask=plan["mask"], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
             )  # [B, h, q_max, hd]
         else:
-            out = _grouped_attention(qb, k, v, plan["mask"], scaling)
+            out = grouped_attention(qb, k, v, plan["mask"], scaling)
         out = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[plan["out_idx"]]  # [N, h, hd]
         return out[None], None
     outs = []
