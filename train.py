@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 def main(cfg: DictConfig) -> None:
     import logging
 
+    from drafttrain.cliconfig import FatalError
     from drafttrain.config import ConfigError
     from drafttrain.train import run
 
@@ -18,6 +19,8 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
+    except FatalError as e:  # a full disk, a dead vLLM process: one line; the relaunch resumes
+        raise SystemExit(str(e)) from None
 
 
 def check_moved_keys(argv: list[str]) -> None:

@@ -33,6 +33,11 @@ class ConfigError(ValueError):
     """The composed config does not match the schema (unknown key, wrong type, bad value)."""
 
 
+class FatalError(RuntimeError):
+    """A fault the job cannot go on from (a full disk, a dead vLLM process) whose message is one complete line:
+    the entry points print it without a traceback and exit with status 1; the same command resumes afterwards."""
+
+
 def validate_into(schema: type[T], cfg: DictConfig | dict[str, Any] | T, moved: dict[str, str] | None = None) -> T:
     """Merge ``cfg`` (Hydra's own ``hydra`` node ignored) into dataclass ``schema``.
 
@@ -145,12 +150,16 @@ def parse_cli(schema: type[T], argv: list[str] | None = None, *, config_name: st
 
 def run_cli(main: Callable[[], Any]) -> None:
     """Call a script's ``main()`` (overrides from ``sys.argv``); a :class:`ConfigError` exits with status 2
-    and one line naming the key, instead of a traceback. Scripts end with ``run_cli(main)``."""
+    and one line naming the key, instead of a traceback; a :class:`FatalError` (a full disk, a dead vLLM process)
+    exits with status 1 and its one line. Scripts end with ``run_cli(main)``."""
     try:
         main()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except FatalError as e:
+        print(str(e), file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def usage(schema: type, config_name: str | None = None, values: dict | None = None) -> str:

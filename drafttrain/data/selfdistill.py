@@ -52,7 +52,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -732,11 +731,11 @@ def _assemble(job: _Job, kept: list[int], out_dir: Path, save_dataset: bool):
     else:
         ds = datasets.Dataset.from_dict({k: [] for k in job.features}, features=job.features)
     if save_dataset:
-        tmp = out_dir / f".tmp_{DATASET_DIR}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        ds.save_to_disk(str(tmp))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        from drafttrain.atomic import atomic_dir
+        from drafttrain.data.shards import free_hint
+
+        with atomic_dir(final, f"the assembled dataset ({len(ds)} rows)", free_hint(out_dir)) as tmp:  # full disk: shards kept
+            ds.save_to_disk(str(tmp))
         store.set("dataset_shards", len(kept))
         store.set("dataset_written", True)
         ds = load_generated(final)

@@ -3,8 +3,10 @@
 A shard counts as done only once the manifest names it, and the manifest is replaced atomically
 (write a temporary file, then ``os.replace``) after the shard folder has been renamed into place. A
 process killed at any point (``kill -9``) therefore leaves either a recorded, complete shard, or an
-unrecorded one that the next run writes again: no work is counted twice or lost. (A killed process's
-writes survive in the page cache; only a power loss could need fsync, which we do not guard against.)
+unrecorded one that the next run writes again: no work is counted twice or lost. Shards and the manifest
+are fsynced before their rename (:mod:`drafttrain.atomic`); a full disk stops the job with
+:class:`drafttrain.atomic.DiskFullError` naming the folder, with the partial shard removed and every recorded
+shard kept.
 
 The manifest also holds the job's fingerprint; reopening a folder with a different job raises
 :class:`JobMismatchError` instead of mixing two jobs' shards.
@@ -58,11 +60,23 @@ def load_dataset_folder(path: str | Path, fix: str):
         raise CorruptFileError(f"{path} cannot be read ({type(err).__name__}: {err}); {fix}") from None
 
 
+def free_hint(root: Path) -> str:
+    """What to delete to make room for a job folder's shards (for :class:`drafttrain.atomic.DiskFullError`)."""
+    return (f"older job folders beside {root} (self-distillation / generate_data / feature-cache folders, "
+            f"data.cache_dir) or older checkpoints under a run's output_dir/checkpoints")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Write ``text`` to ``path`` through a temporary file, fsync and an atomic rename
+    (:func:`drafttrain.atomic.atomic_write_text`).
+
+    Raises:
+        drafttrain.atomic.DiskFullError: the disk is full (the old file is kept, the temporary removed).
+    """
+    from drafttrain.atomic import atomic_write_text as write
+
+    path = Path(path)
+    write(path, text, free_hint=free_hint(path.parent))
 
 
 class ShardStore:
@@ -116,13 +130,18 @@ class ShardStore:
         return self.manifest["shards"][str(i)]
 
     def write(self, i: int, dataset, info: dict) -> None:
-        """Save ``dataset`` (a ``datasets.Dataset``) as shard ``i`` and record ``info`` with it."""
-        tmp = self.root / f".tmp_shard_{i:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        dataset.save_to_disk(str(tmp))
-        final = self.shard_dir(i)
-        shutil.rmtree(final, ignore_errors=True)  # an unrecorded leftover of a killed run
-        tmp.rename(final)
+        """Save ``dataset`` (a ``datasets.Dataset``) as shard ``i`` and record ``info`` with it.
+
+        Written to ``.tmp_shard_N``, fsynced, renamed over any unrecorded leftover of a killed run.
+
+        Raises:
+            drafttrain.atomic.DiskFullError: the disk filled up (the partial shard is removed, the manifest
+                and every recorded shard are unchanged; the next run makes this shard again).
+        """
+        from drafttrain.atomic import atomic_dir
+
+        with atomic_dir(self.shard_dir(i), f"shard {i} ({len(dataset)} rows)", free_hint(self.root)) as tmp:
+            dataset.save_to_disk(str(tmp))
         self.manifest["shards"][str(i)] = info
         atomic_write_text(self.path, json.dumps(self.manifest, indent=1))  # the shard counts from here on
 

@@ -63,14 +63,19 @@ def replace_dir(tmp: Path, final: Path) -> None:
     """Move the finished folder ``tmp`` to ``final`` (same file system), replacing an older ``final``.
 
     Both renames are atomic: a kill leaves either the old folder, or none at ``final`` (the old one
-    is then at ``.old_<name>`` and removed by the next save), never a half-written ``final``.
+    is then at ``.old_<name>`` and removed by the next save), never a half-written ``final``
+    (:func:`drafttrain.atomic.replace_dir`).
     """
-    old = final.with_name(f".old_{final.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    from drafttrain.atomic import replace_dir as replace
+
+    replace(tmp, final)
+
+
+def free_hint(c: TrainConfig, out_dir: Path) -> str:
+    """What to delete to make room for a checkpoint (for :class:`drafttrain.atomic.DiskFullError`)."""
+    return (f"older checkpoints under {out_dir / CHECKPOINTS} (trainer.keep_checkpoints={c.trainer.keep_checkpoints} "
+            f"keeps the newest), older runs' folders, the self-distillation / feature cache under data.cache_dir="
+            f"{c.data.cache_dir or '<cache_root>/data'}")
 
 
 def fault_point(name: str, step: int) -> None:
@@ -101,26 +106,33 @@ def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out
     root = out_dir / CHECKPOINTS
     path = root / f"step_{state.step:07d}"
     tmp = root / f".tmp_{path.name}"
+    from drafttrain.atomic import disk_full_guard, fsync_path
+
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
-    model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
-    if accelerator.is_main_process:
-        model.save_pretrained(tmp / "drafter")
-        (tmp / "config.json").write_text(json.dumps(to_dict(c), indent=1))
-        from drafttrain.fingerprint import target_fingerprint
+    # a full disk: the partial .tmp_step_N is removed, the previous checkpoints stay, DiskFullError names root
+    with disk_full_guard(root, f"checkpoint {path.name}", free_hint(c, out_dir),
+                         partial=tmp if accelerator.is_main_process else None):  # fmt: skip
+        accelerator.save_state(str(tmp))  # DeepSpeed: its engine checkpoint (sharded optimizer state per rank)
+        model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
+        if accelerator.is_main_process:
+            model.save_pretrained(tmp / "drafter")
+            (tmp / "config.json").write_text(json.dumps(to_dict(c), indent=1))
+            from drafttrain.fingerprint import target_fingerprint
 
-        meta = {"git_sha": git_sha() or "unknown", **state.state_dict(), "metrics_lines": metrics_lines,
-                "target_fingerprint": target_fingerprint(c.target)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    fault_point("checkpoint", state.step)
-    accelerator.wait_for_everyone()  # every rank's part is written before the marker
+            meta = {"git_sha": git_sha() or "unknown", **state.state_dict(), "metrics_lines": metrics_lines,
+                    "target_fingerprint": target_fingerprint(c.target)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        fault_point("checkpoint", state.step)
+        accelerator.wait_for_everyone()  # every rank's part is written before the marker
+        if accelerator.is_main_process:
+            (tmp / COMPLETE).write_text("ok")
+            fsync_path(tmp)  # on disk before the rename makes it the newest checkpoint
+            replace_dir(tmp, path)
     if accelerator.is_main_process:
-        (tmp / COMPLETE).write_text("ok")
-        replace_dir(tmp, path)
         fault_point("complete", state.step)
         remove_incomplete_checkpoints(out_dir)
         done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
@@ -207,8 +219,13 @@ def check_resume(c: TrainConfig) -> Path | None:
 
 
 def atomic_save_pretrained(model, final: Path) -> None:
-    """``model.save_pretrained`` into a temporary folder renamed into place (:func:`replace_dir`)."""
-    tmp = final.with_name(f".tmp_{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    replace_dir(tmp, final)
+    """``model.save_pretrained`` into a temporary folder, fsynced and renamed into place (:func:`replace_dir`).
+
+    Raises:
+        drafttrain.atomic.DiskFullError: the disk filled up (the old ``final`` is kept, the temporary removed).
+    """
+    from drafttrain.atomic import atomic_dir
+
+    hint = f"older checkpoints under {final.parent / CHECKPOINTS}, older runs' folders or caches on that disk"
+    with atomic_dir(final, f"the drafter ({final.name}/)", hint) as tmp:
+        model.save_pretrained(tmp)
