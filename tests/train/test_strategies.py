@@ -8,6 +8,8 @@ divergences, and the refusals.
   ones (the theory behind ``train/policy_label_agree``); a drafter that drafts something else gets new ones.
 - The cut: ``cut_weight=1`` is the offline loss to the bit; ``cut_weight=0`` leaves the slots after a group's
   first miss out.
+- On the target's greedy rows, on-policy (greedy drafts) + cut is the offline cut's loss for the parallel, block
+  and EAGLE-3 drafters: on-policy changes only what follows a group's first miss.
 """
 
 from __future__ import annotations
@@ -217,14 +219,16 @@ def test_divergences():
         divergence(a, b, "kl")
 
 
-# -- why on-policy adds nothing to a drafter that never reads its own drafts ---------------------------
+# -- why on-policy adds nothing under greedy verification of greedy rows ---------------------------
 @pytest.mark.parametrize("name,config", [("parallelspec_eagle3", {"num_mask_tokens": 3, "anchor_ratio": 1.0}),
-                                         ("dflash", {"block_size": 4, "num_layers": 1})])  # fmt: skip
-def test_on_policy_with_the_cut_is_the_offline_cut_for_a_drafter_fed_masks(varied_target, name, config):
-    """A parallel or block drafter's inputs at group positions are [MASK] tokens, whatever it drafted: on the
-    target's own greedy rows its on-policy labels differ from the offline ones only after the group's first
-    miss (the drafts before it equal the row), and ``cut_weight=0`` drops exactly those slots, so on-policy +
-    cut is the offline cut's loss. Without the cut the relabelled slots after a miss change the loss."""
+                                         ("dflash", {"block_size": 4, "num_layers": 1}),
+                                         ("eagle3", {"ttt_steps": 4})])  # fmt: skip
+def test_on_policy_with_the_cut_is_the_offline_cut_on_the_targets_greedy_rows(varied_target, name, config):
+    """On the target's own greedy rows (what self-distillation writes) a group's drafts before its first miss ARE
+    the row's tokens, so the drafter's inputs and the target's labels there are the offline ones, for a drafter fed
+    [MASK] tokens (parallel, block) and for EAGLE-3, which feeds its own drafts back, alike. On-policy changes only
+    what follows the first miss, which greedy verification never accepts, and ``cut_weight=0`` drops exactly
+    that: on-policy + cut is the offline cut's loss. Without the cut the relabelled slots change the loss."""
     target = varied_target
     torch.manual_seed(0)
     d = build_drafter(name, config, target).train()
