@@ -4,7 +4,9 @@ honour is refused by name before any data is generated (DeepSeek-V3's MLA attent
 modules do not map onto the Llama-style draft layer (OLMo-2's post-norms, Cohere's LayerNorm and parallel
 block, Llama-4's ``feed_forward``) starts the draft layer from its own initialisation where they do not, with
 the reason logged; a model that scales its logits (Granite, Cohere) gives its own distribution through
-:class:`drafttrain.target.Target`."""
+:class:`drafttrain.target.Target`. Each family of the README's table (OLMo-2, Cohere-2, Granite, GLM-4, SmolLM3,
+Llama-4 text) trains ``eagle3``, ``parallelspec`` and ``dflash`` end to end from a saved folder, decodes through
+the engine as its own forward does, and exports for serving (GLM-4's DFlash export refused: partial RoPE)."""
 
 from __future__ import annotations
 
@@ -198,29 +200,129 @@ def test_logit_scale_survives_a_saved_folder(tiny_target, tmp_path):
 # ------------------------------------------------------------------------------------------------ train.run
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["Olmo2Config", "Cohere2Config"])
-def test_user_target_folder_trains_eagle3_end_to_end(tiny_target, kind, tmp_path):
-    """``train.run`` with ``target.path=<folder>`` (a saved tiny OLMo-2 / Cohere-2) and ``+recipe=eagle3``:
-    self-distillation through the engine, two training steps, the in-training evaluation greedy-equal."""
+#: the families a user brings, as tiny saved folders: config class -> the extra keys of the tiny config
+USER_FAMILIES = {
+    "Olmo2Config": {},
+    "Cohere2Config": {"head_dim": 32},
+    "GraniteConfig": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                      "attention_multiplier": 0.125},
+    "Glm4Config": {"head_dim": 32, "partial_rotary_factor": 0.5},
+    "SmolLM3Config": {"no_rope_layer_interval": 2},  # NoPE on every 2nd layer
+    # MoE on every 2nd layer, NoPE on every 2nd, chunked attention on the RoPE layers
+    "Llama4TextConfig": {"head_dim": 32, "intermediate_size_mlp": 256, "num_local_experts": 2,
+                         "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 1024},
+}
+RECIPES = ("eagle3", "parallelspec", "dflash")
+#: (family, recipe) -> what the run prints where its export for serving is refused (the run still succeeds)
+EXPORT_REFUSED = {("Glm4Config", "dflash"): "serve: not exported: RoPE"}  # partial RoPE: vLLM's DFlash rotates all
+
+
+@pytest.fixture(scope="module")
+def user_folders(tiny_target, tmp_path_factory):
+    """One saved tiny target folder and one self-distilled data cache per family, shared by its recipes
+    (the data's fingerprint names the target and the generation, not the drafter)."""
     from transformers import AutoModelForCausalLM
 
+    made: dict[str, object] = {}
+
+    def folder(kind: str):
+        if kind not in made:
+            root = tmp_path_factory.mktemp(kind.removesuffix("Config").lower())
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_config(kind, tiny_target.tokenizer, **USER_FAMILIES[kind]))
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():  # as initialised, a tiny model repeats one token: redrawn, continuations vary
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.normal_(0.0, 0.3, generator=g)
+            model.save_pretrained(root / "target")
+            tiny_target.tokenizer.save_pretrained(root / "target")
+            made[kind] = root
+        return made[kind]
+
+    return folder
+
+
+@torch.no_grad()
+def _own_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """The model's own greedy continuation: its full forward over the whole sequence at every step (no cache)."""
+    ids = torch.tensor([prompt])
+    for _ in range(new):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_user_targets_are_the_families_they_claim(user_folders):
+    """The saved folders hold what the table says: Llama-4 with MoE on every 2nd layer, NoPE layers and chunked
+    attention on the RoPE ones; SmolLM3 with NoPE layers; GLM-4 with partial RoPE; Granite with its multipliers."""
+    from transformers import AutoConfig
+
+    cfg = {k: AutoConfig.from_pretrained(user_folders(k) / "target") for k in USER_FAMILIES}
+    assert {k: c.architectures[0] for k, c in cfg.items()} == {
+        "Olmo2Config": "Olmo2ForCausalLM", "Cohere2Config": "Cohere2ForCausalLM", "GraniteConfig": "GraniteForCausalLM",
+        "Glm4Config": "Glm4ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM", "Llama4TextConfig": "Llama4ForCausalLM"}  # fmt: skip
+    l4 = cfg["Llama4TextConfig"]
+    assert list(l4.moe_layers) == [1, 3, 5] and list(l4.no_rope_layers) == [1, 0, 1, 0, 1, 0]
+    assert families.attention_window(l4) == 1024  # chunked attention on the RoPE layers: a window to the engine
+    assert list(cfg["SmolLM3Config"].no_rope_layers) == [1, 0, 1, 0, 1, 0]
+    assert cfg["Glm4Config"].rope_parameters["partial_rotary_factor"] == 0.5
+    assert families.logit_multiplier(cfg["GraniteConfig"]) == 0.25
+
+
+@pytest.mark.parametrize("kind", list(USER_FAMILIES))
+def test_user_target_decodes_through_the_engine_as_its_own_forward(user_folders, kind):
+    """The folder loaded as drafttrain loads it: speculative decoding through the engine with each recipe's
+    drafter (eagle3, parallelspec's parallelspec_eagle3, dflash) at batch 3 (unpadded, a tree of widths [2, 1],
+    continuous batching over 4 prompts) gives, token for token, the greedy tokens of the model's own full
+    forward (loaded afresh, no cache). The continuations vary (not one repeated token)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.verify.proposers import proposer_for
+
+    folder = user_folders(kind) / "target"
+    target = load_target(TargetConfig(path=str(folder), fast_linear="off"))
+    own = AutoModelForCausalLM.from_pretrained(folder).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, target.config.vocab_size, (5 + 3 * i,), generator=g).tolist() for i in range(4)]
+    want = [_own_greedy(own, p, 12) for p in prompts]
+    assert all(len(set(w)) > 2 for w in want)
+    configs = {"eagle3": {"draft_depth": 3, "ttt_steps": 2}, "parallelspec_eagle3": {"num_mask_tokens": 3},
+               "dflash": {"block_size": 4, "num_layers": 2}}  # fmt: skip
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        drafter = build_drafter(name, cfg, target).eval()
+        run = SpecEngine(target, proposer_for(drafter, widths=[2, 1]), batch_size=3, max_new_tokens=12,
+                         mode="unpadded", stop_token_ids=[]).run(prompts)  # fmt: skip
+        assert [r.tokens for r in run.results] == want, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", list(USER_FAMILIES))
+def test_user_target_folder_trains_every_recipe_end_to_end(user_folders, kind, recipe, tmp_path, capsys):
+    """``train.run`` with ``target.path=<folder>`` (a saved tiny model of the family) and ``+recipe=<recipe>``:
+    self-distillation through the engine, two training steps, the in-training evaluation through the engine
+    greedy-equal (the speculative decode's tokens equal the target's own greedy decode), and the export for
+    serving written (``output_dir/export``) or refused with its reason printed (:data:`EXPORT_REFUSED`)."""
     from drafttrain import train as T
 
-    torch.manual_seed(0)
-    extra = {"head_dim": 32} if kind == "Cohere2Config" else {}
-    model = AutoModelForCausalLM.from_config(_config(kind, tiny_target.tokenizer, **extra))
-    model.save_pretrained(tmp_path / "target")
-    tiny_target.tokenizer.save_pretrained(tmp_path / "target")
-    ov = ["+recipe=eagle3", f"target.path={tmp_path / 'target'}", "data.max_conversations=8",
+    root = user_folders(kind)
+    ov = [f"+recipe={recipe}", f"target.path={root / 'target'}", "data.max_conversations=6",
           "data.generation.max_new_tokens=8", "data.heldout=2", "trainer.max_steps=2", "trainer.spec_eval.num_prompts=2",
-          "trainer.spec_eval.max_new_tokens=8", "trainer.spec_eval.latency_prompts=0", "trainer.spec_eval.plan=false",
+          "trainer.spec_eval.max_new_tokens=8", "trainer.spec_eval.latency_prompts=0", "trainer.spec_eval.tree.plan=false",
           "trainer.spec_eval.sssd.source=none", "trainer.spec_eval.batch_size=2", "trainer.log_every=1",
           "trainer.progress=false", "trainer.num_threads=1", "trainer.mixed_precision=no", "trainer.micro_batch_size=2",
           "trainer.eval_every=1000", "trainer.save_every=1000", f"output_dir={tmp_path / 'run'}",
-          f"data.cache_dir={tmp_path / 'data'}", "logging.wandb=false", "drafter.draft_vocab_size=0"]  # fmt: skip
+          f"data.cache_dir={root / 'data'}", "logging.wandb=false", "drafter.draft_vocab_size=0"]  # fmt: skip
     metrics = T.run(compose_dict("train", ov))
     assert metrics["step"] == 2 and metrics["eval/greedy_equal"] is True
+    info = tmp_path / "run" / "export" / "export_info.json"  # the run ends by exporting for serving
+    out, refused = capsys.readouterr().out, (kind, recipe) in EXPORT_REFUSED
+    assert info.exists() != refused, out[-2000:]
+    assert not refused or EXPORT_REFUSED[kind, recipe] in out
 
 
 def test_chunked_attention_bounds_the_engine_like_a_window():
