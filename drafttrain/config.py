@@ -120,51 +120,106 @@ class OptimConfig:
     decay_over: str = "steps"
 
 
-@dataclass
-class SpecTreeConfig:
-    """Draft tree of the in-training evaluation (the same keys as ``scripts.evaluate``'s ``tree.*``;
-    ParallelSpec App. A.3: candidates per depth, max nodes). Both null = a chain."""
-
-    widths: list[int] | None = field(default_factory=lambda: [4, 2, 1, 1, 1])  # top-4 at depth 1, ...
-    budget: int | None = 8  # tree nodes at most (best-first shape)
+# ==================================================================================================
+# Speculative evaluation: one schema for scripts.evaluate (EvalConfig) and the in-training evaluation
+# (trainer.spec_eval: SpecEvalConfig). The classes hold scripts.evaluate's defaults; the training run's own
+# values (prompt stride, draft tree) are a preset set in TrainerConfig.spec_eval and conf/trainer/default.yaml.
+# ==================================================================================================
 
 
 @dataclass
-class SpecSSSDConfig:
-    """Training-free SSSD candidates merged into the drafter's trees (:mod:`drafttrain.verify.hybrid`;
-    SSSD §3.1): ``source`` none | input (n-grams of the prompt and the output so far) | data (input + a
-    datastore of the training answers, i.e. the target's own self-distilled outputs); ``nodes`` SSSD-only
-    nodes per tree at most (the default of every hybrid tree: HybridProposer, proposer_for, the benchmarks read it
-    off this class). Read by the batched evaluation (``spec_eval.batch_size`` > 1); the batch-1 reference
-    implementation (``batch_size=1``) verifies the drafter's chain alone. The drafting parameters are
-    ``SSSDConfig``'s defaults (drafttrain/verify/methods/sssd.py), their one home."""
+class EvalPromptsConfig:
+    """The prompts of a speculative evaluation (:func:`drafttrain.data.sources.load_eval_prompts`): the same
+    keys and defaults in ``scripts.evaluate`` (:class:`EvalConfig`) and ``trainer.spec_eval`` (:class:`SpecEvalConfig`)."""
+
+    prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
+    # prompts read (every prompt_stride-th from prompt_offset); scripts.evaluate: null = all of them;
+    # trainer.spec_eval: an int, 0 = no speculative evaluation
+    num_prompts: int | None = 16
+    prompt_offset: int = 0
+    prompt_stride: int = 1  # every N-th prompt from the offset (MT-bench: 10 per category, so 10 = one per category)
+    max_new_tokens: int = 128  # tokens generated per prompt at most
+
+
+@dataclass
+class TreeConfig:
+    """The drafter's draft tree (docs/design.md, "The verifier"; ParallelSpec Appendix A.3): ``tree.*`` of
+    ``conf/evaluate.yaml`` and ``trainer.spec_eval.tree.*`` of a training run (the trainer's own widths and
+    budget are set in :class:`TrainerConfig`; these defaults are a chain).
+
+    ``widths``: candidates per depth (null = a chain over all K + 1 depths); ``budget``: maximum nodes
+    (null = one per depth); ``choices``: a static shape instead of the best-first one: ``eagle_default``,
+    ``medusa_default`` or a list of rank lists, e.g. ``[[0], [1], [0, 0]]``. ``batched_drafting``: the
+    drafter drafts the whole batch in shared forwards (ParallelSpec: one forward; EAGLE: one per
+    depth); false = one sequence at a time, each with its own drafter cache (a reference to compare).
+    ``plan``: the online planner (:mod:`drafttrain.verify.planner`) chooses every step how many of the
+    tree's nodes to verify, including none (τ is then per verification step of the pruned trees; the
+    in-training evaluation decodes the full tree as well and reports its τ as ``eval/tau``).
+    ``choices`` and ``batched_drafting`` are read by ``scripts.evaluate`` only (validation refuses them
+    under ``trainer.spec_eval``).
+    """
+
+    widths: list[int] | None = None
+    budget: int | None = None
+    choices: Any = None
+    batched_drafting: bool = True
+    # verify per step only the nodes that pay for their measured cost, pause drafting while nothing does
+    # (drafttrain/verify/planner.py; lossless); false = verify the whole tree every step
+    plan: bool = True
+
+
+@dataclass
+class SSSDEvalConfig:
+    """SSSD in an evaluation (SSSD §3.1-3.2): ``sssd.*`` of ``conf/evaluate.yaml`` and ``trainer.spec_eval.sssd.*``.
+
+    Read by both: ``max_prefix_len`` and ``max_depth`` (the drafting parameters; the others are the
+    verifier-level ``SSSDConfig``'s defaults, drafttrain/verify/methods/sssd.py, whose values these two
+    equal, held by tests/verify/test_sssd.py). Read by ``scripts.evaluate``'s ``sssd`` method only:
+    ``datastore``, ``node_budgets``, ``tau_table``, ``planner_context``, ``num_threads``. Read by the
+    in-training evaluation only (hybrid trees: SSSD's candidates merged into the drafter's,
+    :mod:`drafttrain.verify.hybrid`; batched runs, ``spec_eval.batch_size`` > 1): ``source`` none | input
+    (n-grams of the prompt and the output so far) | data (input + a datastore of the run's training answers,
+    the target's own self-distilled outputs) and ``nodes`` (SSSD-only nodes per tree at most). Validation
+    refuses a key set where it is not read.
+    """
 
     source: str = "data"
     nodes: int = 8
+    datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
+    node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
+    tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
+    planner_context: int = 256  # cached tokens per sequence while forward times are measured
+    max_prefix_len: int = 6  # P, longest context suffix looked up
+    max_depth: int = 8  # D, deepest candidate below the root
+    num_threads: int = 1  # threads of SSSD's per-sequence drafting
+
+
+#: Keys of the evaluation sections that only one of the two evaluations reads (validation refuses a value
+#: other than the default where it is not read): section -> (read by scripts.evaluate only, by the trainer only).
+EVAL_ONLY_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "tree": (("choices", "batched_drafting"), ()),
+    "sssd": (("datastore", "node_budgets", "tau_table", "planner_context"), ("source", "nodes")),
+}
 
 
 @dataclass
-class SpecEvalConfig:
-    """In-training speculative evaluation (greedy) on held-out prompts, at the end and every ``every`` steps.
-
-    The prompt keys are ``scripts.evaluate``'s (``prompts``, ``num_prompts``, ``prompt_offset``,
-    ``max_new_tokens``, ``tree.*``).
+class SpecEvalConfig(EvalPromptsConfig):
+    """In-training speculative evaluation (greedy) on held-out prompts, at the end and every ``every`` steps:
+    ``trainer.spec_eval``, a preset of the evaluation schema. The prompt keys, ``tree`` and ``sssd`` are
+    ``scripts.evaluate``'s (:class:`EvalPromptsConfig`, :class:`TreeConfig`, :class:`SSSDEvalConfig`, the same
+    defaults); the training run's values (``prompt_stride`` 5, tree widths [4, 2, 1, 1, 1] budget 8) are set
+    in :class:`TrainerConfig` (and conf/trainer/default.yaml). ``num_prompts`` 0 = no speculative evaluation.
     """
 
     every: int = 0  # also run it every N steps (0 = only at the end)
-    prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
-    num_prompts: int = 16  # 0 = no speculative evaluation; with stride 5: 2 MT-bench questions per category
-    prompt_offset: int = 0
-    prompt_stride: int = 5  # every N-th prompt from the offset
-    max_new_tokens: int = 128
     # sequences decoded together by the bundled batched verifier (1 = one sequence at a time, eval/spec.py,
     # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
     batch_size: int = 16
-    tree: SpecTreeConfig = field(default_factory=SpecTreeConfig)  # needs batch_size > 1; null widths+budget = a chain
+    # the drafter's tree (needs batch_size > 1; null widths+budget = a chain); tree.plan: decode once more with
+    # the online planner (verify/planner.py: per step only the draft nodes that pay for their verification,
+    # none when nothing does), eval/speedup_b<N> is then the planned run's
+    tree: TreeConfig = field(default_factory=TreeConfig)
     chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
-    # decode once more with the online planner (verify/planner.py: per step only the draft nodes that pay for
-    # their verification, none when nothing does); eval/speedup_b<N> is then the planned run's
-    plan: bool = True
     # batch-1 latency: N of the prompts, spread evenly over the list (latency_subset: with 16 MT-bench prompts,
     # 2 per category, N = 8 is one per category), also go through the engine one sequence at a time, plain vs
     # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)
@@ -172,7 +227,16 @@ class SpecEvalConfig:
     # the batch-1 latency runs' target forward under torch.compile (SpecEngine(compile_target=True)): ~6.5 min of
     # compilation on 2 cores before the timed runs, so off in the 30-minute main job
     compile_target: bool = False
-    sssd: SpecSSSDConfig = field(default_factory=SpecSSSDConfig)  # hybrid trees: the drafter's + SSSD's candidates
+    sssd: SSSDEvalConfig = field(default_factory=SSSDEvalConfig)  # hybrid trees: the drafter's + SSSD's candidates
+
+
+SpecSSSDConfig = SSSDEvalConfig  # its former name (the benchmark scripts read ``.nodes`` off it)
+
+
+def training_spec_eval() -> SpecEvalConfig:
+    """``trainer.spec_eval``'s defaults: the evaluation schema with the training run's values (16 MT-bench prompts,
+    every 5th: 2 per category; the hybrid tree of widths [4, 2, 1, 1, 1], 8 nodes, with SSSD's candidates)."""
+    return SpecEvalConfig(prompt_stride=5, tree=TreeConfig(widths=[4, 2, 1, 1, 1], budget=8))
 
 
 #: Training strategies by name (``trainer.strategy``): how a batch becomes a loss (:mod:`drafttrain.train.strategies`
@@ -219,7 +283,7 @@ class TrainerConfig:
     save_every: int = 100
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
-    spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
+    spec_eval: SpecEvalConfig = field(default_factory=training_spec_eval)  # the training run's preset
     strategy: str = "offline"  # offline | on_policy | mixed: how a batch becomes a loss (drafttrain/train/strategies)
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     export: bool = True  # at the end, write the drafter's serving-engine folder (output_dir/export) and print its `vllm serve` line
@@ -232,6 +296,7 @@ MOVED_KEYS: dict[str, str] = {
         ("every", "every"), ("prompts", "prompts"), ("num_prompts", "num_prompts"), ("offset", "prompt_offset"),
         ("stride", "prompt_stride"), ("max_new_tokens", "max_new_tokens"), ("batch_size", "batch_size"),
         ("tree_widths", "tree.widths"), ("tree_budget", "tree.budget"), ("chain", "chain"))},
+    "trainer.spec_eval.plan": "trainer.spec_eval.tree.plan",  # the planner is the tree's key, as in scripts.evaluate
     "data.max_new_tokens": "data.generation.max_new_tokens",
     "data.max_prompt_length": "data.generation.max_prompt_length",
     "data.distill_batch_size": "data.generation.batch_size",
@@ -442,10 +507,11 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "TrainerConfig": dict(max_steps=GE1, max_minutes=GT0, micro_batch_size=GE1, grad_accum_steps=GE1,
                           length_group_steps=GE1, log_every=GE1, eval_every=GE0, save_every=GE0, keep_checkpoints=GE1,
                           num_threads=GE1),
-    "SpecEvalConfig": dict(every=GE0, num_prompts=GE0, prompt_offset=GE0, prompt_stride=GE1, max_new_tokens=GE1,
-                           batch_size=GE1, latency_prompts=GE0),
-    "SpecSSSDConfig": dict(nodes=GE0),
-    "SpecTreeConfig": dict(widths=GE1, budget=GE1),
+    "EvalPromptsConfig": dict(num_prompts=GE1, prompt_offset=GE0, prompt_stride=GE1, max_new_tokens=GE1),
+    "SpecEvalConfig": dict(every=GE0, num_prompts=GE0, batch_size=GE1, latency_prompts=GE0),  # num_prompts 0 = none
+    "SSSDEvalConfig": dict(nodes=GE0, node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1,
+                           num_threads=GE1),
+    "TreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
     "OnPolicyConfig": dict(temperature=GE0, groups_per_row=GE0, share=UNIT, share_end=UNIT),
     "LossConfig": dict(cut_weight=UNIT),
@@ -460,27 +526,27 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     # checked (target.resolve_feature_layers) from its config before the target loads
     "CacheFeaturesConfig": dict(top_k=GE0, batch_size=GE1, shard_size=GE1, num_threads=GE1,
                                 feature_layers=Range(-1025, 1024)),
-    "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, num_prompts=GE1, prompt_offset=GE0, prompt_stride=GE1,
-                       max_new_tokens=GE1,
-                       batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, top_k=GE0, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
+    "EvalConfig": dict(replay_accept_prob=UNIT, replay_depth=GE1, batch_sizes=GE1, temperature=GE0, top_p=UNIT_OPEN_LOW, top_k=GE0, seed=GE0, stop_token_ids=GE0, num_threads=GE1),
 }  # fmt: skip
 
 
 def numeric_ranges(cls: type) -> dict[str, Range]:
-    """The ranges of ``cls``'s numeric fields: its own ``numeric_ranges`` class attribute (a decoding
-    method's config section declares them beside its fields, drafttrain/verify/methods/), else
-    :data:`NUMERIC_RANGES` by class name."""
-    own = getattr(cls, "numeric_ranges", None)
-    return own if own is not None else NUMERIC_RANGES.get(cls.__name__, {})
+    """The ranges of ``cls``'s numeric fields, its base classes' first (a subclass's entry wins, e.g.
+    :class:`SpecEvalConfig`'s ``num_prompts`` over :class:`EvalPromptsConfig`'s): per class its own
+    ``numeric_ranges`` class attribute (a decoding method's config section declares them beside its
+    fields, drafttrain/verify/methods/), else :data:`NUMERIC_RANGES` by class name."""
+    out: dict[str, Range] = {}
+    for k in reversed(cls.__mro__):
+        own = vars(k).get("numeric_ranges")
+        out.update(own if own is not None else NUMERIC_RANGES.get(k.__name__, {}))
+    return out
 
 
 def numeric_problems(obj, prefix: str = "") -> list[str]:
     """Every numeric value of a config (dataclass instance, nested ones included) outside its
     :data:`NUMERIC_RANGES` range, as ``"trainer.log_every must be >= 1, got 0"``."""
     problems = []
-    ranges = {}  # a drafter's schema (a DrafterConfig subclass) takes DrafterConfig's ranges
-    for cls in reversed(type(obj).__mro__):
-        ranges.update(numeric_ranges(cls))
+    ranges = numeric_ranges(type(obj))  # a drafter's schema (a DrafterConfig subclass) takes DrafterConfig's ranges
     for f in fields(obj):
         v, key = getattr(obj, f.name), prefix + f.name
         if hasattr(v, "__dataclass_fields__"):
@@ -509,7 +575,7 @@ def to_dict(c) -> dict[str, Any]:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(EvalPromptsConfig):
     """``python -m scripts.evaluate`` (conf/evaluate.yaml), less the decoding methods' own sections.
 
     Every registered decoding method's section (``tree``, ``sssd``, ``mcsd``, ``mtad``, ...: the
@@ -529,11 +595,7 @@ class EvalConfig:
     perplexity: bool | None = None  # output perplexity under the target per run; null = when a lossy method runs
     replay_accept_prob: float = 0.7
     replay_depth: int = 5
-    prompts: str = "mt_bench"  # mt_bench | gsm8k | path to a .jsonl of prompts
-    num_prompts: int | None = 16
-    prompt_offset: int = 0
-    prompt_stride: int = 1  # every N-th prompt from the offset (MT-bench: 10 per category, so 10 = one per category)
-    max_new_tokens: int = 128
+    # prompts, num_prompts, prompt_offset, prompt_stride, max_new_tokens: EvalPromptsConfig's
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     modes: list[str] = field(default_factory=lambda: ["unpadded", "padded"])  # speculative runs
     plain_mode: str = "unpadded_kv"  # engine mode of the plain-decoding baseline

@@ -133,7 +133,10 @@ def _check_values(c: TrainConfig) -> None:
                         "trainer.spec_eval.batch_size > 1 and latency_prompts > 0")
     if se.sssd.source not in ("none", "input", "data"):
         problems.append(f"trainer.spec_eval.sssd.source must be none|input|data, got {se.sssd.source!r}")
-    uses_engine = c.trainer.spec_eval.num_prompts > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
+    if se.num_prompts is None:
+        problems.append("trainer.spec_eval.num_prompts must be an int (0 = no speculative evaluation), got null")
+    problems += _unread_eval_keys(se)
+    uses_engine = (se.num_prompts or 0) > 0 or (c.data.self_distill and c.data.generation.backend == "engine")
     problems += _check_target(c.target, uses_engine=uses_engine)
     problems += _check_drafter_layers(c)
     problems += _check_strategy(c)
@@ -150,6 +153,20 @@ def _check_values(c: TrainConfig) -> None:
         problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _unread_eval_keys(se) -> list[str]:
+    """``trainer.spec_eval``'s ``tree.*`` and ``sssd.*`` keys that only ``scripts.evaluate`` reads
+    (:data:`drafttrain.config.EVAL_ONLY_KEYS`), set to another value than the schema's default: one problem each."""
+    from drafttrain.config import EVAL_ONLY_KEYS, SSSDEvalConfig, TreeConfig
+
+    out = []
+    for section, default in (("tree", TreeConfig()), ("sssd", SSSDEvalConfig())):
+        for key in EVAL_ONLY_KEYS[section][0]:
+            if getattr(getattr(se, section), key) != getattr(default, key):
+                out.append(f"trainer.spec_eval.{section}.{key} is read by scripts.evaluate only, not by the in-training "
+                           f"evaluation: leave it unset (or evaluate the run with python -m scripts.evaluate)")  # fmt: skip
+    return out
 
 
 def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:

@@ -264,7 +264,7 @@ def test_family_recipe_train_run_end_to_end(family, recipe, data_cache, tmp_path
     ov = [f"+recipe={recipe}", "target=tiny", f"target.family={family}", "data.max_conversations=10",
           "data.generation.max_new_tokens=10", "data.heldout=2", "trainer.max_steps=2",
           "trainer.spec_eval.num_prompts=0" if refused else "trainer.spec_eval.num_prompts=3",
-          "trainer.spec_eval.max_new_tokens=10", "trainer.spec_eval.latency_prompts=0", "trainer.spec_eval.plan=false",
+          "trainer.spec_eval.max_new_tokens=10", "trainer.spec_eval.latency_prompts=0", "trainer.spec_eval.tree.plan=false",
           "trainer.spec_eval.sssd.source=none", "trainer.spec_eval.batch_size=3", "trainer.log_every=1",
           "trainer.progress=false", "trainer.num_threads=1", "trainer.mixed_precision=no", "trainer.micro_batch_size=4",
           "trainer.eval_every=1000", "trainer.save_every=1000", f"output_dir={tmp_path}", f"data.cache_dir={data_cache}",

@@ -52,39 +52,81 @@ def latency_subset(items: list, k: int) -> list:
     return [items[i * n // k] for i in range(k)]
 
 
-def sssd_for_eval(c: TrainConfig, train_ds=None):
-    """The SSSD drafter of ``trainer.spec_eval.sssd`` (None for ``source=none``): input trie only, or with a
-    datastore over the answers of ``train_ds`` (the self-distilled rows: the target's own outputs)."""
-    from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
+#: The folder of a training run (its ``output_dir``) that holds the SSSD datastore its final evaluation used
+#: (``trainer.spec_eval.sssd.source=data``): ``scripts.evaluate preset=training`` reads it (:mod:`drafttrain.eval.preset`).
+EVAL_DATASTORE = "eval_datastore"
+
+
+def uses_datastore(c: TrainConfig) -> bool:
+    """Whether ``trainer.spec_eval`` builds SSSD's datastore over the training answers (``sssd.source=data``,
+    hybrid trees: the batched evaluation, ``batch_size`` > 1)."""
+    se = c.trainer.spec_eval
+    return se.num_prompts > 0 and se.batch_size > 1 and se.sssd.source == "data"
+
+
+def answers_datastore(train_ds):
+    """SSSD's datastore (:class:`~drafttrain.verify.methods.sssd_datastore.Datastore`) over the answers of
+    ``train_ds`` (rows with ``input_ids`` and ``loss_mask``: the self-distilled rows, the target's own outputs)."""
     from drafttrain.verify.methods.sssd_datastore import Datastore, documents_from_rows
 
-    src = c.trainer.spec_eval.sssd.source
-    if src == "none":
+    t0 = time.time()
+    store = Datastore.from_documents(documents_from_rows(train_ds.with_format(None).select_columns(["input_ids", "loss_mask"])))
+    log.info("SSSD datastore over the training answers: %d tokens in %.1f s", len(store), time.time() - t0)
+    return store
+
+
+def training_datastore(c: TrainConfig, train_ds, out_dir: str | Path):
+    """The datastore of the run's final evaluation (:func:`answers_datastore`), also saved to
+    ``out_dir/eval_datastore`` (:data:`EVAL_DATASTORE`; int32/int64 arrays of the answer tokens and their suffix
+    array, a few MB for the main job) so that ``scripts.evaluate preset=training`` evaluates with the same one
+    without the training data. None when the evaluation uses none (:func:`uses_datastore`).
+
+    Raises:
+        OSError: ``out_dir`` cannot be written.
+    """
+    if not uses_datastore(c):
+        return None
+    store = answers_datastore(train_ds)
+    store.save(Path(out_dir) / EVAL_DATASTORE)
+    return store
+
+
+def sssd_for_eval(c: TrainConfig, train_ds=None, datastore=None):
+    """The SSSD drafter of ``trainer.spec_eval.sssd`` (None for ``source=none``): input trie only, or with a
+    datastore over the answers of ``train_ds`` (the self-distilled rows: the target's own outputs), or
+    ``datastore`` itself where given (one built already, e.g. loaded from a run's :data:`EVAL_DATASTORE`).
+
+    Raises:
+        ValueError: ``source=data`` with neither ``train_ds`` nor ``datastore``.
+    """
+    from drafttrain.verify.methods.sssd import SSSDDrafter, drafting_config
+
+    sc = c.trainer.spec_eval.sssd
+    if sc.source == "none":
         return None
     store = None
-    if src == "data":
-        if train_ds is None:
+    if sc.source == "data":
+        if datastore is None and train_ds is None:
             raise ValueError("trainer.spec_eval.sssd.source=data needs the training data")
-        t0 = time.time()
-        store = Datastore.from_documents(documents_from_rows(train_ds.with_format(None).select_columns(["input_ids", "loss_mask"])))
-        log.info("SSSD datastore over the training answers: %d tokens in %.1f s", len(store), time.time() - t0)
-    return SSSDDrafter(SSSDConfig(), store)
+        store = datastore if datastore is not None else answers_datastore(train_ds)
+    return SSSDDrafter(drafting_config(sc), store, num_threads=sc.num_threads)
 
 
-def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
+def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) -> dict[str, Any]:
     """Greedy speculative decoding of held-out prompts: eval/tau, token-for-token equality, and wall-clock speedup.
 
     With ``trainer.spec_eval.batch_size`` N > 1 the prompts go through the bundled batched verifier N at a
-    time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``plan``, the
+    time: plain decoding, the full draft tree (``eval/tau``, the drafter's quality) and, with ``tree.plan``, the
     online planner (:mod:`drafttrain.verify.planner`). ``eval/speedup_b<N>`` is the tokens/s ratio of the
-    speculative engine (planned where ``plan``) to plain decoding in the same engine at batch N;
+    speculative engine (planned where ``tree.plan``) to plain decoding in the same engine at batch N;
     ``latency_prompts`` > 0 adds ``eval/speedup_b1`` from that many prompts (:func:`latency_subset`)
     decoded one at a time (the latency a single user sees). At both batch sizes the runs advance in lock-step, one decoding step each
     in turn, so that the ratios hold on a host whose speed drifts (:func:`~drafttrain.eval.spec.run_interleaved`). ``eval/speedup`` is the main batch size's figure. Batch 1 as the main
     run uses the one-sequence reference implementation (:func:`~drafttrain.eval.spec.evaluate_prompts`).
     ``compile_target`` runs the batch-1 latency runs on the compiled target forward (compiled first, untimed;
     ``eval/compile_seconds_b1``). ``sssd.source`` != none merges SSSD's training-free candidates into every tree
-    (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``).
+    (:mod:`drafttrain.verify.hybrid`; ``train_ds`` is the datastore's text for ``source=data``, or ``datastore``
+    the datastore itself, :func:`training_datastore`).
     """
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
@@ -97,18 +139,18 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None) -> dict[str, Any]:
     bs = se.batch_size
     tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
     if bs > 1:
-        tree.update(sssd=sssd_for_eval(c, train_ds), sssd_nodes=se.sssd.nodes)
+        tree.update(sssd=sssd_for_eval(c, train_ds, datastore), sssd_nodes=se.sssd.nodes)
     lat = None
     b1 = latency_subset(list(range(len(prompts))), se.latency_prompts)  # the batch-1 prompts' indices
     with torch.autocast("cpu", enabled=False):
         if bs > 1:
             r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
-                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.plan,
+                                         progress=c.trainer.progress, also_chain=se.chain, plan=se.tree.plan,
                                          interleave="step", **tree)  # fmt: skip
             if se.latency_prompts > 0:
                 lat = evaluate_prompts_batched(target, drafter, [prompts[i] for i in b1], se.max_new_tokens,
-                                               batch_size=1, progress=c.trainer.progress, plan=se.plan,
-                                               full_tree=not se.plan, interleave="step",
+                                               batch_size=1, progress=c.trainer.progress, plan=se.tree.plan,
+                                               full_tree=not se.tree.plan, interleave="step",
                                                compile_target=se.compile_target, **tree)  # fmt: skip
         else:
             r = evaluate_prompts(target, drafter, prompts, se.max_new_tokens, progress=c.trainer.progress)

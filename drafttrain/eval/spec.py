@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain.config import SpecSSSDConfig
+from drafttrain.verify.hybrid import DEFAULT_EXTRA_NODES
 
 
 @dataclass
@@ -238,7 +238,7 @@ def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", 
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
-    also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = SpecSSSDConfig.nodes,
+    also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = DEFAULT_EXTRA_NODES,
     interleave: str = "run", compile_target: bool = False,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.

@@ -30,9 +30,12 @@ from typing import Sequence
 
 import torch
 
-from drafttrain.config import SpecSSSDConfig
 from drafttrain.sampling import GREEDY
 from drafttrain.verify.tree import DraftTree
+
+#: SSSD-only nodes per hybrid tree at most, where a caller names none (the evaluations' ``sssd.nodes`` default,
+#: drafttrain.config.SSSDEvalConfig, equals it: tests/verify/test_sssd.py)
+DEFAULT_EXTRA_NODES = 8
 
 
 def merge_trees(tree: DraftTree, extra_tokens: Sequence[int], extra_parents: Sequence[int],
@@ -113,7 +116,7 @@ class HybridProposer:
 
     lossless = True
 
-    def __init__(self, inner, sssd, extra_nodes: int = SpecSSSDConfig.nodes):
+    def __init__(self, inner, sssd, extra_nodes: int = DEFAULT_EXTRA_NODES):
         if getattr(inner, "accept", None) is not None:
             raise ValueError(f"proposer {getattr(inner, 'name', inner)!r} has its own acceptance rule")
         if extra_nodes < 0:

@@ -54,8 +54,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from drafttrain.config import SpecSSSDConfig
 from drafttrain.sampling import GREEDY, SamplingParams, process_logits
+from drafttrain.verify.hybrid import DEFAULT_EXTRA_NODES
 from drafttrain.verify.tree import (
     DraftTree,
     TreeTemplate,
@@ -743,7 +743,7 @@ class _DynamicTree:
 
 def proposer_for(drafter, widths: Sequence[int] | None = None, budget: int | None = None,
                  choices: Sequence[Sequence[int]] | None = None, batched: bool = True, plan: bool = False,
-                 sssd=None, sssd_nodes: int = SpecSSSDConfig.nodes):  # fmt: skip
+                 sssd=None, sssd_nodes: int = DEFAULT_EXTRA_NODES):  # fmt: skip
     """The proposer that drafts the way ``drafter`` declares (``drafter.spec.drafting``,
     :class:`~drafttrain.drafters.base.DrafterSpec`).
 

@@ -340,28 +340,30 @@ def test_planner_with_a_measured_tau_table_ties_and_errors():
 
 
 def test_sssd_settings_have_one_home():
-    """SSSDConfig holds the drafting defaults, SpecSSSDConfig the hybrid trees' node count; the evaluation
-    section, the hybrid proposer and the YAML files read theirs off them (the YAMLs are held equal here)."""
+    """SSSDConfig holds the drafting defaults, SSSDEvalConfig (the one evaluation section: sssd.* and
+    trainer.spec_eval.sssd.*) equals them, the hybrid proposer's node count is the verifier's own and the
+    section's default; the YAML files are held equal here."""
     import dataclasses
     import inspect
     from pathlib import Path
 
     import yaml
 
-    from drafttrain.config import SpecSSSDConfig
+    from drafttrain.config import SSSDEvalConfig
     from drafttrain.eval.spec import evaluate_prompts_batched
-    from drafttrain.verify.hybrid import HybridProposer
-    from drafttrain.verify.methods.sssd import SSSDConfig, SSSDEvalConfig
+    from drafttrain.verify.hybrid import DEFAULT_EXTRA_NODES, HybridProposer
+    from drafttrain.verify.methods.sssd import SSSDConfig, drafting_config
     from drafttrain.verify.proposers import proposer_for
 
-    assert SSSDEvalConfig().drafting() == SSSDConfig()
+    assert drafting_config(SSSDEvalConfig()) == SSSDConfig()
     conf = Path(__file__).resolve().parents[2] / "conf"
     evaluate = yaml.safe_load((conf / "evaluate.yaml").read_text())["sssd"]
     assert evaluate == dataclasses.asdict(SSSDEvalConfig())
     grid = yaml.safe_load((conf / "sssd_grid.yaml").read_text())["sssd"]
     assert grid and grid == {k: v for k, v in dataclasses.asdict(SSSDConfig()).items() if k in grid}
     trainer = yaml.safe_load((conf / "trainer" / "default.yaml").read_text())["spec_eval"]["sssd"]
-    assert trainer == dataclasses.asdict(SpecSSSDConfig())
-    assert inspect.signature(HybridProposer).parameters["extra_nodes"].default == SpecSSSDConfig.nodes
-    assert inspect.signature(proposer_for).parameters["sssd_nodes"].default == SpecSSSDConfig.nodes
-    assert inspect.signature(evaluate_prompts_batched).parameters["sssd_nodes"].default == SpecSSSDConfig.nodes
+    assert trainer == dataclasses.asdict(SSSDEvalConfig())
+    assert SSSDEvalConfig.nodes == DEFAULT_EXTRA_NODES
+    assert inspect.signature(HybridProposer).parameters["extra_nodes"].default == DEFAULT_EXTRA_NODES
+    assert inspect.signature(proposer_for).parameters["sssd_nodes"].default == DEFAULT_EXTRA_NODES
+    assert inspect.signature(evaluate_prompts_batched).parameters["sssd_nodes"].default == DEFAULT_EXTRA_NODES

@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from drafttrain.config import GE0, GE1
+from drafttrain.config import SSSDEvalConfig  # the one SSSD evaluation section (sssd.*, trainer.spec_eval.sssd.*)
 from drafttrain.sampling import GREEDY
 from drafttrain.verify.acceptance import Acceptance, target_rows
 from drafttrain.verify.methods.registry import Method, MethodContext, Variant, register
@@ -806,26 +806,11 @@ class SSSDProposer:
 # ---------------------------------------------------------------------------------------------
 # the method in the harness: config section, planner, registry entry
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class SSSDEvalConfig:
-    """``sssd.*`` of ``conf/evaluate.yaml`` (SSSD §3.1-3.2). The drafting fields are :class:`SSSDConfig`'s,
-    the one home of their defaults: the two listed here read theirs off it, the others (the grid-searched
-    weights) are its own (:meth:`drafting`)."""
-
-    datastore: str = "data/datastore/sharegpt"  # folder from `python -m scripts.build_datastore`
-    node_budgets: list[int] | None = None  # one run per tree size; null = the planner's choice per batch size
-    tau_table: str = "docs/benchmarks/sssd_grid.json"  # the planner's tau(n) (`python -m scripts.sssd_grid`)
-    planner_context: int = 256  # cached tokens per sequence while forward times are measured
-    max_prefix_len: int = SSSDConfig.max_prefix_len
-    max_depth: int = SSSDConfig.max_depth
-    num_threads: int = 1
-
-    numeric_ranges = dict(node_budgets=GE0, planner_context=GE1, max_prefix_len=GE1, max_depth=GE1, num_threads=GE1)
-
-    def drafting(self) -> SSSDConfig:
-        """The drafting parameters of this section: :class:`SSSDConfig` with ``max_prefix_len`` and ``max_depth``
-        set, the rest its defaults."""
-        return SSSDConfig(max_prefix_len=self.max_prefix_len, max_depth=self.max_depth)
+def drafting_config(section) -> SSSDConfig:
+    """The drafting parameters of an evaluation's SSSD section (:class:`~drafttrain.config.SSSDEvalConfig`:
+    ``sssd.*`` of ``conf/evaluate.yaml`` or ``trainer.spec_eval.sssd.*``): :class:`SSSDConfig` with its
+    ``max_prefix_len`` and ``max_depth``, the rest (the grid-searched weights) :class:`SSSDConfig`'s own defaults."""
+    return SSSDConfig(max_prefix_len=section.max_prefix_len, max_depth=section.max_depth)
 
 
 def measure_forward_seconds(target, batch_size: int, lengths, context: int = 256, steps: int = 6,
@@ -896,10 +881,17 @@ def plan_sssd_budget(c, target, batch_size: int) -> dict:
 
 
 def _check(c) -> list[str]:
-    b = c.sssd.node_budgets
+    from drafttrain.config import EVAL_ONLY_KEYS
+
+    problems, b = [], c.sssd.node_budgets
     if b is not None and (not b or min(b) < 0):
-        return ["sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)"]
-    return []
+        problems.append("sssd.node_budgets must be a non-empty list of ints >= 0 (or null for the planner)")
+    default = SSSDEvalConfig()
+    for key in EVAL_ONLY_KEYS["sssd"][1]:  # the hybrid trees' keys of the in-training evaluation
+        if getattr(c.sssd, key) != getattr(default, key):
+            problems.append(f"sssd.{key} is read by the in-training evaluation's hybrid trees "
+                            f"(trainer.spec_eval.sssd.{key}), not by the sssd method: leave it unset")  # fmt: skip
+    return problems
 
 
 def _preflight(c) -> None:
@@ -913,7 +905,7 @@ def _build(ctx: MethodContext) -> list[Variant]:
     import logging
 
     c = ctx.config
-    drafter = SSSDDrafter(c.sssd.drafting(), Datastore.load(c.sssd.datastore), num_threads=c.sssd.num_threads)
+    drafter = SSSDDrafter(drafting_config(c.sssd), Datastore.load(c.sssd.datastore), num_threads=c.sssd.num_threads)
 
     def record_budget(prop, rec, bs):
         rec["node_budget"] = prop.node_budget
