@@ -5,8 +5,8 @@ prompts, the draft tree with SSSD's candidates from a datastore over its own tra
 lock-step batch-16 and batch-1 timings against plain decoding). :func:`training_eval` runs exactly that
 evaluation, through the same function, on a finished run folder: the run's saved config (validated as it
 was), its target, its saved drafter (packed for inference, as the run's final evaluation does) and, when
-the trees take SSSD candidates from the data, the run's training sequences from the self-distillation
-cache. ``eval/tau`` (the full tree's acceptance length) and the outputs are reproduced exactly; the
+the trees take SSSD candidates from the data, the datastore over its training answers that the run saved
+(``eval_datastore/``; a run older than that folder has its training data rebuilt instead). ``eval/tau`` (the full tree's acceptance length) and the outputs are reproduced exactly; the
 speedups are timings of this host at this moment.
 """
 
@@ -51,11 +51,35 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
     c = dataclasses.replace(c, output_dir=str(out), trainer=dataclasses.replace(c.trainer, progress=False))
     built = build_run(c, drafter=run / "drafter")  # the saved drafter packed for inference, as the run's final eval
     target, drafter = built.target, built.drafter
-    train_ds = None
-    if c.trainer.spec_eval.batch_size > 1 and c.trainer.spec_eval.sssd.source == "data":
-        from accelerate import Accelerator
+    return spec_eval(c, target, drafter, run_train_data(c, run, target, drafter), datastore=run_datastore(c, run))
 
-        from drafttrain.data.pipeline import prepare_data
 
-        train_ds = prepare_data(c, target, Accelerator(cpu=True), tuple(drafter.feature_layers))[0]
-    return spec_eval(c, target, drafter, train_ds)
+def run_datastore(c, run: Path):
+    """The SSSD datastore the run's final evaluation used, as it saved it (``<run>/eval_datastore``,
+    :func:`drafttrain.eval.lockstep.training_datastore`); None when its evaluation uses none, or the run predates
+    that folder (:func:`run_train_data` then rebuilds its training data)."""
+    from drafttrain.eval.lockstep import EVAL_DATASTORE, uses_datastore
+    from drafttrain.verify.methods.sssd_datastore import Datastore
+
+    if not uses_datastore(c) or not (run / EVAL_DATASTORE).is_dir():
+        return None
+    return Datastore.load(run / EVAL_DATASTORE)
+
+
+def run_train_data(c, run: Path, target, drafter):
+    """The training rows of a run that saved no ``eval_datastore`` (runs older than it): rebuilt by
+    :func:`drafttrain.data.pipeline.prepare_data` (its self-distillation cache when still there, else generated
+    again). None when the run saved its datastore or its evaluation uses none."""
+    from drafttrain.eval.lockstep import EVAL_DATASTORE, uses_datastore
+
+    if not uses_datastore(c) or (run / EVAL_DATASTORE).is_dir():
+        return None
+    import logging
+
+    from accelerate import Accelerator
+
+    from drafttrain.data.pipeline import prepare_data
+
+    logging.getLogger(__name__).warning("%s has no %s/ (a run older than it): rebuilding its training data for SSSD's "
+                                        "datastore", run, EVAL_DATASTORE)  # fmt: skip
+    return prepare_data(c, target, Accelerator(cpu=True), tuple(drafter.feature_layers))[0]

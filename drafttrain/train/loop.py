@@ -506,7 +506,8 @@ def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
         atomic_save_pretrained(model, r.out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
             model.pack_for_inference()  # training is over (never mid-run: DeepSpeed updates param.data)
-            final.update(lockstep.spec_eval(c, target, model, train_ds))
+            store = lockstep.training_datastore(c, train_ds, r.out_dir)  # saved: scripts.evaluate preset=training reads it
+            final.update(lockstep.spec_eval(c, target, model, train_ds, datastore=store))
         final["wall_seconds"] = round(time.time() - r.t_start, 1)
         r.log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:

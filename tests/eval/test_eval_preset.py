@@ -12,8 +12,14 @@ from helpers import compose_dict
 
 
 @pytest.mark.slow
-def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path):
+def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path, monkeypatch):
+    """The run saves SSSD's datastore over its training answers (eval_datastore/); the preset reads it and never
+    rebuilds the training data (prepare_data raises after the run)."""
+    import shutil
+
+    import drafttrain.data.pipeline
     from drafttrain import train as T
+    from drafttrain.eval.lockstep import EVAL_DATASTORE
     from scripts.evaluate import main
 
     run = tmp_path / "run"
@@ -22,6 +28,12 @@ def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path):
                                            "trainer.mixed_precision=no", "trainer.spec_eval.sssd.source=data",
                                            f"output_dir={run}", f"data.cache_dir={tmp_path / 'data'}"]))  # fmt: skip
     assert metrics["eval/greedy_equal"] is True
+    assert (run / EVAL_DATASTORE / "tokens.npy").is_file()
+
+    def no_data(*a, **k):
+        raise AssertionError("preset=training rebuilt the training data instead of reading the run's datastore")
+
+    monkeypatch.setattr(drafttrain.data.pipeline, "prepare_data", no_data)
     again = main(["preset=training", f"checkpoint={run}"])
     assert again["eval/tau"] == metrics["eval/tau"]
     assert again["eval/accept_hist"] == metrics["eval/accept_hist"]
@@ -31,6 +43,9 @@ def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path):
     elsewhere = tmp_path / "elsewhere"  # output_dir= on the command line is where the outputs go
     main(["preset=training", f"checkpoint={run}", f"output_dir={elsewhere}"])
     assert [json.loads(x) for x in (elsewhere / "eval_outputs.jsonl").read_text().splitlines()] == ours
+    shutil.rmtree(run / EVAL_DATASTORE)  # a run older than eval_datastore/: its training data is rebuilt (patched here)
+    with pytest.raises(AssertionError, match="rebuilt the training data"):
+        main(["preset=training", f"checkpoint={run}"])
 
 
 @pytest.mark.parametrize("content,match", [
