@@ -200,9 +200,10 @@ def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens:
         if prompts in result:
             continue
         se = dataclasses.replace(c.trainer.spec_eval, prompts=prompts, num_prompts=num_prompts, prompt_offset=0,
-                                 max_new_tokens=max_new_tokens, batch_size=16, chain=True, plan=True,
+                                 max_new_tokens=max_new_tokens, batch_size=16, chain=True,
                                  latency_prompts=latency_prompts, **extra,
-                                 tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8),
+                                 tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8,
+                                                          plan=True),
                                  sssd=dataclasses.replace(c.trainer.spec_eval.sssd, source="none"))  # fmt: skip
         c2 = dataclasses.replace(c, output_dir=str(out / f"eval_full_{prompts}"),
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
