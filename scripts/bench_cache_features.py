@@ -34,7 +34,7 @@ class BenchCacheFeaturesConfig:
 
 def main(argv: list[str] | None = None) -> None:
     from drafttrain.cliconfig import parse_cli
-    from scripts.common import reproduce, write_report
+    from scripts.common import machine, machine_line, reproduce, write_report
 
     args = parse_cli(BenchCacheFeaturesConfig, argv)
     out = Path(args.dataset) / "features-bench"
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(seconds, 1),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "loadavg_1min_end": round(os.getloadavg()[0], 2),
+        "machine": machine(),
         "log_tail": run.strip().splitlines()[-1:],
     }
     md = ["# Feature cache on the real target: estimate vs bytes written", "", "```bash", result["command"],
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
           f"| bytes written (every file in the cache folder) | {written:,} bytes |",
           f"| **difference** | **{result['difference_percent']:+.2f}%** |",
           f"| seconds (target forward over every row + writing) | {result['seconds']} |",
-          f"| date, load average at the end | {result['date']}, {result['loadavg_1min_end']} |", ""]
+          f"| date, load average at the end | {result['date']}, {result['loadavg_1min_end']} |",
+          f"| host | {machine_line(result['machine'])} |", ""]
     write_report(args.out, result, "\n".join(md))
 
 

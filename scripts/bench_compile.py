@@ -203,13 +203,14 @@ def bench(cfg: BenchCompileConfig) -> dict:
 
 
 def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
     m, rows, names = res["machine"], res["rows"], res["variants"]
     shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
     lines = [
         "# `torch.compile` vs eager for the target's forward (CPU)",
         "",
-        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
-        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        f"Measured {res['date']} on {machine_line(m)}; 1-minute load average {m['loadavg_1min']} at the start"
         + (" and the machine was **shared with other jobs** (times inflated and noisy)." if shared else "."),
         "",
         f"Target: {res['target'].get('name')}; batch {res['config'].get('batch', 1)}, {res['config']['context']} "

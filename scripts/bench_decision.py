@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from scripts.common import kept_analysis, reproduce, run_eval
+from scripts.common import kept_analysis, machine_line, reproduce, run_eval
 
 
 @dataclass
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"```bash\n{command}\n```",
         "",
+        f"Host: {machine_line(next(iter(evals.values())).get('host'))}. "
         f"Drafter `{args.checkpoint}`; MCSD W_t = 1, levels {evals['mt_bench']['command_config']['mcsd']['ks']}; "
         f"labels from {args.label_prompts} MT-bench + {args.label_prompts} GSM8K prompts starting at index "
         f"{args.label_offset} (batch 8, {args.max_new_tokens} new tokens), evaluation on prompts 0..{args.num_prompts - 1} "

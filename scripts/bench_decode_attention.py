@@ -158,12 +158,13 @@ def bench(cfg: BenchDecodeAttentionConfig) -> dict:
 
 
 def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
     m, t = res["machine"], res["target"]
     lines = [
         "# Decode attention (a few queries per sequence): sdpa as transformers calls it vs drafttrain's kernel",
         "",
-        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
-        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start.",
+        f"Measured {res['date']} on {machine_line(m)}; 1-minute load average {m['loadavg_1min']} at the start.",
         "",
         f"Shapes of {t['name']}: {t['heads']} query heads, {t['kv_heads']} key/value heads, head dim {t['head_dim']}, "
         f"{t['layers']} layers, float32. **sdpa** = `torch.nn.functional.scaled_dot_product_attention` as transformers "

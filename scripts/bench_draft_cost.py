@@ -95,13 +95,14 @@ def bench(cfg: BenchDraftCostConfig) -> dict:
 
 
 def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
     m = res["machine"]
     shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
     lines = [
         "# Drafting time per step: ParallelSpec greedy trees before / after the hot-path work and on prepacked weights",
         "",
-        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
-        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        f"Measured {res['date']} on {machine_line(m)}; 1-minute load average {m['loadavg_1min']} at the start"
         + (" and the machine was **shared with other jobs** while this ran (times inflated and noisy; the two "
            "variants alternate step by step, so the comparison stays fair)." if shared else "."),
         "",

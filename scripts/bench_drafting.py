@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                     "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
                     f"output_dir={work / name}", f"tree.batched_drafting={str(batched).lower()}", *overrides,
                 ]))  # fmt: skip
-                machine = res.get("machine")
+                machine = {**(res.get("machine") or {}), **(res.get("host") or {})}  # the harness's: drafttrain.host.describe
                 plain = next(r for r in res["runs"] if r["method"] == "plain")
                 spec = next(r for r in res["runs"] if r["method"] != "plain")
                 got[batched] = {"recipe": recipe, "tree": label, "batch_size": bs,

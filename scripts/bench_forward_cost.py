@@ -250,6 +250,8 @@ def bench(cfg: BenchForwardCostConfig) -> dict:
 
 
 def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
     m = res["machine"]
     rows = res["rows"]
     b1 = {r["tokens"]: r for r in rows if r["batch"] == 1}
@@ -258,8 +260,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     lines = [
         "# Cost of one target forward by tokens per forward: `F.linear` vs prepacked weights (oneDNN, drafttrain's kernel)",
         "",
-        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
-        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        f"Measured {res['date']} on {machine_line(m)}; 1-minute load average {m['loadavg_1min']} at the start"
         + (" and the machine was **shared with other jobs** while this ran: the absolute times are inflated and "
            "noisy (medians of interleaved calls keep the comparison fair; re-run on an idle machine for the real numbers)."
            if shared else "."),

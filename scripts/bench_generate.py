@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import shutil
 import time
@@ -235,9 +234,10 @@ def results_key(backends) -> str:
 
 
 def _machine() -> dict:
-    return {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    """scripts.common.machine (drafttrain.host.describe + the load average) and this process's peak RSS."""
+    from scripts.common import machine
+
+    return {**machine(), "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def markdown(results: dict) -> str:
+    from scripts.common import machine_line
+
     lines = ["# Self-distillation generation throughput (real target, CPU)", "",
              "SmolLM2-135M-Instruct, fp32 (this CPU has no fast bf16), ShareGPT first turns, greedy, "
              "`max_new_tokens=256`, `max_length=2048`, left-padded batches of prompts sorted by length, "
@@ -373,7 +375,8 @@ def markdown(results: dict) -> str:
                   f"| most packing the prefill could save | {100 * max(r['packing_max_saving_fraction'] for r in inv):.1f}% of the time |",
                   f"| peak RSS | {max(r['machine']['peak_rss_mib'] for r in inv)} MiB |",
                   f"| load average (1 min) at start, end | {[r['loadavg_1min_start_end'] for r in inv]} |",
-                  f"| date, machine | {inv[-1]['date']}, {inv[-1]['machine']['cpus']} CPUs, {inv[-1]['machine']['torch_threads']} torch threads |",
+                  f"| date, machine | {inv[-1]['date']}, {machine_line(inv[-1]['machine'])}, {inv[-1]['machine']['cpus']} CPUs, "
+                  f"{inv[-1]['machine']['torch_threads']} torch threads |",
                   ""]
     b = results.get("backends")
     if b:
@@ -384,7 +387,7 @@ def markdown(results: dict) -> str:
                   "`Target.generate` (HF `DynamicCache`: every layer's keys/values concatenated each step, finished rows "
                   "compacted by copying), **engine** = `generation.backend=engine` (`drafttrain/generation/engine.py`: "
                   "the engine's preallocated ragged cache written in place, finished rows refilled). Runs alternate "
-                  f"ABBA in one process; {b['date']}, {b['machine']['cpus']} CPUs.", "",
+                  f"ABBA in one process; {b['date']}, {machine_line(b['machine'])}, {b['machine']['cpus']} CPUs.", "",
                   "| run | backend | generated tokens | seconds | tokens/s | load avg (start, end) |", "|---|---|---|---|---|---|"]
         for i, r in enumerate(b["runs"]):
             lines.append(f"| {i + 1} | {r['backend']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
@@ -397,6 +400,8 @@ def markdown(results: dict) -> str:
 
 
 def backends_markdown(b: dict) -> list[str]:
+    from scripts.common import machine_line
+
     """The page's section of a backends comparison other than hf vs engine (e.g. ``backends=[engine,vllm]``)."""
     names, ref = b["backends"], b["reference"]
     load = [x for r in b["runs"] for x in r["loadavg_1min_start_end"]]
@@ -414,7 +419,7 @@ def backends_markdown(b: dict) -> list[str]:
                 "**:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 kernel; none = the default, "
                 "`target.fast_linear=auto`; **:sdpa** = the default linears, but one-query attention on torch's sdpa "
                 "instead of drafttrain's decode-attention kernel, `drafttrain.fastattention`). " if any(":" in n for n in names) else "")
-             + f"{b['date']}, {b['machine']['cpus']} CPUs; "
+             + f"{b['date']}, {machine_line(b['machine'])}, {b['machine']['cpus']} CPUs; "
              + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
                 f"1-min load averages {load}: a 2-thread job raises the load to ~2 itself, so this flags other jobs "
                 "only when the first start value is high; runs alternate, compare within this table."), "",

@@ -69,7 +69,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     from scripts.common import machine_line
 
     lines = ["# Hybrid draft trees: the drafter's tree + SSSD's training-free candidates", "",
-             f"Measured {res['date']}: {machine_line(res.get('machine'))}, {res['machine']['cpus']} CPUs, 1-minute load "
+             f"Measured {res['date']}: {machine_line(res.get('machine'))}, 1-minute load "
              f"average {res['machine']['loadavg_1min']} at the start.", "",
              f"Run `{res['run']}`; its final evaluation (prompts: {res['prompts']}; {res['max_new_tokens']} new tokens; "
              f"tree {res['tree']}) once per SSSD source, up to {res['nodes']} SSSD-only nodes per tree. τ = the full "

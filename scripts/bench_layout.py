@@ -28,7 +28,6 @@ Other parts' results already in ``<out>.json`` are kept.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -84,6 +83,7 @@ def _step(dr, opt, batch, method: str, seed: int) -> float:
 
 
 def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
+    from scripts.common import machine
     from drafttrain.config import to_dict
     from drafttrain.data.batches import get_batch, sample_indices
     from drafttrain.data.pipeline import LocalProcess, prepare_data
@@ -143,21 +143,22 @@ def bench(overrides: list[str], steps: int, anchor_ratios: list[float]) -> dict:
             "micro_batch_size": mbs, "mean_sequence_tokens": sum(float(b["lengths"].float().mean()) for b in batches) / len(batches),
             "mixed_precision": "no (fp32)", "overrides": overrides,
         },
-        "machine": {"torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),  # drafttrain.host.describe + the load average
         "timed_steps": steps,
         "rows": rows,
     }  # fmt: skip
 
 
 def markdown(result: dict, command: str) -> str:
+    from scripts.common import machine_line
+
     cfg = result["config"]
     lines = [
         "# Group-wise layout vs. K + 1 separate passes (training step time)",
         "",
         f"ParallelSpec drafter, {cfg['target']}, K = {cfg['num_mask_tokens']}, draft vocabulary "
         f"{cfg['draft_vocab_size']}, kd_weight {cfg['kd_weight']}, micro-batch {cfg['micro_batch_size']} "
-        f"(mean {cfg['mean_sequence_tokens']:.0f} tokens per sequence), fp32, {result['machine']['torch_threads']} torch threads. "
+        f"(mean {cfg['mean_sequence_tokens']:.0f} tokens per sequence), fp32, on {machine_line(result['machine'])}. "
         f"A step = forward + backward + AdamW on the same real batches; median of {result['timed_steps']} steps per "
         "method, the two methods alternating. The naive version runs pass k = 0..K with the items and mask "
         "slots 1..k of every anchor and takes only position k's loss; both compute the same loss (checked "
@@ -242,7 +243,7 @@ def mask_point(mode: str, slots: int, repeats: int) -> dict:
 
 def bench_masks(lengths: list[int], repeats: int) -> dict:
     """:func:`mask_point` for dense and flex at every layout length, each in a fresh process."""
-    from drafttrain.host import cpu_flags, native_cpu_bf16
+    from drafttrain.host import describe
 
     rows = []
     for n in lengths:
@@ -251,23 +252,18 @@ def bench_masks(lengths: list[int], repeats: int) -> dict:
             res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    flags = cpu_flags() or frozenset()
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), platform.processor() or platform.machine())  # fmt: skip
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
-    return {"shape": MASK_SHAPE, "repeats": repeats, "rows": rows,
-            "host": {"cpu_model": model, "isa": isa, "native_bf16": native_cpu_bf16()[0], "native_bf16_reason": native_cpu_bf16()[1],
-                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__}}  # fmt: skip
+    return {"shape": MASK_SHAPE, "repeats": repeats, "rows": rows, "host": describe()}
 
 
 def masks_markdown(m: dict, command: str) -> str:
+    from scripts.common import machine_line
+
     host = m["host"]
     sh = m["shape"]
     lines = [
         "## Dense vs flex masks (memory and forward time, CPU)",
         "",
-        f"Host: {host['cpu_model']} ({host['isa']}, native bf16: {'yes' if host['native_bf16'] else 'no'}), "
-        f"{host['torch_threads']} torch thread(s), torch {host['torch']}, fp32. One attention forward over the "
+        f"Host: {machine_line(host)}, fp32. One attention forward over the "
         f"group-wise layout (K = {sh['num_mask_tokens']}, every item an anchor: s = 5t slots) of a SmolLM2-135M-shaped "
         f"layer ({sh['heads']} query heads, {sh['kv_heads']} key/value heads, head dim {sh['head_dim']}), batch 1, mask "
         "building included; median of "

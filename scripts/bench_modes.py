@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.common import kept_analysis, reproduce, run_eval
+from scripts.common import kept_analysis, machine_line, reproduce, run_eval
 
 METHODS = "[parallelspec,sssd,mcsd,mtad]"
 
@@ -90,7 +90,7 @@ def write_markdown(data: dict, out: Path) -> None:
         "",
         f"```bash\npython -m scripts.build_datastore\n{data['command']}\n```",
         "",
-        f"Machine: {m['processor']}, {m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}; "
+        f"Machine: {machine_line(first.get('host') or m)}, Python {m['python']}; "
         f"git {first['git_sha']}. Target `{cc['target']['name']}`, drafter `{cc['checkpoint']}` "
         f"(K = {first['drafter']['num_mask_tokens']}); greedy decoding, {cc['num_prompts']} prompts per set, "
         f"{cc['max_new_tokens']} new tokens, engine mode `unpadded` (EMS-SD), plain baseline in `unpadded_kv`. "

@@ -205,6 +205,8 @@ def bench(cfg: BenchPeersConfig) -> dict:
 
 
 def markdown(res: dict, command: str, analysis: str) -> str:
+    from scripts.common import machine_line
+
     m = res["machine"]
     shared = m.get("loadavg_1min", 0) > 0.5 * (m.get("cpus") or 1)
     c = res["config"]
@@ -212,8 +214,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     lines = [
         "# Batch-1 decoding speed against Hugging Face generate and prompt-lookup decoding",
         "",
-        f"Measured {res['date']} on {m['processor']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, torch "
-        f"{m['torch']}; 1-minute load average {m['loadavg_1min']} at the start"
+        f"Measured {res['date']} on {machine_line(m)}; 1-minute load average {m['loadavg_1min']} at the start"
         + (" and the machine was **shared with other jobs** while this ran (times noisy; methods rotate per prompt)."
            if shared else "."),
         "",

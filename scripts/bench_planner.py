@@ -167,7 +167,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
     from scripts.common import machine_line
 
     lines = ["# The online planner: variants side by side", "",
-             f"Measured {res['date']}: {machine_line(res.get('machine'))}, {res['machine']['cpus']} CPUs, 1-minute load "
+             f"Measured {res['date']}: {machine_line(res.get('machine'))}, 1-minute load "
              f"average {res['machine']['loadavg_1min']} at the start.", "",
              f"Run `{res['run']}`, tree {res['tree']}, SSSD candidates: {res['sssd']}; prompts {res['prompts']} "
              f"(batch 1: the first ones), {res['max_new_tokens']} new tokens, greedy. Speedup = the variant's tokens/s over "

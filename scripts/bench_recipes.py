@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -325,14 +324,13 @@ def plot_curves(curves: dict[str, list], dest: Path) -> Path:
 
 
 def cmd_report(out_root: Path, dest: Path, recipes: list[str]) -> None:
-    import torch
+    from scripts.common import machine
 
     rows = [summarize(out_root, r) for r in recipes if (run_dir(out_root, r) / "final_metrics.json").is_file()]
     data = {
         "date": time.strftime("%Y-%m-%d"),
         "common_overrides": COMMON,
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},  # fmt: skip
+        "machine": {**machine(), "cpu_count": os.cpu_count()},  # drafttrain.host.describe + the load average
         "runs": rows,
     }
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         return "" if x is None else f"{x:.{d}f}"
 
     lines = ["# Greedy and sampled decoding: τ, speedup and output perplexity per recipe and lossy method", "",
-             f"Measured {res['date']}: {machine_line(res.get('machine'))}, {res['machine']['cpus']} CPUs, 1-minute load "
+             f"Measured {res['date']}: {machine_line(res.get('machine'))}, 1-minute load "
              f"average {res['machine']['loadavg_1min']} at the start. Prompts: {res['prompt_set']} {', '.join(map(str, res['prompts'] or []))} "
              f"(one per category), {res['max_new_tokens']} new tokens, batch 1, seed {res['config']['seed']}.", "",
              "Each row is one speculative run beside plain decoding of the same prompts under the same distribution, "

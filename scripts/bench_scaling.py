@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -31,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = {"cpu": 1, "cpu_ddp": 2, "ddp": 2, "zero2": 2, "zero2_offload": 2, "zero3": 2, "zero3_offload": 2}
@@ -96,6 +94,10 @@ def run_preset(spec: str, steps: int, global_batch: int, threads: int, log_every
 
 
 def markdown(result: dict) -> str:
+    from scripts.common import machine_line
+
+    m = result["machine"]  # a string in runs recorded before drafttrain.host.describe
+    host_line = machine_line(m) if isinstance(m, dict) else f"host not recorded ({m})"
     lines = [
         "# Scaling: ParallelSpec training throughput by launch preset",
         "",
@@ -105,7 +107,7 @@ def markdown(result: dict) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Target `{next((r['target'] for r in result['runs'] if 'target' in r), '?')}`, recipe `parallelspec`, "
+        f"Machine: {host_line}. Target `{next((r['target'] for r in result['runs'] if 'target' in r), '?')}`, recipe `parallelspec`, "
         f"{result['steps']} optimizer steps per preset, global batch {result['global_batch']} sequences, "
         f"{result['threads']} CPU threads in total unless the preset says `@N`, mixed precision `{result['mixed_precision']}`. "
         "Throughput is averaged over the logging windows after the first. The last column is the machine's "
@@ -142,7 +144,7 @@ class BenchScalingConfig:
 def main(argv: list[str] | None = None) -> None:
     from drafttrain.cliconfig import ConfigError, parse_cli
     from drafttrain.validation import resolve_mixed_precision
-    from scripts.common import reproduce, write_report
+    from scripts.common import machine, reproduce, write_report
 
     args = parse_cli(BenchScalingConfig, argv)
     unknown = [p for p in args.presets if p.partition("@")[0] not in WORLD]
@@ -162,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({k: runs[-1][k] for k in ("drafter_tokens_per_s", "seconds_per_step", "peak_mem_mb_per_rank")}))
     result = {
         "command": reproduce("bench_scaling", argv),
-        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}"
-                   + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),  # fmt: skip
+        "machine": machine(),  # drafttrain.host.describe (GPU name included) + the load average
         "steps": args.steps,
         "global_batch": args.global_batch,
         "threads": args.threads,

@@ -12,8 +12,6 @@ JSON whose best weights are used (when the file exists).
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +38,7 @@ def run(c: BenchConfig, argv: list[str] | None = None) -> dict:
     """Measure as configured; ``argv``: the overrides recorded in the reproduce command."""
     from drafttrain.verify.methods.sssd_datastore import Datastore
     from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter, simulate_greedy
-    from scripts.common import load_sequences, median_ms, reproduce
+    from scripts.common import load_sequences, machine, median_ms, reproduce
 
     t = time.perf_counter()
     ds = Datastore.load(c.datastore)
@@ -91,8 +89,7 @@ def run(c: BenchConfig, argv: list[str] | None = None) -> dict:
     meta = ds.meta
     return {
         "command": reproduce("bench_sssd_datastore", argv),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {**machine(), "numpy": np.__version__},  # drafttrain.host.describe + numpy
         "datastore": {
             "path": c.datastore, "source": meta.get("source"), "answers_only": meta.get("answers_only"),
             "rows": meta.get("rows"), "documents": meta["num_documents"], "tokens": meta["num_tokens"],
@@ -112,6 +109,8 @@ def run(c: BenchConfig, argv: list[str] | None = None) -> dict:
 
 
 def write(report: dict, output: Path) -> None:
+    from scripts.common import machine_line
+
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps(report, indent=1))
     d = report["datastore"]
@@ -120,7 +119,7 @@ def write(report: dict, output: Path) -> None:
         "# SSSD datastore on real data",
         "",
         f"Reproduce: `{report['command']}` (after `python -m scripts.build_datastore` and `python -m scripts.sssd_grid`).",
-        f"Machine: {report['machine']['cpus']} CPU cores, Python {report['machine']['python']}, numpy {report['machine']['numpy']}.",
+        f"Machine: {machine_line(report['machine'])}, Python {report['machine']['python']}, numpy {report['machine']['numpy']}.",
         "",
         "## Build and size",
         "",

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                     "modes=[unpadded]", f"num_threads={args.threads}", "plots=false", "progress=false",
                     f"output_dir={work / f'{recipe}-{t}-{prompts}'}", *overrides,
                 ]))  # fmt: skip
-                machine = res.get("machine")
+                machine = {**(res.get("machine") or {}), **(res.get("host") or {})}  # the harness's: drafttrain.host.describe
                 rows += rows_of(recipe, label, prompts, res)
     data = {"command": reproduce("bench_trees", argv), "args": asdict(args), "machine": machine, "rows": rows}
     write_report(args.out, data, lambda analysis: markdown(data, analysis))

@@ -271,12 +271,12 @@ def save_tiny_target(folder: Path, layers: int) -> None:
     layers, saved as an HF folder."""
     from omegaconf import OmegaConf
 
+    from drafttrain.compose import build_run
     from drafttrain.config import TargetConfig
-    from drafttrain.target import load_target
 
     cfg = TargetConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "target" / "tiny.yaml")))
     cfg.num_hidden_layers = layers
-    target = load_target(cfg)
+    target = build_run(cfg).target
     target.model.save_pretrained(folder)
     target.tokenizer.save_pretrained(folder)
 

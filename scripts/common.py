@@ -159,20 +159,24 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def machine() -> dict:
-    """The machine a benchmark ran on: processor, CPU count, torch threads and versions, 1-minute load average."""
-    import torch
+    """The machine a benchmark ran on: :func:`drafttrain.host.describe` (CPU model, ISA, native bf16, CPUs,
+    cores, torch threads, OS, versions, GPU), the platform's processor name and the 1-minute load average."""
+    from drafttrain.host import describe
 
-    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    return {**describe(), "processor": platform.processor() or platform.machine(),
             "loadavg_1min": round(os.getloadavg()[0], 2)}  # fmt: skip
 
 
 def machine_line(m: dict | None) -> str:
-    """One line for a page from a harness run's (or :func:`machine`'s) ``machine`` dict."""
-    if not m:
-        return "machine not recorded"
-    return f"{m.get('processor', '?')} CPU, {m.get('torch_threads', '?')} torch threads, torch {m.get('torch', '?')}"
+    """One line for a page from :func:`machine`'s dict, a harness run's ``host`` or one carrying it
+    (:func:`drafttrain.host.summary`); a record made before that (no CPU model) says ``host not recorded``
+    and the torch threads and version it has."""
+    from drafttrain.host import summary
+
+    m = (m or {}).get("host") or m or {}
+    if m.get("cpu_model"):
+        return summary(m)
+    return f"host not recorded, {m.get('torch_threads', '?')} torch threads, torch {m.get('torch', '?')}"
 
 
 # ==================================================================================================

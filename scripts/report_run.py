@@ -106,13 +106,16 @@ def summarize(run_dir: Path) -> dict:
 
 
 def markdown(name: str, s: dict, command: str | None, wall: float | None) -> str:
+    from drafttrain.host import summary
+
     lines = [f"# {name}", ""]
     if command:
         lines += ["Reproduce:", "", "```bash", command, "```", ""]
     lines += ["| quantity | value |", "|---|---|"]
     table = [
         ("target", s["config"]["target"]),
-        *([("host (the run's own)", f"CPU capability {s['host'].get('cpu_capability')}, {s['host'].get('cpu_threads')} "
+        *([("host (the run's own)", (f"{summary(s['host'])}; " if s["host"].get("cpu_model") else "")  # describe()'s line
+                                     + f"CPU capability {s['host'].get('cpu_capability')}, {s['host'].get('cpu_threads')} "
                                      f"torch threads, target linears on {s['host'].get('target_linears')}"
                                      + (f", decode attention on {s['host']['decode_attention']}" if s["host"].get("decode_attention") else ""))]
           if s.get("host") else []),

@@ -25,6 +25,7 @@ import torch
 
 from drafttrain.compose import build_run, drafter_dir, inference_drafter
 from drafttrain.config import ConfigError, EvalConfig
+from drafttrain.host import describe
 from drafttrain.validation import eval_schema, validate_eval
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ def evaluate(cfg) -> dict[str, Any]:
             "device": str(target.device), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
         },  # fmt: skip
+        "host": describe(),  # CPU model, ISA, native bf16, cores, OS, GPU (drafttrain.host)
         "drafter": {"proposer": methods[0] if len(methods) == 1 else "+".join(methods), "methods": methods,
                     "checkpoint": str(ddir) if ddir else None,
                     "untrained": ddir is None and drafter is not None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from drafttrain.host import summary
+
 
 def _spec_runs(results: dict) -> list[dict]:
     return [r for r in results["runs"] if r["method"] != "plain"]
@@ -75,8 +77,10 @@ def markdown(results: dict[str, Any], plots: list[str] | None = None) -> str:
         f"- decoding: {'greedy' if results['greedy'] else 'temperature %s, top-p %s' % (cfg['temperature'], cfg['top_p']) + (', top-k %s' % cfg['top_k'] if cfg.get('top_k') else '')}, "
         f"max_new_tokens {cfg['max_new_tokens']}, mean prompt {results['prompts']['mean_prompt_tokens']:.0f} tokens; "
         f"tree: widths {cfg['tree']['widths']}, budget {cfg['tree']['budget']}, choices {cfg['tree']['choices'] if not isinstance(cfg['tree']['choices'], list) else 'custom'}",
-        f"- machine: {results['machine']['device']}, {results['machine']['torch_threads']} torch threads, "
-        f"torch {results['machine']['torch']}; git {results['git_sha'] or '?'}; total {results['total_seconds']:.0f} s",
+        f"- machine: {results['machine']['device']}, "
+        + (summary(results["host"]) if results.get("host") else f"host not recorded, {results['machine']['torch_threads']} "
+           f"torch threads, torch {results['machine']['torch']}")  # results.json written before drafttrain.host.describe
+        + f"; git {results['git_sha'] or '?'}; total {results['total_seconds']:.0f} s",
         f"- plain baseline: engine mode `{cfg['plain_mode']}`; speculative modes: {', '.join(f'`{m}`' for m in modes)}",
     ]
     if results["greedy"]:

@@ -345,14 +345,14 @@ def _start_logging(r: _Run, resume_from: Path | None, metrics_lines: int | None)
     run continues its own) and ``metrics.jsonl`` (cut back to ``metrics_lines`` on resume)."""
     from drafttrain import fastattention, fastlinear
     from drafttrain.train.distributed import launch_info
-    from drafttrain.host import native_bf16
+    from drafttrain.host import describe
 
     c, accelerator, out_dir = r.c, r.accelerator, r.out_dir
     launch = launch_info(accelerator)
-    # the host facts that decide the speed figures (docs/benchmarks/main_job.md names them)
-    launch["host"] = {"cpu_capability": fastlinear.cpu_capability(), "cpu_threads": torch.get_num_threads(),
+    # the host (drafttrain.host.describe: CPU model, ISA, native bf16, ...) and the facts of this run that decide
+    # the speed figures (docs/benchmarks/main_job.md names them)
+    launch["host"] = {**describe(), "cpu_capability": fastlinear.cpu_capability(), "cpu_threads": torch.get_num_threads(),
                       "target_linears": fastlinear.describe(r.target.model), "decode_attention": fastattention.backend(),
-                      "native_bf16": "yes" if native_bf16()[0] else "no", "native_bf16_reason": native_bf16()[1],
                       "mixed_precision": c.trainer.mixed_precision}
     r.launch = launch
     if r.main:

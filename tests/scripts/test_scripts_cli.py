@@ -127,6 +127,28 @@ def test_report_run_names_the_runs_host(tmp_path):
             "on kernel |") in markdown("x", summarize(run), None, None)
 
 
+def test_pages_name_the_host_by_drafttrain_host_describe(tmp_path):
+    """Benchmark pages and the run page print drafttrain.host.describe's line (CPU model, ISA, native bf16);
+    a record made before it says "host not recorded", never just the machine type."""
+    import json
+
+    from drafttrain.host import describe
+    from scripts.common import machine, machine_line
+    from scripts.report_run import markdown, summarize
+
+    m = machine()
+    assert m["cpu_model"] == describe()["cpu_model"] and "loadavg_1min" in m
+    assert machine_line(m).startswith(f"{m['cpu_model']} ({m['isa']}, native bf16: ")
+    assert machine_line({"device": "cpu", "host": m}) == machine_line(m)  # a harness results.json's host
+    assert machine_line({"processor": "x86_64", "torch_threads": 2, "torch": "2.5"}) == (
+        "host not recorded, 2 torch threads, torch 2.5")
+    run = _finished_run(tmp_path, {"step": 3, "train_seconds": 1.0, "trainable_params": 10})
+    (run / "launch.json").write_text(json.dumps({"world_size": 1, "host": {**describe(), "cpu_capability": "AVX2",
+                                                 "cpu_threads": 2, "target_linears": "onednn"}}))  # fmt: skip
+    assert f"| host (the run's own) | {machine_line(describe())}; CPU capability AVX2" in markdown(
+        "x", summarize(run), None, None)
+
+
 def test_report_run_shows_the_decode_only_speedups(tmp_path):
     """The main-job page gives the decoding steps' speedup (prompt forwards left out) beside the wall-clock
     one, at the eval batch size and at batch 1, and leaves the row out for runs made before the metric."""
