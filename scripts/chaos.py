@@ -356,6 +356,7 @@ def launch(cmd: str, root: Path, log_path: Path, c: ChaosConfig, kill_at: tuple[
             for line in proc.stdout:
                 lines.append((time.monotonic() - t0, line.rstrip("\n")))
                 f.write(line)
+                f.flush()  # readable while the launch runs
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
