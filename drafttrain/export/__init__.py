@@ -250,6 +250,8 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
         ConfigError: a checkpoint without a drafter; a random tiny target with no ``target_path``; a
             non-empty ``output_dir`` without ``overwrite``.
         ExportError: the recipe has no such format, or the format cannot hold the drafter exactly.
+        drafttrain.atomic.DiskFullError: the disk filled up while writing (the previous export in
+            ``output_dir`` is kept whole, the partial one removed).
     """
     from drafttrain.config import ConfigError, TargetConfig
     from drafttrain.compose import build_run
@@ -288,16 +290,22 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     except spx.SpeculationError as err:
         raise ConfigError(f"speculation: {err}") from None
     n_spec = int(spec_block["num_speculative_tokens"])
-    _, engine_cfg = export_drafter(drafter, fmt, out, verifier=verifier, num_speculative_tokens=n_spec,
-                                   target_config=target.config)  # fmt: skip
-    info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(checkpoint).resolve()), "target_path": target_dir,
-            "verifier": verifier, "num_speculative_tokens": n_spec,
-            "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
-            "speculation": spec_block}  # fmt: skip
-    from drafttrain.export.verify import export_record
+    from drafttrain.atomic import atomic_dir
+    from drafttrain.export.verify import INFO, export_record
 
-    info.update(export_record(out, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
-    write_json(out / "export_info.json", info)
+    # written whole into .tmp_<name>, fsynced, then renamed over a previous export (a folder holding other
+    # files than an export gets the new files moved in one by one); a full disk leaves the previous export
+    previous_export = (out / INFO).is_file() or not (out.exists() and any(out.iterdir()))
+    hint = f"older exports beside {out}, older checkpoints under a run's output_dir/checkpoints, caches on that disk"
+    with atomic_dir(out, f"the {fmt} export", hint, merge=not previous_export) as tmp:
+        _, engine_cfg = export_drafter(drafter, fmt, tmp, verifier=verifier, num_speculative_tokens=n_spec,
+                                       target_config=target.config)  # fmt: skip
+        info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(checkpoint).resolve()), "target_path": target_dir,
+                "verifier": verifier, "num_speculative_tokens": n_spec,
+                "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
+                "speculation": spec_block}  # fmt: skip
+        info.update(export_record(tmp, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
+        write_json(tmp / INFO, info)
     return out
 
 
