@@ -301,6 +301,11 @@ def _build_drafter(r: _Run) -> None:
         drafter.set_draft_vocab(ids)
         log.info("draft vocabulary: %d tokens cover %.1f%% of training answer tokens", ids.numel(), 100 * coverage)
     r.n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    from drafttrain.memory import check_training_fits
+
+    check_training_fits(c.trainer.micro_batch_size, c.data.max_length,  # a run that cannot fit fails here, one line
+                        draft_vocab_size or target.lm_head.weight.shape[0], target.config.hidden_size,
+                        len(r.layers), r.n_params)
     opt = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad],
         lr=c.optim.lr,
