@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from drafttrain.cliconfig import ConfigError
+from drafttrain.cliconfig import ConfigError, FatalError
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,39 @@ def vllm_env(threads: str | None = None, kv_cache_gb: int = 4) -> dict[str, str]
     return env
 
 
-class VllmProcessError(RuntimeError):
-    """The vLLM process could not start, died, or did not answer in time (the job cannot go on with it)."""
+class VllmProcessError(FatalError):
+    """The vLLM process could not start, died, or did not answer in time (the job cannot go on with it): a
+    :class:`~drafttrain.cliconfig.FatalError`, so the entry points print its one line without a traceback."""
+
+
+def exit_description(returncode: int | None) -> str:
+    """How a process ended, in words: ``"exit 3"``, ``"killed by SIGKILL"`` (a negative ``returncode`` is the
+    signal's number, as :class:`subprocess.Popen` reports it), ``"still running"`` for None."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def read_tail(path: Path, n: int = 30, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last ``n`` lines of ``path`` within its last ``max_bytes`` bytes (a huge log is never read whole);
+    ``[]`` when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(size - max_bytes, 0))
+            data = f.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # the first one was cut
+    return lines[-n:]
 
 
 class VllmRequestError(RuntimeError):
@@ -195,7 +226,7 @@ class VllmGenerator:
         if self.running:
             return
         if self.proc is not None:
-            self._failed = f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}"
+            self._failed = self._ended()
             raise VllmProcessError(self._failed)
         try:
             py = vllm_python(str(self.python) if self.python else None)
@@ -223,8 +254,12 @@ class VllmGenerator:
             self.close()
             raise
         if not ready.get("ready"):
+            if ready.get("traceback"):
+                log.error("vLLM could not start:\n%s", ready["traceback"])
+            first = (str(ready.get("error")).strip().splitlines() or ["?"])[0]
+            message = f"vLLM could not start: {first}; {self._log_tail()}"  # before close() removes a temporary log
             self.close()
-            raise VllmProcessError(f"vLLM could not start: {ready.get('error')}\n{ready.get('traceback', '')}")
+            raise VllmProcessError(message)
         self.info = {"vllm_version": ready.get("vllm_version"), "startup_seconds": round(time.perf_counter() - t0, 1)}
         log.info("vLLM %s ready after %.0f s", self.info["vllm_version"], self.info["startup_seconds"])
 
@@ -351,21 +386,38 @@ class VllmGenerator:
             ready, _, _ = select.select([fd], [], [], min(left, 5.0))
             if not ready:
                 if self.proc.poll() is not None:
-                    raise VllmProcessError(f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}")
+                    raise VllmProcessError(self._ended())
                 continue
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                self.proc.wait(timeout=30)
-                raise VllmProcessError(f"the vLLM process ended (exit {self.proc.returncode}); {self._log_tail()}")
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass  # its stdout closed but it lingers: reported as still running, close() ends it
+                raise VllmProcessError(self._ended())
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
 
+    def _ended(self) -> str:
+        """One line for a process that ended: how (exit code or signal by name), where its log is and its last
+        non-empty line; the log's last 30 lines go to this module's logger (a bounded read: :func:`read_tail`)."""
+        how = exit_description(self.proc.returncode if self.proc is not None else None)
+        if self.log_path is None:
+            return f"the vLLM process ended ({how}); no log"
+        tail = read_tail(self.log_path)
+        if tail:
+            log.error("the vLLM process ended (%s); the last lines of %s:\n%s", how, self.log_path, "\n".join(tail))
+        last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+        return (f"the vLLM process ended ({how}); log {self.log_path}" + (f", last line: {last[:300]}" if last else "")
+                + "; the generation resumes from its last whole shard when rerun")
+
     def _log_tail(self, n: int = 30) -> str:
-        if self.log_path is None or not self.log_path.is_file():
+        """``log <path>: <its last non-empty line>`` (bounded read) for the one-line errors; ``no log``."""
+        if self.log_path is None:
             return "no log"
-        lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
-        return f"log {self.log_path}:\n" + "\n".join(lines)
+        last = next((line.strip() for line in reversed(read_tail(self.log_path, n)) if line.strip()), "")
+        return f"log {self.log_path}" + (f", last line: {last[:300]}" if last else "")
 
 
 def _send(proc: subprocess.Popen, data: bytes) -> None:
