@@ -81,6 +81,8 @@ EXCLUDED: dict[str, tuple[str, ...]] = {
     "data/selfdistill/*/*.lock": ("*",),  # the job lock: pid, host and start time of the launch holding it
     # the shards' arrow data is compared row by row (data/selfdistill/*/shard_*): datasets' cache bookkeeping
     "data/selfdistill/*/shard_*/state.json": ("_fingerprint",),
+    # the final evaluation's SSSD datastore: how long building it took (its tokens and suffix array are compared)
+    "run/eval_datastore/datastore.json": ("build_seconds",),
 }
 
 

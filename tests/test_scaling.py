@@ -145,7 +145,7 @@ def test_only_rank0_writes(runs, name):
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert len((run_dir / "eval_outputs.jsonl").read_text().splitlines()) == 2  # trainer.spec_eval.num_prompts
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
-        ["checkpoints", "config.json", "drafter", "eval_outputs.jsonl", "final_metrics.json", "launch.json",
+        ["checkpoints", "config.json", "drafter", "eval_datastore", "eval_outputs.jsonl", "final_metrics.json", "launch.json",
          "metrics.jsonl", "target.json", "train.log", "wandb", "wandb_run_id"])  # fmt: skip
     log = (run_dir / "train.log").read_text()
     assert log.count("train sequences") == 1, log  # Hydra's file log: rank 0's lines only
