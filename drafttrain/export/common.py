@@ -17,26 +17,12 @@ from typing import Any
 import torch
 
 from drafttrain.cliconfig import ConfigError
+from drafttrain.compose import drafter_dir  # noqa: F401  (one rule for where a drafter lives; re-exported)
 
 
 class ExportError(ConfigError):
     """A drafter cannot be written in the asked format (wrong recipe, or no exact mapping exists).
     A :class:`ConfigError` (a ValueError): the scripts report it in one line, exit status 2."""
-
-
-def drafter_dir(checkpoint: str | Path) -> Path:
-    """The drafter folder of ``checkpoint``: a training run folder (``drafter/`` inside) or a drafter folder.
-
-    Raises:
-        FileNotFoundError: neither ``checkpoint/drafter_config.json`` nor ``checkpoint/drafter/drafter_config.json``.
-    """
-    from drafttrain.drafters.base import DRAFTER_CONFIG
-
-    ckpt = Path(checkpoint).expanduser()
-    for d in (ckpt, ckpt / "drafter"):
-        if (d / DRAFTER_CONFIG).is_file():
-            return d
-    raise FileNotFoundError(f"no drafter in {ckpt}: expected {DRAFTER_CONFIG} there or in {ckpt / 'drafter'}")
 
 
 def run_config(drafter_folder: Path) -> dict[str, Any] | None:
