@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from drafttrain.cliconfig import ConfigError
 
-# target.fast_linear (drafttrain.fastlinear.resolve says what each does)
+# target.fast_linear (drafttrain.target.fastlinear.resolve says what each does)
 FAST_LINEAR_MODES = ("auto", "on", "off", "kernel", "onednn")
 
 __all__ = ["ConfigError"]  # ConfigError's home: drafttrain.cliconfig; validation: drafttrain.validation
@@ -36,11 +36,11 @@ class TargetConfig:
     packaged: str | None = None
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
-    # linear layers on prepacked weights (drafttrain.fastlinear): auto = for float32 on CPU, drafttrain's
+    # linear layers on prepacked weights (drafttrain.target.fastlinear): auto = for float32 on CPU, drafttrain's
     # kernel (AVX2 or AVX-512VL build) where it builds, else oneDNN; on = the same but an error where neither applies;
     # kernel | onednn = that backend only; off = F.linear. Verification then costs far less
     fast_linear: str = "auto"
-    # tiny random target for tests: a config of this family (drafttrain.families: llama | qwen2 | qwen3 |
+    # tiny random target for tests: a config of this family (drafttrain.target.families: llama | qwen2 | qwen3 |
     # qwen3_moe | mistral | gemma3 | phi3 | gpt_oss) built from these (only when random_init is true)
     random_init: bool = False
     family: str = "llama"
@@ -230,7 +230,6 @@ class SpecEvalConfig(EvalPromptsConfig):
     sssd: SSSDEvalConfig = field(default_factory=SSSDEvalConfig)  # hybrid trees: the drafter's + SSSD's candidates
 
 
-SpecSSSDConfig = SSSDEvalConfig  # its former name (the benchmark scripts read ``.nodes`` off it)
 
 
 def training_spec_eval() -> SpecEvalConfig:

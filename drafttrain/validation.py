@@ -4,7 +4,7 @@
 drafttrain's but the CLI helpers. This module is where the schemas meet what is registered at run time:
 each drafter's keys (:data:`drafttrain.drafters.DRAFTERS`), each decoding method's config section and
 checks (:data:`drafttrain.verify.methods.METHODS`), the engine's modes, the vLLM backend's venv, the
-target family's support by the engine (:mod:`drafttrain.families`) and the host's native bf16
+target family's support by the engine (:mod:`drafttrain.target.families`) and the host's native bf16
 (:mod:`drafttrain.host`). ``train.run``, the evaluator and every script validate through it, before
 any model loads: a typo'd key or a bad value is a :class:`ConfigError` naming the key.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain.cliconfig import ConfigError, validate_into
 from drafttrain.config import (
     BACKENDS,
@@ -172,7 +172,7 @@ def _unread_eval_keys(se) -> list[str]:
 def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
     """Problems with the target's ``dtype``, ``fast_linear`` and family (train, generate and evaluate share
     them). ``uses_engine``: the job decodes with drafttrain's engine, so a family the engine cannot run
-    exactly (:func:`drafttrain.families.check_engine_support`: attention sinks, soft-capping, MLA attention) is
+    exactly (:func:`drafttrain.target.families.check_engine_support`: attention sinks, soft-capping, MLA attention) is
     refused here, before any model loads, naming ``target.path`` and the architecture."""
     problems = []
     if t.dtype not in ("float32", "bfloat16", "float16"):

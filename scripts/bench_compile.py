@@ -3,7 +3,7 @@
     python -m scripts.bench_compile
 
 The goal is a k-token target forward close to a one-token one, "prepacked weights,
-``torch.compile`` with freezing, or better". The engine uses prepacked weights (:mod:`drafttrain.fastlinear`);
+``torch.compile`` with freezing, or better". The engine uses prepacked weights (:mod:`drafttrain.target.fastlinear`);
 this script measures the other option on the same weights, so the choice rests on numbers.
 
 What is timed: the target's own forward (the Hugging Face model, ``batch`` rows (default 1), a ``StaticCache``
@@ -148,7 +148,7 @@ def bench(cfg: BenchCompileConfig) -> dict:
 
     def target(name: str):  # each variant its own copy of the weights: two compiled wrappers of one module
         # would share dynamo's per-code-object cache entries (a graph compiled for one could serve the other)
-        from drafttrain import fastlinear
+        from drafttrain.target import fastlinear
 
         # oneDNN, what inductor's freezing packs with, so eager and compiled share their linears' library
         packed = "onednn" if fastlinear.onednn_available() else "auto"

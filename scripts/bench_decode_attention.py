@@ -7,7 +7,7 @@ Two measurements on the real target's shapes (SmolLM2-135M: 9 query heads, 3 key
 
 - **per call**: :func:`drafttrain.verify.cache.ragged_attention`, the engine's attention, on one query per
   sequence against ``context`` cached keys per row (views into a larger cache, each row its own
-  committed-slot mask), under :func:`drafttrain.fastattention.use` ``sdpa`` (transformers' sdpa call:
+  committed-slot mask), under :func:`drafttrain.target.fastattention.use` ``sdpa`` (transformers' sdpa call:
   grouped-query heads packed as [b, h_kv, group, hd] queries) and ``kernel``; then ``tree_points``
   (batch, queries per row: a verification step's root + draft nodes, causal among themselves), where
   ``sdpa`` is what the engine ran there before: its grouped-query matmuls (``grouped_attention``) for a
@@ -67,7 +67,7 @@ def _interleaved(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def per_call(attn_module, cfg: BenchDecodeAttentionConfig, h: int, h_kv: int, hd: int) -> list[dict]:
-    from drafttrain import fastattention
+    from drafttrain.target import fastattention
     from drafttrain.verify.cache import grouped_attention, ragged_attention
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -110,7 +110,7 @@ def per_call(attn_module, cfg: BenchDecodeAttentionConfig, h: int, h_kv: int, hd
 
 
 def per_forward(target, cfg: BenchDecodeAttentionConfig) -> list[dict]:
-    from drafttrain import fastattention
+    from drafttrain.target import fastattention
     from drafttrain.verify import DraftTree
     from scripts.bench_forward_cost import prefilled_engine
 
@@ -138,7 +138,7 @@ def per_forward(target, cfg: BenchDecodeAttentionConfig) -> list[dict]:
 
 
 def bench(cfg: BenchDecodeAttentionConfig) -> dict:
-    from drafttrain import fastattention
+    from drafttrain.target import fastattention
     from drafttrain.cliconfig import ConfigError
     from drafttrain.compose import build_run
 
@@ -169,7 +169,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"Shapes of {t['name']}: {t['heads']} query heads, {t['kv_heads']} key/value heads, head dim {t['head_dim']}, "
         f"{t['layers']} layers, float32. **sdpa** = `torch.nn.functional.scaled_dot_product_attention` as transformers "
         "calls it for grouped-query heads with a mask (queries packed as [b, h_kv, group, hd]), what the engine ran "
-        "until now; **kernel** = `drafttrain/csrc/decode_attention.cpp` (`drafttrain.fastattention`: each key/value "
+        "until now; **kernel** = `drafttrain/target/csrc/decode_attention.cpp` (`drafttrain.target.fastattention`: each key/value "
         "head read once for its group). Both through the engine's own attention function "
         "(`drafttrain.verify.cache.ragged_attention`), interleaved call by call, medians.",
         "",

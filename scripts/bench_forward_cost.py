@@ -6,7 +6,7 @@ A verification forward of the engine (:meth:`drafttrain.verify.engine.SpecEngine
 EMS-SD unpadded engine, ``context`` committed tokens per row, a chain of k - 1 drafts below each
 row's root, logits at every input: exactly what a speculative step pays; k = 1 is a plain decoding
 step) is timed with the target's linear layers as loaded (``plain``: ``F.linear``, MKL sgemm on the
-CPU wheel) and on each prepacked backend of :mod:`drafttrain.fastlinear` available here (``onednn``:
+CPU wheel) and on each prepacked backend of :mod:`drafttrain.target.fastlinear` available here (``onednn``:
 oneDNN's prepacked inner product; ``kernel``: drafttrain's kernel, the build this machine gets; on an
 AVX-512 machine also ``kernel_avx2``: the AVX2 build, to compare the two), all interleaved call by call
 on the same cache, medians of ``repeats`` calls. ``packed`` in the results is the default backend
@@ -85,20 +85,20 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 def _avx2_kernel_available() -> bool:
     """The ``kernel_avx2`` variant: this machine's kernel build is the AVX-512 one (the AVX2 build then runs
     here too, and the two can be compared)."""
-    from drafttrain import fastlinear
+    from drafttrain.target import fastlinear
 
     return fastlinear.kernel_isa() == "avx512" and fastlinear.kernel_available()
 
 
 def _kernel_isa() -> str | None:
-    from drafttrain import fastlinear
+    from drafttrain.target import fastlinear
 
     return fastlinear.kernel_isa() if fastlinear.kernel_available() else None
 
 
 @functools.cache
 def _avx2_packed_linear_class():
-    from drafttrain import fastlinear
+    from drafttrain.target import fastlinear
 
     class Avx2PackedLinear(fastlinear.PackedLinear):
         """A kernel-backed ``PackedLinear`` on the AVX2 build whatever this machine's default build."""
@@ -111,7 +111,7 @@ def _avx2_packed_linear_class():
 
 def _avx2_packed(plain: torch.nn.Linear):
     """``plain`` on the AVX2 build of the kernel (on an AVX-512 machine, whose default is the AVX-512 build)."""
-    from drafttrain import fastlinear
+    from drafttrain.target import fastlinear
 
     layer = fastlinear.PackedLinear.from_linear(plain, "kernel")
     layer.__class__ = _avx2_packed_linear_class()
@@ -120,13 +120,13 @@ def _avx2_packed(plain: torch.nn.Linear):
 
 class LinearSwitch:
     """Every linear layer of ``model`` in several versions sharing parameters: ``plain`` (``nn.Linear``)
-    and one :class:`~drafttrain.fastlinear.PackedLinear` per backend in ``backends`` (default: every
+    and one :class:`~drafttrain.target.fastlinear.PackedLinear` per backend in ``backends`` (default: every
     backend available here; ``kernel_avx2``: the kernel's AVX2 build on an AVX-512 machine), packed
     once; :meth:`use` puts one set in place."""
 
     def __init__(self, model: torch.nn.Module, backends: list[str] | None = None):
-        from drafttrain import fastlinear
-        from drafttrain.fastlinear import PackedLinear
+        from drafttrain.target import fastlinear
+        from drafttrain.target.fastlinear import PackedLinear
 
         ok = lambda b: _avx2_kernel_available() if b == "kernel_avx2" else fastlinear.available(b)  # noqa: E731
         self.backends = [b for b in (backends or fastlinear.BACKENDS) if ok(b)]
@@ -270,7 +270,7 @@ def markdown(res: dict, command: str, analysis: str) -> str:
         f"row. One forward = the engine's verification forward (`SpecEngine.forward_trees`: root + a chain of "
         f"k - 1 drafts per row, logits at every input; k = 1 is a plain decoding step). **plain** = the "
         f"linear layers as loaded (`F.linear`, `target.fast_linear=off`); **onednn** = oneDNN prepacked weights "
-        f"(`target.fast_linear=onednn`); **kernel** = drafttrain's kernel (`drafttrain/csrc/small_m_linear.cpp`, "
+        f"(`target.fast_linear=onednn`); **kernel** = drafttrain's kernel (`drafttrain/target/csrc/small_m_linear.cpp`, "
         f"`target.fast_linear=kernel`), its {str(res.get('kernel_isa') or 'avx2').upper()} build (the one this machine gets)"
         + ("; **kernel_avx2** = the same kernel's AVX2 build (16 registers, smaller tiles), for comparison"
            if "kernel_avx2" in (res.get("variants") or []) else "")

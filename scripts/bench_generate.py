@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain import fastattention
+from drafttrain.target import fastattention
 
 
 @dataclass
@@ -42,7 +42,7 @@ class BenchGenerateConfig:
     phase: str = "sweep"  # sweep | full | backends | report
     # backends: engine | hf | vllm (vllm: bash scripts/install_vllm.sh); engine or hf may take a suffix :plain |
     # :onednn | :kernel, the target's linear layers for that backend's runs (default: as loaded, target.fast_linear=auto),
-    # or :sdpa, decode attention on torch's sdpa instead of drafttrain's kernel (drafttrain.fastattention)
+    # or :sdpa, decode attention on torch's sdpa instead of drafttrain's kernel (drafttrain.target.fastattention)
     backends: list[str] = field(default_factory=lambda: ["hf", "engine"])
     backends_subset: int = 128  # backends: first N ShareGPT conversations (the main job keeps ~82% of them)
     backends_repeats: int = 2  # backends: each backend this many times, alternating (A B, B A, ...)
@@ -418,7 +418,7 @@ def backends_markdown(b: dict) -> list[str]:
              + ("A suffix names the target's linear layers for that backend's runs (**:plain** = `F.linear`, "
                 "**:onednn** = oneDNN prepacked, **:kernel** = drafttrain's AVX2 kernel; none = the default, "
                 "`target.fast_linear=auto`; **:sdpa** = the default linears, but one-query attention on torch's sdpa "
-                "instead of drafttrain's decode-attention kernel, `drafttrain.fastattention`). " if any(":" in n for n in names) else "")
+                "instead of drafttrain's decode-attention kernel, `drafttrain.target.fastattention`). " if any(":" in n for n in names) else "")
              + f"{b['date']}, {machine_line(b['machine'])}, {b['machine']['cpus']} CPUs; "
              + ("the machine was otherwise idle (1-min load average below half the cores)." if idle else
                 f"1-min load averages {load}: a 2-thread job raises the load to ~2 itself, so this flags other jobs "

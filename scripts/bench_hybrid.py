@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafttrain.config import SpecSSSDConfig
+from drafttrain.config import SSSDEvalConfig
 
 KEYS = ("eval/tau", "eval/tau_planned", "eval/speedup_b16", "eval/speedup_full_tree", "eval/speedup_b1", "eval/tau_b1",
         "eval/plain_tokens_per_s", "eval/spec_tokens_per_s", "eval/tree_nodes_per_step", "eval/greedy_equal")
@@ -29,7 +29,7 @@ class BenchHybridConfig:
 
     run: str = "outputs/parallelspec-smollm2-135m-instruct"  # a finished training run (drafter/ + config.json)
     sources: list[str] = field(default_factory=lambda: ["none", "input", "data"])
-    nodes: int = SpecSSSDConfig.nodes  # SSSD-only nodes per tree at most (the main job's)
+    nodes: int = SSSDEvalConfig.nodes  # SSSD-only nodes per tree at most (the main job's)
     latency_prompts: int = 4
     out: str = "docs/benchmarks/hybrid"
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.config import SpecSSSDConfig, TargetConfig
+from drafttrain.config import SSSDEvalConfig, TargetConfig
 from drafttrain.verify.methods.drafter import TreeConfig
 
 METHODS = ("hf_generate", "hf_prompt_lookup", "hf_generate_packed", "engine_plain", "engine_spec", "engine_hybrid",
@@ -59,7 +59,7 @@ class BenchPeersConfig:
     prompt_stride: int = 10  # MT-bench: every 10th question = one per category
     max_new_tokens: int = 64
     prompt_lookup_num_tokens: int = 10
-    sssd_nodes: int = SpecSSSDConfig.nodes  # engine_hybrid: SSSD-only nodes per tree at most
+    sssd_nodes: int = SSSDEvalConfig.nodes  # engine_hybrid: SSSD-only nodes per tree at most
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     threads: int = 2
     out: str = "docs/benchmarks/peers"
@@ -93,7 +93,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
 
         from drafttrain.target import Target
 
-        from drafttrain import fastlinear
+        from drafttrain.target import fastlinear
 
         ctarget = Target(copy.deepcopy(target.model), target.tokenizer, target.source_dir)
         if fastlinear.available():  # the LM head runs eager (logits only where needed): prepacked, as by default

@@ -25,7 +25,7 @@ def test_target_config_reads_a_run_config_and_applies_overrides():
 
 
 def test_build_run_builds_the_target_as_configured_and_an_engine_on_it(tiny_target):
-    from drafttrain import fastlinear
+    from drafttrain.target import fastlinear
     from drafttrain.verify.proposers import PlainProposer
 
     off = need_input(lambda: build_run(SimpleNamespace(target=TINY), fast_linear="off"))

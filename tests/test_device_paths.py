@@ -1,6 +1,6 @@
 """The CPU kernels step aside off CPU, and every path is device-agnostic.
 
-Why: drafttrain's fast paths (drafttrain/csrc through fastattention.py and fastlinear.py) are fp32 CPU
+Why: drafttrain's fast paths (drafttrain/target/csrc through fastattention.py and fastlinear.py) are fp32 CPU
 kernels; a CUDA run must take SDPA or flex instead. Without a GPU here, the gates are checked with
 CUDA-shaped fakes (``meta`` tensors: a device that is not the CPU, with shapes and dtypes and no data).
 
@@ -28,7 +28,7 @@ import contextlib
 import pytest
 import torch
 
-from drafttrain import fastattention, fastlinear
+from drafttrain.target import fastattention, fastlinear
 
 
 @pytest.mark.parametrize("device,dtype", [("meta", torch.float32), ("meta", torch.bfloat16), ("cpu", torch.bfloat16)])

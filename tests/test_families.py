@@ -1,4 +1,4 @@
-"""Every target family x every recipe (drafttrain.families): tiny random targets of the real transformers
+"""Every target family x every recipe (drafttrain.target.families): tiny random targets of the real transformers
 classes (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma3, Phi3, gpt-oss), the SmolLM2 tokenizer.
 
 For each family and recipe: a training step of the drafter, its speculative decoding through the engine at
@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain.config import ConfigError, TargetConfig
 from drafttrain.drafters import build_drafter
 from drafttrain.target import Target, load_target

@@ -1,4 +1,4 @@
-"""Tests of drafttrain.fastattention (decode / verification attention on CPU, grouped-query heads read once).
+"""Tests of drafttrain.target.fastattention (decode / verification attention on CPU, grouped-query heads read once).
 
 It must be invisible except in speed: equal to sdpa up to float reassociation at every shape the engine
 makes (one query or a draft tree's nodes per sequence, views into a larger cache, per-row, per-query or
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttrain import fastattention, fastlinear
+from drafttrain.target import fastattention, fastlinear
 
 needs_kernel = pytest.mark.skipif(not fastattention.available(), reason=f"no decode kernel: {fastattention.unavailable_reason()}")
 NEG = torch.finfo(torch.float32).min

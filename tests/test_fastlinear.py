@@ -1,4 +1,4 @@
-"""Tests of drafttrain.fastlinear (the target's linears on prepacked weights): both
+"""Tests of drafttrain.target.fastlinear (the target's linears on prepacked weights): both
 backends, drafttrain's AVX2 kernel (where it builds) and oneDNN.
 
 The swap must be invisible except in speed: same parameters (tied LM head included, so drafters that
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from drafttrain import fastlinear
+from drafttrain.target import fastlinear
 from drafttrain.config import ConfigError, TargetConfig
 from drafttrain.target import Target
 
@@ -195,7 +195,7 @@ def test_pack_for_inference_packs_the_drafter_and_its_draft_head(tiny_target, ma
 
 
 # ==================================================================================================
-# drafttrain's AVX2 kernel (drafttrain/csrc/small_m_linear.cpp)
+# drafttrain's AVX2 kernel (drafttrain/target/csrc/small_m_linear.cpp)
 # ==================================================================================================
 
 

@@ -111,7 +111,7 @@ LAYERS = {
     "verify": 3, "drafters": 3,
     "fingerprint": 2.5,
     "target": 2, "layout": 2, "losses": 2, "metrics": 2, "attention": 2,
-    "families": 1.5, "fastlinear": 1.5, "fastattention": 1.5, "sampling": 1.5, "assets": 1.5, "host": 1.5, "memory": 1.5,
+    "sampling": 1.5, "assets": 1.5, "host": 1.5, "memory": 1.5,
     "config": 1,
     "atomic": 0.5,
     "cliconfig": 0,

@@ -16,7 +16,7 @@ import logging
 import pytest
 import torch
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain.cliconfig import ConfigError
 from drafttrain.drafters import build_drafter
 from drafttrain.target import Target
@@ -97,7 +97,7 @@ def test_draft_layer_init_falls_back_with_the_reason_logged_and_trains(tiny_targ
     training steps move it."""
     extra = {"head_dim": 32} if kind == "Cohere2Config" else {}
     target = _target(kind, tiny_target.tokenizer, **extra)
-    with caplog.at_level(logging.WARNING, logger="drafttrain.families"):
+    with caplog.at_level(logging.WARNING, logger="drafttrain.target.families"):
         torch.manual_seed(0)
         drafter = build_drafter("eagle3", {"draft_depth": 3, "ttt_steps": 2}, target).train()
     assert any(reason in r.getMessage() and "fresh Llama-style" in r.getMessage() for r in caplog.records)

@@ -74,7 +74,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
-from drafttrain import fastlinear
+from drafttrain.target import fastlinear
 
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_CONFIG = "drafter_config.json"
@@ -394,7 +394,7 @@ class Drafter(nn.Module):
 
     def pack_for_inference(self) -> int:
         """Run the drafter's own linear layers and its draft-vocabulary head on prepacked weights
-        (:mod:`drafttrain.fastlinear`, the target's backend) when the target's are (``target.fast_linear``). A drafting step at
+        (:mod:`drafttrain.target.fastlinear`, the target's backend) when the target's are (``target.fast_linear``). A drafting step at
         batch 1 spends much of its time in these small-M matmuls (docs/benchmarks/draft_cost.md).
         Parameters and ``state_dict`` are unchanged and autograd falls back to ``F.linear``, but the
         packed copies only follow in-place updates that bump a parameter's version (DeepSpeed writes

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain import layout as L
 from drafttrain import attention as A
 from drafttrain.drafters.base import LAST_LAYER, Drafter, DrafterSpec, LossOutput, Objective, SharedTargetModules
@@ -160,7 +160,7 @@ class DFlashDrafter(Drafter):
     def reset_parameters(self, from_target: bool) -> None:
         """fc = N(0, 0.02) + [0 | ... | I] (the context starts as the highest fused layer), layers N(0, 0.02)
         (norms 1); with ``from_target`` layer l starts from the target's layer L - num_layers + l where the
-        computation carries over (:func:`drafttrain.families.split_projections`; norms as Llama's x * w)."""
+        computation carries over (:func:`drafttrain.target.families.split_projections`; norms as Llama's x * w)."""
         std = float(getattr(self.shared.model_config, "initializer_range", 0.02) or 0.02)
         d = self.fc.out_features
         self.fc.weight.normal_(0.0, std)

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain import layout as L
 from drafttrain.attention import implementation_for, ttt_block_mask
 from drafttrain.drafters.base import (
@@ -284,7 +284,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         """Start from the target's last layer ``src`` where its computation carries over (:meth:`reset_parameters`).
 
         With the Llama-style layer (``draft_layer=llama``) the target's weights go in through
-        :mod:`drafttrain.families`: fused projections unfused (Phi3), norms converted to Llama's ``x * w``
+        :mod:`drafttrain.target.families`: fused projections unfused (Phi3), norms converted to Llama's ``x * w``
         (Gemma's ``x * (1 + w)``), biases and q/k norms left out (the engines' layer has none), the MLP copied
         only from a dense SiLU MLP (not from an MoE layer, nor from Gemma's GELU MLP). With ``target`` the
         layer is the target's own class and everything is copied as it is.

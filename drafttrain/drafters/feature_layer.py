@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafttrain import families
+from drafttrain.target import families
 from drafttrain.attention import implementation_for
 from drafttrain.drafters.base import Drafter, SharedTargetModules
 

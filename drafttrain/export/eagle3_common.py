@@ -98,9 +98,9 @@ def sglang_captured_ids(config: dict, num_target_layers: int) -> list[int]:
 
 def layer_config(target_config) -> dict:
     """The one draft decoder layer as a Llama config dict, for a target of any family
-    (:func:`drafttrain.families.draft_layer_config`: the target's sizes, SiLU, no biases, 1 layer, untied),
+    (:func:`drafttrain.target.families.draft_layer_config`: the target's sizes, SiLU, no biases, 1 layer, untied),
     plus the bos/eos/pad ids the engines' tokenizer-side code reads."""
-    from drafttrain import families
+    from drafttrain.target import families
 
     mc = families.draft_layer_config(target_config)
     rope = mc["rope_parameters"]

@@ -348,7 +348,7 @@ def _resume(r: _Run, resume_from: Path | None) -> int | None:
 def _start_logging(r: _Run, resume_from: Path | None, metrics_lines: int | None) -> None:
     """``launch.json`` (processes and the host facts that decide the speed figures), the W&B run (a resumed
     run continues its own) and ``metrics.jsonl`` (cut back to ``metrics_lines`` on resume)."""
-    from drafttrain import fastattention, fastlinear
+    from drafttrain.target import fastattention, fastlinear
     from drafttrain.train.distributed import launch_info
     from drafttrain.host import describe
 

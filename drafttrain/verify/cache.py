@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from drafttrain import fastattention
+from drafttrain.target import fastattention
 
 RAGGED_ATTENTION = "drafttrain_ragged"
 
@@ -386,7 +386,7 @@ def ragged_attention(
     A decoding step, a batched verification step of up to ``fastattention.MAX_QUERIES`` queries per
     sequence, or one sequence's tree of up to ``fastattention.MAX_QUERIES_ONE`` (not a packed prefill)
     goes to drafttrain's decode-attention kernel where
-    :func:`drafttrain.fastattention.usable` says it applies (each key/value head read once for its group
+    :func:`drafttrain.target.fastattention.usable` says it applies (each key/value head read once for its group
     of query heads; 2-3x less time than sdpa at batch 16-64, docs/benchmarks/decode_attention.md).
     Otherwise, without ``ragged_segments`` it is transformers' sdpa attention, unchanged. With them, each
     sequence's queries attend to its own cache row only. ``ragged_segments.batched`` (default) runs

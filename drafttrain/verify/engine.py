@@ -46,7 +46,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from drafttrain import fastattention
+from drafttrain.target import fastattention
 from drafttrain.sampling import GREEDY, SamplingParams, greedy_argmax, process_logits
 from drafttrain.verify.acceptance import Acceptance, accept
 from drafttrain.verify.cache import (
@@ -271,7 +271,7 @@ class SpecEngine:
         self.compile_target = bool(compile_target)
         if batch_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
-        from drafttrain import families
+        from drafttrain.target import families
 
         families.check_engine_support(target.config)  # sinks / soft-capping: refused, never decoded wrongly
         self.window = families.attention_window(target.config)  # a sliding window: sequences must fit in it
@@ -326,7 +326,7 @@ class SpecEngine:
 
         Raises:
             ValueError: an empty prompt, caps that do not match the prompts or are < 1, or (a target with a
-                sliding window, :func:`drafttrain.families.attention_window`) a prompt + cap + ``WINDOW_SLACK``
+                sliding window, :func:`drafttrain.target.families.attention_window`) a prompt + cap + ``WINDOW_SLACK``
                 draft positions longer than the window: the engine's masks have no window, so it refuses
                 rather than decode differently from the target.
         """

@@ -142,7 +142,7 @@ def test_bench_decode_attention_writes_page(tmp_path, tiny_target):
     not build (the script refuses with the reason)."""
     import pytest
 
-    from drafttrain import fastattention
+    from drafttrain.target import fastattention
     from drafttrain.cliconfig import ConfigError
     from scripts.bench_decode_attention import main
 

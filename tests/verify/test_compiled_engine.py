@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from drafttrain import fastlinear
+from drafttrain.target import fastlinear
 from drafttrain.target import Target
 
 

@@ -6,7 +6,7 @@ both read the same 538 MB of weights once (the memory roofline says ~1.0x). Two 
 on a weight reordered once:
 
 - ``kernel`` (the default where it builds): drafttrain's own AVX2/FMA register-blocked GEMM micro-kernel
-  (``drafttrain/csrc/small_m_linear.cpp``, built on first use with ``torch.utils.cpp_extension``, cached
+  (``drafttrain/target/csrc/small_m_linear.cpp``, built on first use with ``torch.utils.cpp_extension``, cached
   in torch's extension folder; on AVX-512 CPUs built with -mavx512vl, whose 32 registers allow larger
   tiles: 10-20% less time at 5-17 rows, :func:`kernel_isa`). On the 2-core AMD EPYC machines it reads the weights near the memory
   bandwidth at 1-3 rows and stays compute-efficient at 4-64 rows, where MKL and oneDNN are 1.5-3x
@@ -101,9 +101,9 @@ ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx51
 
 def build_extension(name: str, source: Path, isa: str, fallback: str):
     """Build (once per machine: torch's extension folder, ``TORCH_EXTENSIONS_DIR``) and load one of
-    drafttrain's C++ CPU kernels (``drafttrain/csrc``) with ``isa``'s flags (:data:`ISA_FLAGS`), or return
+    drafttrain's C++ CPU kernels (``drafttrain/target/csrc``) with ``isa``'s flags (:data:`ISA_FLAGS`), or return
     why it did not build (a str; logged as a warning naming ``fallback``, what runs instead). Shared by the
-    linear kernel and :mod:`drafttrain.fastattention`."""
+    linear kernel and :mod:`drafttrain.target.fastattention`."""
     try:
         from torch.utils import cpp_extension
 
@@ -133,7 +133,7 @@ def _kernel_build(isa: str):
 
 
 def host_reason() -> str | None:
-    """Why none of drafttrain's C++ kernels (``drafttrain/csrc``: the linear kernel, the decode attention)
+    """Why none of drafttrain's C++ kernels (``drafttrain/target/csrc``: the linear kernel, the decode attention)
     can run on this host, before any build: ``DRAFTTRAIN_NO_KERNEL`` set, not x86-64, or no AVX2/FMA (or
     not the ISA ``DRAFTTRAIN_KERNEL_ISA`` asks for: :func:`kernel_isa`); None when they may."""
     if os.environ.get("DRAFTTRAIN_NO_KERNEL"):

@@ -6,8 +6,8 @@ one query per sequence to its cached keys/values. That is a stream over the KV c
 x hd floats a layer, and at b = 64, T ~ 300 it is as large as the layer's weights. torch's sdpa, as
 transformers calls it for grouped-query attention (``pack_gqa``: [b, h_kv, group, hd] queries, or
 ``enable_gqa``), spends 2-3x that stream on the 2-core CPU. drafttrain's kernel
-(``drafttrain/csrc/decode_attention.cpp``, AVX2 + FMA, built on first use like the linear kernel of
-:mod:`drafttrain.fastlinear`) reads each key/value head once for all the query heads of its group. A
+(``drafttrain/target/csrc/decode_attention.cpp``, AVX2 + FMA, built on first use like the linear kernel of
+:mod:`drafttrain.target.fastlinear`) reads each key/value head once for all the query heads of its group. A
 verification step is the same stream with a few more queries per sequence (the draft tree's nodes, each
 with its own mask row); the kernel takes any number, the engine sends it the batched ones of up to
 :data:`MAX_QUERIES` (beyond, its score pass is compute-bound and the grouped matmuls are faster).
@@ -20,7 +20,7 @@ says the tensors qualify (float32 CPU, head dim 16/32/64/128, no autograd, not i
 ``torch.compile``); anything else keeps sdpa / the grouped matmuls as before. The backend:
 ``DRAFTTRAIN_DECODE_ATTENTION`` = ``auto`` (default: the kernel where it builds) | ``kernel`` | ``sdpa``
 (torch's, as before), read once per process; :func:`use` switches it in-process (benchmarks, tests).
-``DRAFTTRAIN_NO_KERNEL=1`` disables it with the linear kernel (:func:`drafttrain.fastlinear.host_reason`:
+``DRAFTTRAIN_NO_KERNEL=1`` disables it with the linear kernel (:func:`drafttrain.target.fastlinear.host_reason`:
 the host checks both kernels share).
 
 Numerics: same fp32 inputs, scores (q . k) * scale + mask, torch's own softmax, weighted sum of values;
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain import fastlinear
+from drafttrain.target import fastlinear
 
 BACKENDS = ("auto", "kernel", "sdpa")
 HEAD_DIMS = (16, 32, 64, 128)

