@@ -51,7 +51,8 @@ class ServeCheckConfig:
     prompt_offset: int = 0
     prompt_stride: int = 5  # every 5th MT-bench question: 2 of each of its 8 categories (the main job's eval set)
     max_new_tokens: int = 128
-    num_speculative_tokens: int | None = None  # null = the drafter's depth
+    num_speculative_tokens: int | None = None  # null = the printed serve line's (the export's chosen K and its schedule)
+    concurrency: list = field(default_factory=lambda: [1])  # requests in flight per timed vLLM pass: [1, 8] = one at a time, then 8
     vllm_python: str | None = None  # null = .venv-vllm/bin/python (scripts/install_vllm.sh), else $DRAFTTRAIN_VLLM_PYTHON
     vllm_threads: str = "0-1"  # VLLM_CPU_OMP_THREADS_BIND
     vllm_memory_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE (GiB, an integer)
@@ -64,8 +65,17 @@ class ServeCheckConfig:
     extra: dict = field(default_factory=dict)  # extra keys for vLLM's speculative_config
 
 
-def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | None = None) -> dict:
-    """vLLM's ``speculative_config`` for an exported folder (format from its export_info.json)."""
+def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | None = None,
+                       speculation: dict | None = None) -> dict:  # fmt: skip
+    """vLLM's ``speculative_config`` for an exported folder (format from its export_info.json): the one the
+    printed serve line carries (:func:`drafttrain.export.vllm_speculative_config`; with ``speculation``, the
+    export's block, its batch-size schedule of K where the method takes one), plus ``extra``.
+
+    Raises:
+        ValueError: a format vLLM does not load, or a DFlash K other than its block's mask slots.
+    """
+    from drafttrain.export import vllm_speculative_config
+
     fmt = info["format"]
     if fmt not in METHOD:
         raise ValueError(f"vLLM does not load the '{fmt}' format; export with format=speculators (EAGLE-3) instead")
@@ -75,9 +85,7 @@ def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | 
         if int(n_spec) != block - 1:
             raise ValueError(f"a DFlash drafter with block_size {block} drafts {block - 1} tokens per pass; "
                              f"num_speculative_tokens={n_spec} would run another block in vLLM")  # fmt: skip
-    spec = {"model": str(export_dir.resolve()), "method": METHOD[fmt], "num_speculative_tokens": int(n_spec)}
-    if cfg.get("speculators_model_type") == "peagle":
-        spec["parallel_drafting"] = True
+    spec = vllm_speculative_config(fmt, export_dir, int(n_spec), cfg, speculation)
     return {**spec, **(extra or {})}
 
 
@@ -120,6 +128,8 @@ def run(c) -> dict:
         raise ConfigError("num_prompts, max_new_tokens and prompt_stride must be >= 1, prompt_offset >= 0")
     if c.num_speculative_tokens is not None and c.num_speculative_tokens < 1:
         raise ConfigError("num_speculative_tokens must be >= 1 (or null: the exported default)")
+    if not c.concurrency or any(not isinstance(n, int) or n < 1 for n in c.concurrency):
+        raise ConfigError(f"concurrency must be a non-empty list of integers >= 1, got {list(c.concurrency or [])}")
     py = vllm_python(c.vllm_python)
     if py is None:
         raise ConfigError("no vLLM venv: run `bash scripts/install_vllm.sh` (creates .venv-vllm) or set vllm_python=")
@@ -151,19 +161,33 @@ def run(c) -> dict:
     log.info("%d prompts of %s, %d new tokens, %s drafter (%s), %d speculative tokens", len(prompts), c.prompts,
              c.max_new_tokens, info["recipe"], info["format"], n_spec)  # fmt: skip
 
-    # -- vLLM: plain, then speculative, in one runner process --------------------------------------
-    spec = speculative_config(export_dir, info, n_spec, dict(c.extra))
+    # -- vLLM: plain, then the printed line's speculation, in one runner process ---------------------
+    # num_speculative_tokens unset: the serve line the export printed (its K, its schedule); where no K pays,
+    # that line serves the target alone, so its figures are the plain run's (not run twice)
+    speculation = info.get("speculation") if c.num_speculative_tokens is None else None
+    serves_plain = bool(speculation) and speculation.get("pays") is False
+    spec = speculative_config(export_dir, info, n_spec, dict(c.extra), speculation)
+    concurrency = [int(n) for n in c.concurrency]
     job = {"model": str(Path(target_path).resolve()), "prompts": prompts, "max_new_tokens": c.max_new_tokens,
-           "stop_token_ids": stops, "max_model_len": c.max_model_len, "max_num_seqs": 1, "eager": c.vllm_eager,
-           "runs": [{"speculative_config": None}, {"speculative_config": spec}]}  # fmt: skip
+           "stop_token_ids": stops, "max_model_len": c.max_model_len, "eager": c.vllm_eager, "concurrency": concurrency,
+           "runs": [{"speculative_config": None}] + ([] if serves_plain else [{"speculative_config": spec}])}  # fmt: skip
     t0 = time.perf_counter()
-    v_plain, v_spec = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
-                               log_path=out / "vllm.log")  # fmt: skip
+    runs = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
+                    log_path=out / "vllm.log")  # fmt: skip
     log.info("vLLM runs took %.0f s (engine start-ups included)", time.perf_counter() - t0)
-    for name, r in (("plain", v_plain), ("speculative", v_spec)):
+    for name, r in zip(("plain", "speculative"), runs):
         if "error" in r:
             raise RuntimeError(f"vLLM {name} run failed: {r['error']}\n{r.get('traceback', '')}")
-    equal = [a == b for a, b in zip(v_spec["outputs"], v_plain["outputs"])]
+    v_plain, v_spec = runs[0], runs[-1]
+    by_conc = []
+    for p, s in zip(v_plain["by_concurrency"], v_spec["by_concurrency"]):
+        eq = [a == b for a, b in zip(s["outputs"], p["outputs"])]
+        by_conc.append({"concurrency": p["concurrency"], "plain_tokens_per_s": p["generated"] / p["seconds"],
+                        "spec_tokens_per_s": s["generated"] / s["seconds"],
+                        "speedup": (s["generated"] / s["seconds"]) / (p["generated"] / p["seconds"]),
+                        "acceptance": None if serves_plain else s["acceptance"], "spec_equals_plain": all(eq),
+                        "spec_equal_per_prompt": eq})  # fmt: skip
+    equal = [all(x) for x in zip(*(b["spec_equal_per_prompt"] for b in by_conc))]
     results = {
         "recipe": info["recipe"], "format": info["format"], "export_dir": str(export_dir), "target": target_path,
         "prompts": c.prompts, "num_prompts": len(prompts), "max_new_tokens": c.max_new_tokens,
@@ -173,6 +197,8 @@ def run(c) -> dict:
                  "plain_generated": v_plain["generated"], "spec_generated": v_spec["generated"],
                  "acceptance": v_spec["acceptance"], "metrics": v_spec["metrics"]},
         "vllm_spec_equals_plain": all(equal), "vllm_spec_equal_per_prompt": equal,
+        "printed_line": c.num_speculative_tokens is None, "printed_line_serves_plain": serves_plain,
+        "expected_speedup": (speculation or {}).get("expected_speedup"), "by_concurrency": by_conc,
     }  # fmt: skip
 
     # -- ours: the drafter vLLM loaded, read back, through SpecEngine ------------------------------
@@ -210,13 +236,25 @@ def report(r: dict) -> str:
     v, o = r["vllm"], r.get("ours")
     acc = v["acceptance"] or {}
     lines = [f"# serve_check: {r['recipe']} ({r['format']}), vLLM {r['vllm_version']}", "",
-             f"{r['num_prompts']} prompts of {r['prompts']}, {r['max_new_tokens']} new tokens, greedy, batch 1, "
+             f"{r['num_prompts']} prompts of {r['prompts']}, {r['max_new_tokens']} new tokens, greedy, "
              f"{r['num_speculative_tokens']} speculative tokens.", "",
              f"- vLLM speculative == vLLM plain on every prompt: **{r['vllm_spec_equals_plain']}** "
              f"({sum(r['vllm_spec_equal_per_prompt'])}/{r['num_prompts']})"]  # fmt: skip
     if o:
         lines += [f"- drafttrain speculative == drafttrain plain: {o['spec_equals_plain']}; plain outputs of the two "
                   f"engines agree on {r['plain_outputs_agree']}/{r['num_prompts']} prompts", ""]  # fmt: skip
+    which = ("the printed serve line" + (" (no K pays: it serves the target alone)" if r.get("printed_line_serves_plain")
+             else "") if r.get("printed_line") else f"num_speculative_tokens={r['num_speculative_tokens']}")  # fmt: skip
+    lines += ["", f"vLLM plain vs vLLM with {which}, by requests in flight:", "",
+              "| concurrent requests | plain tok/s | speculative tok/s | speedup | mean acceptance length | equal to plain |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for b in r.get("by_concurrency", []):
+        tau = (b["acceptance"] or {}).get("mean_acceptance_length")
+        lines.append(f"| {b['concurrency']} | {b['plain_tokens_per_s']:.1f} | {b['spec_tokens_per_s']:.1f} | "
+                     f"{b['speedup']:.2f}x | {'n/a' if tau is None else f'{tau:.3f}'} | "
+                     f"{sum(b['spec_equal_per_prompt'])}/{len(b['spec_equal_per_prompt'])} |")  # fmt: skip
+    first = (r.get("by_concurrency") or [{"concurrency": 1}])[0]["concurrency"]
+    lines += ["", f"At {first} request(s) in flight (vLLM), drafttrain's engine at batch 1:", ""]
     lines += ["| engine | mean acceptance length (tau) | per-position acceptance | plain tok/s | speculative tok/s |",
               "|---|---|---|---|---|"]  # fmt: skip
     pp = ", ".join(f"{x:.3f}" for x in acc.get("per_position", []))

@@ -10,10 +10,14 @@ The second form (:func:`serve`) is the generation backend's engine (``generation
 engine for a whole generation job, started and stopped by :class:`drafttrain.generation.vllm_client.VllmGenerator`.
 
 JOB: ``{"runs": [overrides, ...], "model": target HF folder, "prompts": [[ids...]...], "max_new_tokens": n, "stop_token_ids": [...],
-"speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false}`` (eager: no torch.compile,
-which costs minutes at start-up on 2 cores; for tests).
+"speculative_config": null | {...}, "max_model_len": 1024, "max_num_seqs": 1, "warmup": true, "eager": false,
+"concurrency": null | [1, 8, ...]}`` (eager: no torch.compile, which costs minutes at start-up on 2 cores; for tests).
 OUT: one result per run ``{"outputs": [[ids...]...], "seconds": s, "generated": tokens, "metrics": {name: value},
-"acceptance": {...} | null, "vllm_version": ...}``. The acceptance summary follows vLLM's own counters
+"acceptance": {...} | null, "vllm_version": ...}``. With ``concurrency``, the engine is built once with
+``max_num_seqs`` = the largest entry and the prompts are timed once per entry n: n = 1 sends one request at a
+time (each waits for the one before), the largest n submits every prompt at once (vLLM keeps n running,
+continuous batching), an n in between sends waves of n; the result then carries ``by_concurrency``: one
+such dict per entry (``concurrency`` added), and its top-level fields are those of the first entry. The acceptance summary follows vLLM's own counters
 (``LLM(disable_log_stats=False).get_metrics()``): mean acceptance length = 1 + accepted / drafts (tokens
 emitted per verification step, drafttrain's tau), per-position rate = accepted at position i / drafts.
 
@@ -54,32 +58,15 @@ def acceptance(metrics: dict) -> dict | None:
     }
 
 
-def run(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    import vllm
-
-    llm = LLM(
-        model=job["model"],
-        tokenizer=job.get("tokenizer") or job["model"],
-        dtype=job.get("dtype", "float32"),
-        max_model_len=int(job.get("max_model_len", 1024)),
-        max_num_seqs=int(job.get("max_num_seqs", 1)),
-        gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.3)),
-        speculative_config=job.get("speculative_config"),
-        disable_log_stats=False,
-        seed=0,
-        **({"enforce_eager": True, "compilation_config": {"mode": 0}} if job.get("eager") else {}),
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
-                            stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)  # fmt: skip
-    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
-    if job.get("warmup", True):
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+def _timed(llm, prompts, params, n: int, n_max: int) -> dict:
+    """One timed pass over ``prompts`` with ``n`` requests in flight (module docstring); vLLM's counters of
+    this pass only."""
     before = _metrics(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if n >= n_max:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [o for i in range(0, len(prompts), n) for o in llm.generate(prompts[i : i + n], params, use_tqdm=False)]
     seconds = time.perf_counter() - t0
     after = _metrics(llm)
     delta = {}  # counters of the timed call only (the warm-up drafted too)
@@ -92,11 +79,45 @@ def run(job: dict) -> dict:
         else:
             delta[k] = v
     outputs = [list(o.outputs[0].token_ids) for o in outs]
+    return {"outputs": outputs, "seconds": seconds, "generated": sum(len(o) for o in outputs),
+            "metrics": {k: v for k, v in delta.items() if "spec_decode" in k}, "acceptance": acceptance(delta)}  # fmt: skip
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    conc = [int(n) for n in job.get("concurrency") or []]
+    if any(n < 1 for n in conc):
+        raise ValueError(f"concurrency entries must be >= 1, got {conc}")
+    n_max = max(conc) if conc else int(job.get("max_num_seqs", 1))
+    llm = LLM(
+        model=job["model"],
+        tokenizer=job.get("tokenizer") or job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=int(job.get("max_model_len", 1024)),
+        max_num_seqs=n_max,
+        gpu_memory_utilization=float(job.get("gpu_memory_utilization", 0.3)),
+        speculative_config=job.get("speculative_config"),
+        disable_log_stats=False,
+        seed=0,
+        **({"enforce_eager": True, "compilation_config": {"mode": 0}} if job.get("eager") else {}),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
+                            stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    if job.get("warmup", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+    passes = [{"concurrency": n, **_timed(llm, prompts, params, n, n_max)} for n in conc] or [
+        _timed(llm, prompts, params, n_max, n_max)]  # fmt: skip
     llm.llm_engine.engine_core.shutdown()  # free its processes before another engine starts
     del llm
-    return {"outputs": outputs, "seconds": seconds, "generated": sum(len(o) for o in outputs),
-            "metrics": {k: v for k, v in delta.items() if "spec_decode" in k},
-            "acceptance": acceptance(delta), "vllm_version": vllm.__version__}  # fmt: skip
+    out = {**passes[0], "vllm_version": vllm.__version__}
+    if conc:
+        out["by_concurrency"] = passes
+    return out
 
 
 def run_all(job: dict) -> list[dict]:

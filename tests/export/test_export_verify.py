@@ -207,3 +207,66 @@ def test_medusa_without_token_map_is_refused(tiny_target, tmp_path):
     _set_info(tmp_path, info)
     with pytest.raises(ExportError, match=r"model.safetensors has no token_map: a draft vocabulary of 200 < the target's"):
         load_exported(tmp_path, "vllm_medusa", tiny_target)
+
+
+def _fake_runner(calls):
+    """run_vllm's stand-in: records the job, answers each run with the same outputs; the speculative run is
+    twice as fast at one request in flight and as fast at eight (tokens/s from ``seconds``)."""
+
+    def run_vllm(_py, job, **_kw):
+        calls.append(job)
+        out = []
+        for r in job["runs"]:
+            spec = r["speculative_config"] is not None
+            passes = [{"concurrency": n, "outputs": [[1, 2, 3]] * len(job["prompts"]), "generated": 30,
+                       "seconds": (0.5 if spec and n == 1 else 1.0), "metrics": {},
+                       "acceptance": {"mean_acceptance_length": 1.5, "per_position": [0.5]} if spec else None}
+                      for n in job["concurrency"]]  # fmt: skip
+            out.append({**passes[0], "by_concurrency": passes, "vllm_version": "fake"})
+        return out
+
+    return run_vllm
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_serve_check_times_the_printed_line_at_each_concurrency(exported, copy, tmp_path, monkeypatch, pays):
+    """Unset num_speculative_tokens = the serve line the export printed: its K and speculative config go to vLLM,
+    each concurrency is timed against plain; where the export said no K pays, that line serves the target
+    alone, so only the plain engine runs and its speedup is 1.0 by construction."""
+    import scripts.serve_check as sc
+    from drafttrain.export.verify import read_export_info
+
+    info = json.loads((copy / "export_info.json").read_text())
+    info["speculation"] = {**(info.get("speculation") or {}), "pays": pays, "num_speculative_tokens": 2,
+                           "expected_speedup": 1.2 if pays else 0.9, "schedule": [[1, 4, 2], [5, 256, 1]]}  # fmt: skip
+    info["num_speculative_tokens"] = 2
+    (copy / "export_info.json").write_text(json.dumps(info))
+    assert read_export_info(copy)["speculation"]["pays"] is pays
+    calls = []
+    monkeypatch.setattr(sc, "run_vllm", _fake_runner(calls))
+    c = sc.ServeCheckConfig(export_dir=str(copy), vllm_python=sys.executable, output_dir=str(tmp_path / "sc"),
+                            target_path=str(exported.target_dir), num_prompts=2, max_new_tokens=4, ours=False,
+                            concurrency=[1, 8])  # fmt: skip
+    r = sc.run(c)
+    (job,) = calls
+    assert job["concurrency"] == [1, 8]
+    assert [b["concurrency"] for b in r["by_concurrency"]] == [1, 8]
+    if pays:
+        spec = job["runs"][1]["speculative_config"]
+        assert spec["num_speculative_tokens"] == 2 and spec["method"] == "eagle3"
+        assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 2], [5, 256, 1]]
+        assert [round(b["speedup"], 3) for b in r["by_concurrency"]] == [2.0, 1.0]
+    else:
+        assert [x["speculative_config"] for x in job["runs"]] == [None]
+        assert r["printed_line_serves_plain"] and [b["speedup"] for b in r["by_concurrency"]] == [1.0, 1.0]
+    assert "| 8 |" in (tmp_path / "sc" / "report.md").read_text()
+
+
+def test_serve_check_refuses_a_bad_concurrency(exported, tmp_path):
+    import scripts.serve_check as sc
+    from drafttrain.config import ConfigError
+
+    c = sc.ServeCheckConfig(export_dir=str(exported.out), vllm_python=sys.executable, concurrency=[1, 0],
+                            output_dir=str(tmp_path / "sc"))  # fmt: skip
+    with pytest.raises(ConfigError, match="concurrency"):
+        sc.run(c)
