@@ -210,7 +210,9 @@ class SpeculationPlanner:
     """The per-step choice of how many draft nodes to verify, and whether to draft (module docstring).
 
     Args:
-        max_skip: longest run of steps without drafting after drafting stopped (the re-probe period's bound).
+        max_skip: longest run of steps without drafting after drafting stopped (the re-probe period's bound;
+            the probe budget sets the run, this only bounds how late a changed host is noticed. A bound below
+            the priced run makes every re-probe cost more than ``probe_budget``).
         calibration_decay: discount of old evidence in the calibration (per observed tree).
         min_gain: drafting must promise (predicted) or measure (realized) at least this factor over plain decoding.
         per_source: calibrate each node source (:attr:`DraftTree.sources`) on its own bins; False = one
@@ -236,7 +238,7 @@ class SpeculationPlanner:
     #: recent steps per (batch size, drafted) whose tokens/s are the realized rates; fewest to judge by
     REALIZED_WINDOW, REALIZED_MIN = 24, 8
 
-    def __init__(self, max_skip: int = 64, calibration_decay: float = 0.99, min_gain: float = 1.0,
+    def __init__(self, max_skip: int = 256, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float = 0.01,
                  drift: bool = True, realized: bool = True, min_input_cost: float = 0.02, plain_first: int = 3):  # fmt: skip
         if max_skip < 1:
