@@ -23,7 +23,8 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
 
     Args:
         run: a finished training run folder.
-        output_dir: where ``eval_outputs.jsonl`` goes (default ``<run>/eval_preset``).
+        output_dir: where ``eval_outputs.jsonl`` and ``eval_metrics.json`` (the returned metrics, the planner's
+            decisions per batch size among them, and the host's description) go (default ``<run>/eval_preset``).
         num_threads: torch threads (default the run's ``trainer.num_threads``, else torch's default).
 
     Returns:
@@ -51,7 +52,13 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
     c = dataclasses.replace(c, output_dir=str(out), trainer=dataclasses.replace(c.trainer, progress=False))
     built = build_run(c, drafter=run / "drafter")  # the saved drafter packed for inference, as the run's final eval
     target, drafter = built.target, built.drafter
-    return spec_eval(c, target, drafter, run_train_data(c, run, target, drafter), datastore=run_datastore(c, run))
+    metrics = spec_eval(c, target, drafter, run_train_data(c, run, target, drafter), datastore=run_datastore(c, run))
+    from drafttrain import host
+    from drafttrain.atomic import atomic_write_text
+
+    atomic_write_text(out / "eval_metrics.json", json.dumps({"run": str(run), "host": host.describe(), "metrics": metrics},
+                                                            indent=1, default=str))  # fmt: skip
+    return metrics
 
 
 def run_datastore(c, run: Path):

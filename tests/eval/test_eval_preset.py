@@ -40,6 +40,9 @@ def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path, monkeypatch
     ours = [json.loads(x) for x in (run / "eval_outputs.jsonl").read_text().splitlines()]
     theirs = [json.loads(x) for x in (run / "eval_preset" / "eval_outputs.jsonl").read_text().splitlines()]
     assert ours == theirs and len(ours) > 0
+    saved = json.loads((run / "eval_preset" / "eval_metrics.json").read_text())  # the decisions behind the speedups
+    assert saved["metrics"]["eval/tau"] == metrics["eval/tau"] and "planner_b16" in " ".join(saved["metrics"])
+    assert saved["host"]["cpus"] >= 1
     elsewhere = tmp_path / "elsewhere"  # output_dir= on the command line is where the outputs go
     main(["preset=training", f"checkpoint={run}", f"output_dir={elsewhere}"])
     assert [json.loads(x) for x in (elsewhere / "eval_outputs.jsonl").read_text().splitlines()] == ours
