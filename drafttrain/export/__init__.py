@@ -225,8 +225,26 @@ def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: 
                 "speculation on this host")  # fmt: skip
         cmds += [serve + " speculative=false" + note, shell_line(*vllm_cpu_command(target_dir or verifier, None)) + note]
     else:
-        cmds += [serve, shell_line(*vllm_cpu_command(target_dir or verifier, spec))]
+        note = concurrency_note(spec, speculation)
+        cmds += [serve + note, shell_line(*vllm_cpu_command(target_dir or verifier, spec)) + note]
     return cmds
+
+
+def concurrency_note(spec: dict, speculation: dict | None) -> str:
+    """A trailing shell comment for a serve line whose export's schedule drops K to 0 from some batch size on:
+    up to how many requests at a time speculation is expected to pay, and that more should be served without
+    it. vLLM 0.32 cannot stop speculating there: parallel drafting (and every method outside
+    :data:`DYNAMIC_K_METHODS`) takes no batch-size schedule, so the line's K runs at every batch size; and
+    where the schedule is taken, its K = 0 still runs the drafter's machinery each step (docs/serving.md
+    measures both). '' where K never reaches 0, or only at batch 1 (the export then serves without speculation)."""
+    sched = (speculation or {}).get("schedule") or []
+    zero = next((int(lo) for lo, _hi, k in sched if int(k) == 0), None)
+    if zero is None or zero <= 1:
+        return ""
+    why = ("takes no batch-size schedule for this method" if "num_speculative_tokens_per_batch_size" not in spec
+           else "still runs the drafter at a scheduled K = 0")  # fmt: skip
+    return (f"  # the export expects speculation to pay up to {zero - 1} requests at a time and to lose from {zero} on; "
+            f"vLLM 0.32 {why}: serve without speculation where more run at once")
 
 
 def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str | Path | None = None,

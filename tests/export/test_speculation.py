@@ -94,6 +94,24 @@ def test_nothing_pays_serves_without_speculation(tmp_path):
     assert "--speculative-config" in cmds[0]  # the GPU form keeps the drafter
 
 
+def test_a_line_that_cannot_carry_the_schedule_says_up_to_how_many_requests_it_pays(tmp_path):
+    """Where the export's schedule drops K to 0 from 6 sequences on, the serve lines say up to how many requests
+    speculation pays: parallel drafting takes no batch-size schedule in vLLM 0.32, and an EAGLE-3 chain's
+    scheduled K = 0 still runs its drafter; a schedule that never reaches 0 needs no note."""
+    spec_block = {"pays": True, "expected_speedup": 1.24, "num_speculative_tokens": 1, "schedule": [[1, 5, 1], [6, 256, 0]]}
+    (tmp_path / "config.json").write_text("{}")
+    par = serve_commands("speculators", tmp_path, "/models/t", 1, {"speculators_model_type": "peagle"}, spec_block,
+                         target_dir=str(tmp_path))  # fmt: skip
+    assert "num_speculative_tokens_per_batch_size" not in par[-1] and '"parallel_drafting": true' in par[-1]
+    assert "pay up to 5 requests at a time and to lose from 6 on" in par[-1] and "pay up to 5" in par[-2]
+    chain = serve_commands("speculators", tmp_path, "/models/t", 1, {}, spec_block, target_dir=str(tmp_path))
+    assert "num_speculative_tokens_per_batch_size" in chain[-1]  # the chain carries the schedule, K = 0 included,
+    assert "still runs the drafter at a scheduled K = 0" in chain[-1]  # which vLLM 0.32 does not make free
+    flat = {**spec_block, "schedule": [[1, 256, 1]]}
+    assert "#" not in serve_commands("speculators", tmp_path, "/models/t", 1, {"speculators_model_type": "peagle"}, flat,
+                                     target_dir=str(tmp_path))[-1]  # fmt: skip
+
+
 # -- the schedule ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("drafting", ["parallel", "autoregressive"])
 @pytest.mark.parametrize("cond", [[0.41, 0.31, 0.30, 0.0, 0.0], [0.9, 0.8, 0.7, 0.6, 0.5], [1.0] * 5])
