@@ -19,7 +19,9 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 - ``never``: the default planner that never drafts (its plain-first steps outlast the run): every step is
   a plain step of the planned engine, so its speedup is what keeping the drafter ready costs (the target's
   feature layers the drafter reads returned every step, the commits held for its catch-up, the planner's
-  bookkeeping), the floor under any planner that drafts on this engine.
+  bookkeeping), the floor under any planner that drafts on this engine;
+- ``every_row``: the default planner whose probe drafts every row (``probe_rows`` unbounded: the planner
+  before probes; at batch 16 its first drafting runs the drafter over all 16 prompts).
 
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
@@ -49,6 +51,7 @@ VARIANTS = {
     "fixed_speed": {"drift": False},
     "realized": {},  # the default SpeculationPlanner
     "never": {"plain_first": 10**9},  # the default planner that never drafts: what keeping the drafter ready costs
+    "every_row": {"probe_rows": 10**9},  # the default planner whose probe drafts every row (the planner before probes)
 }
 
 
@@ -183,7 +186,8 @@ def markdown(res: dict, command: str, analysis: str) -> str:
              "verified every step; `fixed_speed` = the default planner whose forward-cost model keeps each size at the "
              "time it was measured; `realized` = `full` where the measured rates (drafting steps' tokens/s against "
              "plain steps') decide whether to keep drafting (the default planner); `never` = the default planner that never "
-             "drafts: what keeping the drafter ready costs. "
+             "drafts: what keeping the drafter ready costs; `every_row` = the default planner whose probe drafts every "
+             "row (the planner before probes). "
              "Decoding steps alone = the same ratio with the prompt forwards (the same in every run) left "
              "out of both runs' time and their first tokens out of their counts (`EngineStats.decode_tokens_per_s`).", "",
              "| batch | variant | prompts | speedup (median) | speedup per round | decoding steps alone: speedup (median) | per round | tokens/s | plain tokens/s | τ | nodes / step | skipped drafting | overhead ms (plain / tree) | greedy-equal |",

@@ -16,7 +16,12 @@ cost increase, :func:`drafttrain.verify.methods.sssd.plan_speculation_length`), 
   ``(b + sum_{k<=K} v_k) / (t_draft + t(b, b + K) + o_tree)``; K = 0 is plain decoding.
 - **Whether to draft.** Once 8 drafting steps are seen at a batch size, the measured tokens/s of the last
   24 against plain steps' (same run; the cost model's plain step until 8 are seen) decide, whatever the
-  prediction says; before that, the predicted gain. When drafting stops, a skip run follows, long enough
+  prediction says; before that, the predicted gain. At a batch size b > ``probe_rows`` where drafting has not
+  been judged to pay (at b or a larger batch size), only ``probe_rows`` sequences draft (those whose drafter
+  already holds the most of their context first): a sequence's first drafting runs the drafter over its
+  whole prompt, so a probe of every row cost several plain steps before anything was measured. The probe's
+  nodes, b / ``probe_rows`` times over, and the drafting time scaled to b rows price drafting every row,
+  and that prediction decides whether the next step does. When drafting stops, a skip run follows, long enough
   that the next re-probe's loss is at most ``probe_budget`` of the run's plain time, doubling per unpaid
   step in a row, at most ``max_skip`` steps; each re-probe joins the measured drafting steps, so drafting
   resumes where the host comes to make it pay.
@@ -225,10 +230,12 @@ class SpeculationPlanner:
         min_input_cost: the cost model's floor per extra input (:class:`ForwardCostModel`).
         plain_first: plain steps at a batch size before it drafts: the median of their forwards is the
             reference of every choice (one forward at a bad moment priced every node as free).
+        probe_rows: sequences a probe drafts at a batch size where drafting has not been judged to pay
+            (module doc); >= the batch size: every row drafts.
 
     Raises:
-        ValueError: ``max_skip`` or ``plain_first`` < 1, ``probe_budget`` outside (0, 1), or
-            ``min_input_cost`` outside (0, 1].
+        ValueError: ``max_skip``, ``plain_first`` or ``probe_rows`` < 1, ``probe_budget`` outside (0, 1),
+            or ``min_input_cost`` outside (0, 1].
     """
 
     #: names of the node sources other than the drafter (:attr:`DraftTree.sources`) in :meth:`summary`
@@ -240,7 +247,12 @@ class SpeculationPlanner:
 
     def __init__(self, max_skip: int = 256, calibration_decay: float = 0.99, min_gain: float = 1.0,
                  per_source: bool = True, price_overhead: bool = True, probe_budget: float = 0.01,
-                 drift: bool = True, realized: bool = True, min_input_cost: float = 0.02, plain_first: int = 3):  # fmt: skip
+                 drift: bool = True, realized: bool = True, min_input_cost: float = 0.02, plain_first: int = 3,
+                 probe_rows: int = 2):  # fmt: skip
+        if probe_rows < 1:
+            raise ValueError(f"probe_rows must be >= 1, got {probe_rows}")
+        self.probe_rows = int(probe_rows)
+        self._pays: set[int] = set()  # batch sizes whose last judgement said drafting pays
         if max_skip < 1:
             raise ValueError(f"max_skip must be >= 1, got {max_skip}")
         if not 0.0 < probe_budget < 1.0:
@@ -269,6 +281,7 @@ class SpeculationPlanner:
         self.steps = self.skipped_steps = self.plain_steps = self.nodes_offered = self.nodes_verified = 0
         self.profiles = 0  # drafted steps that verified b nodes to measure the cost per input (module doc)
         self.realized_stops = 0  # skip runs started because the measured rates said drafting loses
+        self.probes = 0  # drafted steps where only probe_rows sequences drafted (module doc)
 
     # -- calibration -------------------------------------------------------------------------------
     def _bin(self, raw: float) -> int:
@@ -367,6 +380,13 @@ class SpeculationPlanner:
             return False
         return True
 
+    def draft_rows(self, batch: int) -> int:
+        """How many of the ``batch`` sequences draft this step: all where ``batch`` <= ``probe_rows`` or where
+        drafting was last judged to pay at this or a larger batch size, else ``probe_rows`` (module doc)."""
+        if batch <= self.probe_rows or any(p >= batch for p in self._pays):
+            return batch
+        return self.probe_rows
+
     @staticmethod
     def raw_values(tree: DraftTree) -> list[float]:
         """Each node's uncalibrated acceptance estimate: the tree's path scores, or (none given) the
@@ -379,18 +399,22 @@ class SpeculationPlanner:
             vals.append((1.0 if p < 0 else vals[p]) / len(kids[p + 1]))
         return vals
 
-    def plan(self, trees: Sequence[DraftTree]) -> tuple[list[list[int]], list[list[float]]]:
+    def plan(self, trees: Sequence[DraftTree], drafted: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """Which nodes of each tree to verify this step (the step drafted: :meth:`should_draft` said so).
 
         Args:
             trees: one per sequence of the step.
+            drafted: how many of them drafted (:meth:`draft_rows`; the others are empty trees); None = all.
+                Fewer than ``len(trees)``: a probe, whose judgement prices drafting every row (module doc).
 
         Returns:
             (keep, raw): per tree, the kept node indices (ascending, ancestor-closed; [] = plain decoding
             for that sequence) and every node's raw value (for :meth:`observe_acceptance`).
         """
         b = len(trees)
+        rows = b if drafted is None else max(1, min(int(drafted), b))
         self.steps += 1
+        self.probes += rows < b
         raws = [self.raw_values(t) for t in trees]
         cands = []  # (-value, depth, tree, node)
         for i, (t, raw) in enumerate(zip(trees, raws)):
@@ -405,10 +429,11 @@ class SpeculationPlanner:
         cands.sort()
         self.nodes_offered += len(cands)
         t_plain = self.cost.predict(b, b)
-        t_draft = self.draft_cost(b)
+        t_draft = self.draft_cost(rows)
         o_plain = self.overhead_seconds.get((b, False), 0.0) if self.price_overhead else 0.0
         o_tree = self.overhead_seconds.get((b, True), o_plain) if self.price_overhead else 0.0
         gain = None  # predicted rate over plain decoding's; None: nothing measured yet (verify everything)
+        gain_all = None  # a probe's: the predicted rate of drafting every row over plain decoding's
         best_k = len(cands)
         if t_plain is not None:
             plain_rate = b / (t_plain + o_plain)
@@ -424,6 +449,13 @@ class SpeculationPlanner:
                     if rate > best_rate:
                         best_k, best_rate = k, rate
                 gain = best_rate / plain_rate
+                if rows < b:  # a probe: what drafting every row would bring, its rows' nodes b / rows times over
+                    scale, t_all = b / rows, self.draft_cost(b)
+                    expected, best_all = float(b), b / (t_all + t_plain + o_plain)
+                    for k, (neg_v, *_rest) in enumerate(cands, start=1):
+                        expected -= scale * neg_v
+                        best_all = max(best_all, expected / (t_all + self.cost.predict(b, b + round(scale * k)) + o_tree))
+                    gain_all = best_all / plain_rate
         keep: list[list[int]] = [[] for _ in trees]
         gained = 0.0  # expected accepted nodes of what is verified
         for neg_v, _, i, j in cands[:best_k]:
@@ -435,13 +467,20 @@ class SpeculationPlanner:
         self.plain_steps += best_k == 0
         if t_plain is not None:
             self._judge(b, gain, t_draft + self.cost.predict(b, b + best_k) + (o_tree if best_k else o_plain),
-                        b + gained, plain_rate)  # fmt: skip
+                        b + gained, plain_rate, gain_all)  # fmt: skip
         return keep, raws
 
-    def _judge(self, b: int, gain: float | None, t_step: float, tokens: float, plain_rate: float) -> None:
+    def _judge(self, b: int, gain: float | None, t_step: float, tokens: float, plain_rate: float,
+               gain_all: float | None = None) -> None:  # fmt: skip
         """Whether the next step drafts (module doc): the measured rates once known, else ``gain`` (None: a
         profile, no judgement); where not, a skip run priced by this step's predicted loss (or the
-        measured loss of a drafting step), doubling per unpaid step in a row, at most ``max_skip``."""
+        measured loss of a drafting step), doubling per unpaid step in a row, at most ``max_skip``.
+        ``gain_all`` (a probe's): drafting every row pays from the next step where it reaches ``min_gain``;
+        else the probe's own ``gain`` says whether to probe again or skip."""
+        if gain_all is not None and gain_all >= self.min_gain:
+            self._skip_next = 1
+            self._pays.add(b)
+            return
         done = self.realized_rate(b, True) if self.realized else None
         if done is not None:
             plain = self.realized_rate(b, False) or plain_rate
@@ -458,7 +497,10 @@ class SpeculationPlanner:
             unpaid = gain < self.min_gain or tokens <= b  # verifying nothing: the drafting brought nothing
         if not unpaid:
             self._skip_next = 1
+            if gain_all is None:  # a probe that pays for itself probes again: drafting every row does not yet pay
+                self._pays.add(b)
             return
+        self._pays.discard(b)
         self.last_loss = max(0.0, t_step - tokens / plain_rate)
         priced = math.ceil(self.last_loss * plain_rate / (self.probe_budget * b) - 1.0)  # t_plain_step = b / plain_rate
         self._skip_left = min(max(self._skip_next, priced), self.max_skip)
@@ -466,7 +508,7 @@ class SpeculationPlanner:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "skipped_drafting": self.skipped_steps, "plain_steps": self.plain_steps,
-                "drafted_steps": self.steps - self.skipped_steps, "profiles": self.profiles,
+                "drafted_steps": self.steps - self.skipped_steps, "profiles": self.profiles, "probes": self.probes,
                 "realized_stops": self.realized_stops, "host_speed": round(self.cost.speed, 3),
                 "nodes_offered": self.nodes_offered, "nodes_verified": self.nodes_verified,
                 "overhead_ms": {f"b{b}_{'drafted' if d else 'plain'}": round(1e3 * v, 2)
@@ -551,6 +593,13 @@ class PlannedProposer:
         self._verified.pop(slot, None)
         self._starts[slot] = (list(prompt_ids), hidden, int(first_token))
 
+    def _behind(self, slot) -> tuple[int, int]:
+        """How much the inner proposer must read before ``slot`` can draft: (1 for a first drafting, whose
+        prompt it has not seen; 0 else, tokens held since its last drafting): a probe's choice of rows."""
+        if slot in self._starts:
+            return 1, len(self._starts[slot][0]) + sum(len(tk) for tk, _ in self._pending.get(slot, []))
+        return 0, sum(len(tk) for tk, _ in self._pending.get(slot, []))
+
     def _close_step(self, now: float) -> None:
         """The previous step ended now: report its time outside drafting and its forward."""
         st, self._step = self._step, None
@@ -558,7 +607,8 @@ class PlannedProposer:
             start, b, verified, t_draft, t_fwd, drafted = st
             self.planner.observe_overhead(b, verified, max(0.0, now - start - t_draft - t_fwd))
             # a step that drafted counts as drafting even where it verified nothing: its drafting was spent
-            self.planner.observe_step(b, drafted, now - start, self._step_tokens)
+            if drafted is not None:  # None: a probe (SpeculationPlanner.draft_rows)
+                self.planner.observe_step(b, drafted, now - start, self._step_tokens)
 
     def step_done(self) -> None:
         """The engine finished this step (committed every sequence): its overhead is measured up to
@@ -577,13 +627,17 @@ class PlannedProposer:
         if not self.planner.should_draft(b):
             self._step = [t0, b, False, 0.0, None, False]
             return [DraftTree.empty() for _ in slots]
-        starts = any(s in self._starts for s in slots)  # a sequence's first drafting: its prompt's prefill
-        self._flush(slots)  # catching the drafter up (after a skip run: several tokens) is drafting time
-        trees = list(self.inner.draft(slots, sampling, generator))
+        rows = self.planner.draft_rows(b)
+        drafting = slots if rows >= b else sorted(slots, key=self._behind)[:rows]  # a probe: the rows in step first
+        starts = any(s in self._starts for s in drafting)  # a sequence's first drafting: its prompt's prefill
+        self._flush(drafting)  # catching the drafter up (after a skip run: several tokens) is drafting time
+        drafted = dict(zip(drafting, self.inner.draft(drafting, sampling, generator)))
+        trees = [drafted.get(s, DraftTree.empty()) for s in slots]
         t_draft = self.clock() - t0
-        self.planner.observe_draft(b, t_draft, first=starts)
-        self._step = [t0, b, True, t_draft, None, True]
-        keep, raws = self.planner.plan(trees)
+        self.planner.observe_draft(len(drafting), t_draft, first=starts)
+        # a probe's step is neither a drafting nor a plain step of the measured rates (its rows drafted, not the batch)
+        self._step = [t0, b, True, t_draft, None, True if rows >= b else None]
+        keep, raws = self.planner.plan(trees, drafted=len(drafting))
         self._step[2] = any(keep)  # a tree was verified: the step's overhead is a drafted step's
         out = []
         for s, t, k, raw in zip(slots, trees, keep, raws):

@@ -297,7 +297,7 @@ def test_a_sequences_first_drafting_is_not_priced_as_a_step(tiny_target, make_dr
         return orig(slots, sampling, generator)
 
     inner.draft = draft
-    pl = SpeculationPlanner(max_skip=1, plain_first=1)  # skip runs of one step: steady steps come soon after
+    pl = SpeculationPlanner(max_skip=1, plain_first=1, probe_rows=3)  # skip runs of one step: steady steps come soon after
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 13, 8)]
     SpecEngine(tiny_target, PlannedProposer(inner, pl), batch_size=3, max_new_tokens=24, stop_token_ids=-1).run(prompts)
@@ -666,3 +666,71 @@ def test_run_interleaved_lock_step():
     assert runs == {"a": ("a", [[7]]), "b": ("b", [[7]])}
     with pytest.raises(ValueError, match="unit"):
         run_interleaved({}, [], unit="batch")
+
+
+def test_a_probe_drafts_a_few_rows_and_prices_drafting_every_row():
+    """Where drafting has not been judged to pay at a batch size (or a larger one), only ``probe_rows``
+    sequences draft; the step's nodes, b / rows times over, with the drafting time scaled to b rows price
+    drafting every row: the next step drafts every row only where that pays."""
+    p = planner(0.01, probe_rows=2)
+    assert p.draft_rows(16) == 2 and p.draft_rows(2) == 2 and p.draft_rows(1) == 1
+    p.observe_draft(2, 0.05)  # drafting every row: 0.4, the scaled price
+    trees = [_chain([0.9, 0.9, 0.9])] * 2 + [DraftTree.empty()] * 14
+    keep, _ = p.plan(trees, drafted=2)
+    assert [len(k) for k in keep[:2]] == [3, 3] and not any(keep[2:]) and p.probes == 1
+    # every row: 16 + 8 * 6 * 0.9 = 59.2 tokens in 0.4 + 1 + 0.48 s against 16 in 1 s: it pays
+    assert p.draft_rows(16) == 16 and p.draft_rows(8) == 8 and p.draft_rows(32) == 2
+    q = planner(0.2, probe_rows=2)  # 0.2 s an input: no node pays, for 2 rows or for 16
+    q.observe_draft(2, 0.05)
+    keep, _ = q.plan(trees, drafted=2)
+    assert not any(keep) and q.draft_rows(16) == 2 and not q.should_draft(16)  # a skip run follows
+    r = planner(0.01, probe_rows=2)  # drafting every row costs 8 x 0.5 s: 59.2 tokens in 5.48 s < 16 in 1 s
+    r.observe_draft(2, 0.5)
+    r.plan(trees, drafted=2)
+    assert r.draft_rows(16) == 2 and not r.should_draft(16)
+    with pytest.raises(ValueError, match="probe_rows"):
+        SpeculationPlanner(probe_rows=0)
+
+
+class _Recorder:
+    """An inner proposer that records what it is handed and drafts a one-node chain per sequence."""
+
+    name, lossless = "rec", True
+
+    def __init__(self):
+        self.drafted, self.started = [], []
+
+    def start(self, slot, prompt_ids, hidden, first_token):
+        self.started.append(slot)
+
+    def commit(self, slot, tokens, hidden):
+        pass
+
+    def release(self, slot):
+        pass
+
+    def draft(self, slots, sampling=None, generator=None):
+        self.drafted.append(list(slots))
+        return [_chain([0.5]) for _ in slots]
+
+
+def test_a_probe_drafts_the_rows_whose_drafter_is_in_step_first():
+    """A probe's rows are those the drafter has seen (least to catch up on first), then the shortest prompts:
+    a first drafting runs the drafter over the whole prompt. The others stay pending (their start is handed
+    on when they first draft), and their trees are empty."""
+    inner = _Recorder()
+    p = planner(0.01, probe_rows=2)
+    prop = PlannedProposer(inner, p)
+    for slot, n in zip(range(4), (10, 3, 7, 5)):
+        prop.start(slot, list(range(n)), torch.zeros(n, 1), 1)
+    p.cost.observe(4, 4, 1.0)
+    trees = prop.draft([0, 1, 2, 3])
+    assert inner.drafted == [[1, 3]] and sorted(inner.started) == [1, 3]
+    assert [t.n for t in trees] == [0, 1, 0, 1]
+    for s, t in enumerate(trees):
+        prop.commit(s, [1] * (t.n + 1), torch.zeros(t.n + 1, 1))
+    prop.step_done()
+    assert not p._steps_seen  # a probe is neither a drafting nor a plain step of the measured rates
+    p._pays.clear()  # whatever it judged: probe again; now slots 1 and 3 are in step, 0 and 2 are not started
+    prop.draft([0, 1, 2, 3])
+    assert inner.drafted[-1] == [1, 3]
