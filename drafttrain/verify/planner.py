@@ -17,14 +17,15 @@ cost increase, :func:`drafttrain.verify.methods.sssd.plan_speculation_length`), 
 - **Whether to draft.** Once 8 drafting steps are seen at a batch size, the measured tokens/s of the last
   24 against plain steps' (same run; the cost model's plain step until 8 are seen) decide, whatever the
   prediction says; before that, the predicted gain. At a batch size b > ``probe_rows`` where drafting has not
-  been judged to pay (at b or a larger batch size), only ``probe_rows`` sequences draft (those whose drafter
-  already holds the most of their context first): a sequence's first drafting runs the drafter over its
-  whole prompt, so a probe of every row cost several plain steps before anything was measured. The probe's
+  been judged to pay (at b or a larger batch size), only ``probe_rows`` sequences draft (those with the
+  least for the drafter to read first): a sequence's first drafting runs the drafter over its whole
+  prompt, so a probe of every row cost several plain steps before anything was measured. The probe's
   nodes, b / ``probe_rows`` times over, and the drafting time scaled to b rows price drafting every row,
-  and that prediction decides whether the next step does. When drafting stops, a skip run follows, long enough
-  that the next re-probe's loss is at most ``probe_budget`` of the run's plain time, doubling per unpaid
-  step in a row, at most ``max_skip`` steps; each re-probe joins the measured drafting steps, so drafting
-  resumes where the host comes to make it pay.
+  and that prediction decides whether the next step does; a probe's step counts in neither measured rate.
+  When drafting stops, a skip run follows, long enough that the next re-probe's loss is at most
+  ``probe_budget`` of the run's plain time, doubling per unpaid step in a row, at most ``max_skip`` steps;
+  each re-probe (a probe, or a drafting step of every row where that paid before) is judged again, so
+  drafting resumes where the host comes to make it pay.
 
 Lossless: only which nodes of the proposer's tree are verified is chosen (an ancestor-closed subset; under
 sampling the kept children of a node are its first draws), so every acceptance rule keeps its guarantee and
