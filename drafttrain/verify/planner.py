@@ -442,21 +442,10 @@ class SpeculationPlanner:
                 best_k = min(b, len(cands))
                 self.profiles += 1
             else:
-                expected = float(b)
-                best_k, best_rate = 0, b / (t_draft + t_plain + o_plain)  # K = 0: a plain step (drafting spent)
-                for k, (neg_v, *_rest) in enumerate(cands, start=1):
-                    expected -= neg_v
-                    rate = expected / (t_draft + self.cost.predict(b, b + k) + o_tree)
-                    if rate > best_rate:
-                        best_k, best_rate = k, rate
+                best_k, best_rate = self._best(cands, b, t_draft, t_plain + o_plain, o_tree)
                 gain = best_rate / plain_rate
                 if rows < b:  # a probe: what drafting every row would bring, its rows' nodes b / rows times over
-                    scale, t_all = b / rows, self.draft_cost(b)
-                    expected, best_all = float(b), b / (t_all + t_plain + o_plain)
-                    for k, (neg_v, *_rest) in enumerate(cands, start=1):
-                        expected -= scale * neg_v
-                        best_all = max(best_all, expected / (t_all + self.cost.predict(b, b + round(scale * k)) + o_tree))
-                    gain_all = best_all / plain_rate
+                    gain_all = self._best(cands, b, self.draft_cost(b), t_plain + o_plain, o_tree, b / rows)[1] / plain_rate
         keep: list[list[int]] = [[] for _ in trees]
         gained = 0.0  # expected accepted nodes of what is verified
         for neg_v, _, i, j in cands[:best_k]:
@@ -470,6 +459,20 @@ class SpeculationPlanner:
             self._judge(b, gain, t_draft + self.cost.predict(b, b + best_k) + (o_tree if best_k else o_plain),
                         b + gained, plain_rate, gain_all)  # fmt: skip
         return keep, raws
+
+    def _best(self, cands: list, b: int, t_draft: float, t_plain_step: float, o_tree: float,
+              scale: float = 1.0) -> tuple[int, float]:
+        """(K, tokens/s) maximising ``(b + scale * sum_{k<=K} v_k) / (t_draft + t(b, b + scale * K) + o_tree)``
+        over the sorted candidates (K = 0: a plain step with the drafting spent, ``b / (t_draft + t_plain_step)``);
+        ``scale`` > 1 prices every row's drafting from a probe's rows (module doc)."""
+        expected = float(b)
+        best_k, best_rate = 0, b / (t_draft + t_plain_step)
+        for k, (neg_v, *_rest) in enumerate(cands, start=1):
+            expected -= scale * neg_v
+            rate = expected / (t_draft + self.cost.predict(b, b + round(scale * k)) + o_tree)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
 
     def _judge(self, b: int, gain: float | None, t_step: float, tokens: float, plain_rate: float,
                gain_all: float | None = None) -> None:  # fmt: skip
@@ -597,9 +600,8 @@ class PlannedProposer:
     def _behind(self, slot) -> tuple[int, int]:
         """How much the inner proposer must read before ``slot`` can draft: (1 for a first drafting, whose
         prompt it has not seen; 0 else, tokens held since its last drafting): a probe's choice of rows."""
-        if slot in self._starts:
-            return 1, len(self._starts[slot][0]) + sum(len(tk) for tk, _ in self._pending.get(slot, []))
-        return 0, sum(len(tk) for tk, _ in self._pending.get(slot, []))
+        held = sum(len(tk) for tk, _ in self._pending.get(slot, []))
+        return (1, len(self._starts[slot][0]) + held) if slot in self._starts else (0, held)
 
     def _close_step(self, now: float) -> None:
         """The previous step ended now: report its time outside drafting and its forward."""
