@@ -81,6 +81,9 @@ VARIANTS = {
     "on_policy": ["trainer.strategy=on_policy", ON_POLICY_EVAL],
     "on_policy_cut": ["trainer.strategy=on_policy", "loss.cut_at_first_miss=true", ON_POLICY_EVAL],
     "mixed": ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.share_end=0.0", ON_POLICY_EVAL],
+    # drafts sampled at temperature 0.7: the setting (with sampled verification at the same temperature) where the
+    # drafter's own drafts differ from the target's greedy rows
+    "on_policy_t07": ["trainer.strategy=on_policy", "trainer.on_policy.temperature=0.7", ON_POLICY_EVAL],
     "mixed_cut": ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.share_end=0.0",
                   "loss.cut_at_first_miss=true", ON_POLICY_EVAL],
 }
