@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("drafttrain.export")
@@ -45,6 +45,8 @@ class ExportConfig:
     gpu_cost_ratio: float | None = None  # cost of one more input / a one-input target forward on the serving GPU; null = measure this host
     draft_cost_ratio: float | None = None  # a drafter pass / a target forward; null = their parameter ratio
     overwrite: bool = False
+    vllm_profile: bool = True  # K from vLLM's own measured speedups on this host when scripts.serve_check profile_k=... cached them
+    serve_loads: list = field(default_factory=lambda: [1, 8])  # requests in flight the measured line must not lose at
 
 
 def run(c) -> Path:
@@ -62,7 +64,8 @@ def run(c) -> Path:
         raise ConfigError("checkpoint is required (checkpoint=outputs/<run> or a drafter folder)")
     out = export_run(c.checkpoint, c.format, c.output_dir, target_path=c.target_path, verifier=c.verifier,
                      num_speculative_tokens=c.num_speculative_tokens, overwrite=c.overwrite,
-                     gpu_cost_ratio=c.gpu_cost_ratio, draft_cost_ratio=c.draft_cost_ratio)  # fmt: skip
+                     gpu_cost_ratio=c.gpu_cost_ratio, draft_cost_ratio=c.draft_cost_ratio,
+                     vllm_profile=c.vllm_profile, serve_loads=[int(n) for n in c.serve_loads])  # fmt: skip
     log.info("wrote %s (from %s)", out, c.checkpoint)
     return out
 
@@ -74,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     out = run(parse_cli(ExportConfig, argv))
     info = json.loads((out / "export_info.json").read_text())
     sp = info.get("speculation") or {}
-    if sp.get("expected_speedup") is not None:
+    if sp.get("vllm_profile"):
+        ch = sp["vllm_profile"]["choice"]
+        print(f"[drafttrain] K={ch['k'] or 'none (the target alone)'} ({sp['chosen_by']}): measured "
+              + ", ".join(f"{x:.2f}x at {n} requests" for n, x in ch["speedup"].items()), flush=True)  # fmt: skip
+    elif sp.get("expected_speedup") is not None:
         print(f"[drafttrain] K={sp['num_speculative_tokens']} ({sp['chosen_by']}): expected {sp['expected_speedup']:.2f}x "
               f"at batch 1, schedule {sp['schedule']}", flush=True)  # fmt: skip
     print(f"[drafttrain] exported {info['recipe']} -> {out} ({info['format']}); serve it with:", flush=True)

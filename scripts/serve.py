@@ -96,8 +96,9 @@ def command(c: ServeConfig) -> tuple[dict[str, str], list[str], str | None]:
     spec = None
     if c.speculative:
         if sp.get("pays") is False and not c.force_speculation:
-            note = (f"expected {sp['expected_speedup']:.2f}x at best (K={sp['num_speculative_tokens']}): serving "
-                    "without speculation on this host (force_speculation=true serves it anyway)")  # fmt: skip
+            why = (sp["line_note"].strip().lstrip("# ") if sp.get("line_note") else
+                   f"expected {sp['expected_speedup']:.2f}x at best (K={sp['num_speculative_tokens']})")  # fmt: skip
+            note = f"{why}: serving without speculation on this host (force_speculation=true serves it anyway)"
         else:
             engine_cfg = json.loads((out / "config.json").read_text())
             spec = vllm_speculative_config(fmt, out, int(info["num_speculative_tokens"]), engine_cfg, sp)

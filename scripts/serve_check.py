@@ -63,6 +63,11 @@ class ServeCheckConfig:
     output_dir: str = "outputs/serve_check"
     timeout_s: int = 3600
     extra: dict = field(default_factory=dict)  # extra keys for vLLM's speculative_config
+    # profile: vLLM plain and with each K here (one K at every batch size), at each `concurrency`; cached per host,
+    # target and drafter weights (drafttrain.export.vllm_profile), then the export is written again with the K
+    # the profile chooses for those loads (reexport=false: keep the folder as it is)
+    profile_k: list | None = None
+    reexport: bool = True
 
 
 def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | None = None,
@@ -161,6 +166,9 @@ def run(c) -> dict:
     log.info("%d prompts of %s, %d new tokens, %s drafter (%s), %d speculative tokens", len(prompts), c.prompts,
              c.max_new_tokens, info["recipe"], info["format"], n_spec)  # fmt: skip
 
+    if c.profile_k is not None:
+        return run_profile(c, py, export_dir, info, target_path, prompts, stops, out)
+
     # -- vLLM: plain, then the printed line's speculation, in one runner process ---------------------
     # num_speculative_tokens unset: the serve line the export printed (its K, its schedule); where no K pays,
     # that line serves the target alone, so its figures are the plain run's (not run twice)
@@ -231,6 +239,97 @@ def run(c) -> dict:
     return results
 
 
+def run_profile(c, py: Path, export_dir: Path, info: dict, target_path: str, prompts: list, stops: list,
+                out: Path) -> dict:  # fmt: skip
+    """``profile_k``: vLLM plain and with each K (no schedule) on the same prompts at each ``concurrency``, in one
+    runner process; the profile is cached for this host, target and drafter weights and written to
+    ``output_dir/vllm_profile.json``; with ``reexport`` the export is written again so that its printed line
+    takes the K the profile chooses (:func:`drafttrain.export.vllm_profile.choose`, loads = ``concurrency``).
+
+    Raises:
+        ConfigError: an empty ``profile_k`` or a K < 1; ValueError: a K the format cannot draft (DFlash: its block's).
+    """
+    from drafttrain.config import ConfigError
+    from drafttrain.export import vllm_profile as vpx
+    from drafttrain.host import describe
+
+    ks = sorted({int(k) for k in c.profile_k})
+    if not ks or ks[0] < 1:
+        raise ConfigError(f"profile_k must list the K to measure, each >= 1, got {list(c.profile_k)}")
+    specs = [speculative_config(export_dir, info, k, dict(c.extra)) for k in ks]  # fails here on a K it cannot run
+    concurrency = [int(n) for n in c.concurrency]
+    job = {"model": str(Path(target_path).resolve()), "prompts": prompts, "max_new_tokens": c.max_new_tokens,
+           "stop_token_ids": stops, "max_model_len": c.max_model_len, "eager": c.vllm_eager, "concurrency": concurrency,
+           "runs": [{"speculative_config": None}] + [{"speculative_config": sp} for sp in specs]}  # fmt: skip
+    t0 = time.perf_counter()
+    runs = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
+                    log_path=out / "vllm.log")  # fmt: skip
+    log.info("vLLM profile took %.0f s (%d engines)", time.perf_counter() - t0, len(runs))
+    for name, r in zip(["plain"] + [f"K={k}" for k in ks], runs):
+        if "error" in r:
+            raise RuntimeError(f"vLLM {name} run failed: {r['error']}\n{r.get('traceback', '')}")
+    plain = {p["concurrency"]: p for p in runs[0]["by_concurrency"]}
+    rows = []
+    for k, r in zip(ks, runs[1:]):
+        by = {b["concurrency"]: b for b in r["by_concurrency"]}
+        rate = {n: by[n]["generated"] / by[n]["seconds"] for n in concurrency}
+        base = {n: plain[n]["generated"] / plain[n]["seconds"] for n in concurrency}
+        rows.append({"k": k, "speedup": {str(n): round(rate[n] / base[n], 4) for n in concurrency},
+                     "tokens_per_s": {str(n): round(rate[n], 2) for n in concurrency},
+                     "acceptance_length": {str(n): (by[n]["acceptance"] or {}).get("mean_acceptance_length")
+                                           for n in concurrency},
+                     "per_position": (by[concurrency[0]]["acceptance"] or {}).get("per_position"),
+                     "equal": all(a == b for n in concurrency for a, b in zip(by[n]["outputs"], plain[n]["outputs"]))})  # fmt: skip
+    profile = {"rows": rows, "plain_tokens_per_s": {str(n): round(plain[n]["generated"] / plain[n]["seconds"], 2)
+                                                     for n in concurrency},
+               "vllm_version": runs[0].get("vllm_version"), "host": describe(), "eager": c.vllm_eager,
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prompts": c.prompts,
+               "num_prompts": len(prompts), "max_new_tokens": c.max_new_tokens, "concurrency": concurrency,
+               "export_dir": str(Path(export_dir).resolve()), "format": info["format"], "recipe": info["recipe"]}  # fmt: skip
+    cached = vpx.save(profile, info)
+    choice = vpx.choose(profile, concurrency)
+    result = {**profile, "cache": str(cached), "choice": choice}
+    if c.reexport and info.get("checkpoint") and Path(info["checkpoint"]).exists():
+        from drafttrain.export import export_run
+
+        export_run(info["checkpoint"], info["format"], export_dir, target_path=c.target_path or info.get("target_path"),
+                   verifier=info.get("verifier"),
+                   overwrite=True, serve_loads=concurrency)  # fmt: skip
+        new = json.loads((Path(export_dir) / "export_info.json").read_text())
+        result["printed_line"] = new["commands"][-1]
+        result["reexported"] = str(export_dir)
+    (out / "vllm_profile.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(profile_report(result))
+    if not all(r["equal"] for r in rows):
+        bad = [r["k"] for r in rows if not r["equal"]]
+        raise SystemExit(f"vLLM's speculative output differed from plain at K={bad} ({out / 'vllm_profile.json'})")
+    return result
+
+
+def profile_report(r: dict) -> str:
+    """A markdown summary of a profile (:func:`run_profile`'s dict)."""
+    conc = r["concurrency"]
+    lines = [f"# vLLM profile: {r['recipe']} ({r['format']}), vLLM {r['vllm_version']}", "",
+             f"{r['num_prompts']} prompts of {r['prompts']}, {r['max_new_tokens']} new tokens, greedy, "
+             f"eager={r['eager']}; host: {r['host'].get('cpu_model')} ({r['host'].get('isa')}). Cached: `{r['cache']}`.", "",
+             "| K | " + " | ".join(f"{n} in flight: tok/s (plain {r['plain_tokens_per_s'][str(n)]}) | speedup | "
+                                   f"acceptance length" for n in conc) + " | equal to plain |",
+             "|---|" + "---|---|---|" * len(conc) + "---|"]  # fmt: skip
+    for row in r["rows"]:
+        cells = []
+        for n in conc:
+            al = row["acceptance_length"].get(str(n))
+            cells += [f"{row['tokens_per_s'][str(n)]:.1f}", f"{row['speedup'][str(n)]:.2f}x", "n/a" if al is None else f"{al:.3f}"]
+        lines.append(f"| {row['k']} | " + " | ".join(cells) + f" | {row['equal']} |")
+    ch = r["choice"]
+    lines += ["", f"Chosen for {conc} requests in flight: **K = {ch['k'] or 'none (serve the target alone)'}**, "
+              f"worst measured speedup {ch['worst_speedup']:.2f}x; each load alone: "
+              + ", ".join(f"{n}: K={k} ({x:.2f}x)" for n, (k, x) in ch["best_alone"].items())]  # fmt: skip
+    if r.get("printed_line"):
+        lines += ["", "The export's printed line now:", "", "```", r["printed_line"], "```"]
+    return "\n".join(lines) + "\n"
+
+
 def report(r: dict) -> str:
     """A markdown summary of ``results.json``."""
     v, o = r["vllm"], r.get("ours")
@@ -273,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     r = run(parse_cli(ServeCheckConfig, argv))
+    if "choice" in r:  # profile_k
+        print(profile_report(r), flush=True)
+        return
     print(report(r), flush=True)
     if not r["vllm_spec_equals_plain"]:
         raise SystemExit(1)

@@ -218,14 +218,15 @@ def serve_commands(fmt: str, out: Path, verifier: str, n_spec: int, engine_cfg: 
     if fmt in ("speculators", "dflash"):
         cmds.insert(0, f"vllm serve {Path(out).resolve()}")
     pays = (speculation or {}).get("pays")
+    measured = (speculation or {}).get("line_note")  # K chosen from vLLM's own measured speedups on this host
     serve = f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m scripts.serve checkpoint={shlex.quote(str(Path(out).resolve()))}"
     if pays is False:
         s = speculation["expected_speedup"]
-        note = (f"  # expected {s:.2f}x at best (K={speculation['num_speculative_tokens']}): serve without "
-                "speculation on this host")  # fmt: skip
+        note = measured or (f"  # expected {s:.2f}x at best (K={speculation['num_speculative_tokens']}): serve "
+                            "without speculation on this host")  # fmt: skip
         cmds += [serve + " speculative=false" + note, shell_line(*vllm_cpu_command(target_dir or verifier, None)) + note]
     else:
-        note = concurrency_note(spec, speculation)
+        note = measured or concurrency_note(spec, speculation)
         cmds += [serve + note, shell_line(*vllm_cpu_command(target_dir or verifier, spec)) + note]
     return cmds
 
@@ -247,10 +248,19 @@ def concurrency_note(spec: dict, speculation: dict | None) -> str:
             f"vLLM 0.32 {why}: serve without speculation where more run at once")
 
 
+def vllm_profile_for(info: dict) -> tuple[dict, Path] | None:
+    """The vLLM profile cached on this host for an export's weights and target (or None); a profile from
+    before this host's facts changed, or for other weights, is not found (:func:`drafttrain.export.vllm_profile.lookup`)."""
+    from drafttrain.export.vllm_profile import lookup
+
+    return lookup(info)
+
+
 def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str | Path | None = None,
                target_path: str | None = None, verifier: str | None = None,
                num_speculative_tokens: int | None = None, overwrite: bool = False, target=None,
-               gpu_cost_ratio: float | None = None, draft_cost_ratio: float | None = None) -> Path:
+               gpu_cost_ratio: float | None = None, draft_cost_ratio: float | None = None,
+               vllm_profile: bool = True, serve_loads=(1, 8)) -> Path:
     """Export a training run's (or a drafter folder's) drafter; writes the engine folder + ``export_info.json``.
 
     ``scripts.export`` and the end of ``train.run`` both call this. ``target``: an already loaded
@@ -259,7 +269,11 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     ``num_speculative_tokens`` (null: chosen) fixes K; otherwise K and its batch-size schedule are chosen
     from the run's held-out acceptance and the target's cost measured on this host, or stated for a GPU by
     ``gpu_cost_ratio`` (:func:`drafttrain.export.speculation.for_export`; ``draft_cost_ratio`` states the
-    drafter's); ``export_info.json``'s ``speculation`` block records the choice and its figures.
+    drafter's); ``export_info.json``'s ``speculation`` block records the choice and its figures. With
+    ``vllm_profile`` (the default) and a vLLM profile measured on this host for these exact weights and target
+    (``scripts.serve_check profile_k=[...]``, :mod:`drafttrain.export.vllm_profile`), K comes from vLLM's
+    measured speedups instead: the K that holds at every load in ``serve_loads`` (requests in flight), or
+    the target alone; the model's choice is kept under ``speculation.model``.
 
     Returns:
         The folder written (``output_dir``; null = ``outputs/export/<run name>-<format>``).
@@ -323,9 +337,25 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
                 "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
                 "speculation": spec_block}  # fmt: skip
         info.update(export_record(tmp, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
+        found = vllm_profile_for(info) if vllm_profile and not fixed else None
+        if found:  # K measured in vLLM on this host for these weights: it replaces the cost model's choice
+            from drafttrain.export import vllm_profile as vpx
+
+            try:
+                spec_block = vpx.apply(spec_block, found[0], found[1], serve_loads)
+            except vpx.ProfileError as err:
+                raise ConfigError(f"vLLM profile {found[1]}: {err}") from None
+            if int(spec_block["num_speculative_tokens"]) != n_spec:  # the engine config names K: write it again
+                n_spec = int(spec_block["num_speculative_tokens"])
+                _, engine_cfg = export_drafter(drafter, fmt, tmp, verifier=verifier, num_speculative_tokens=n_spec,
+                                               target_config=target.config)  # fmt: skip
+                info.update(export_record(tmp, fmt, drafter, target.config, target_dir))
+            info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
+                         "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir)})  # fmt: skip
         write_json(tmp / INFO, info)
     return out
 
 
 __all__ = ["FORMATS", "ExportError", "export_drafter", "export_run", "format_table", "formats_for", "load_exported",
-           "resolve_format", "serve_commands", "shell_line", "vllm_cpu_command", "vllm_speculative_config"]
+           "resolve_format", "serve_commands", "shell_line", "vllm_cpu_command", "vllm_profile_for",
+           "vllm_speculative_config"]
