@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[drafttrain] exported {info['recipe']} -> {out} ({info['format']}); serve it with:", flush=True)
     for cmd in info["commands"]:
         print("  " + cmd, flush=True)
+    for alt in info.get("alternatives") or []:  # K measured in vLLM: the best for one load alone
+        print(f"[drafttrain] with {alt['loads'][0]} request(s) at a time only:\n  {alt['command']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -260,28 +260,34 @@ def run_profile(c, py: Path, export_dir: Path, info: dict, target_path: str, pro
     concurrency = [int(n) for n in c.concurrency]
     job = {"model": str(Path(target_path).resolve()), "prompts": prompts, "max_new_tokens": c.max_new_tokens,
            "stop_token_ids": stops, "max_model_len": c.max_model_len, "eager": c.vllm_eager, "concurrency": concurrency,
-           "runs": [{"speculative_config": None}] + [{"speculative_config": sp} for sp in specs]}  # fmt: skip
+           "runs": [{"speculative_config": None}] + [{"speculative_config": sp} for sp in specs]
+                   + [{"speculative_config": None}]}  # plain again last: its drift between the two is the noise margin  # fmt: skip
     t0 = time.perf_counter()
     runs = run_vllm(py, job, threads=c.vllm_threads, memory_gb=c.vllm_memory_gb, timeout_s=c.timeout_s,
                     log_path=out / "vllm.log")  # fmt: skip
     log.info("vLLM profile took %.0f s (%d engines)", time.perf_counter() - t0, len(runs))
-    for name, r in zip(["plain"] + [f"K={k}" for k in ks], runs):
+    for name, r in zip(["plain"] + [f"K={k}" for k in ks] + ["plain (again)"], runs):
         if "error" in r:
             raise RuntimeError(f"vLLM {name} run failed: {r['error']}\n{r.get('traceback', '')}")
     plain = {p["concurrency"]: p for p in runs[0]["by_concurrency"]}
+    again = {p["concurrency"]: p for p in runs[-1]["by_concurrency"]}
+    before = {n: plain[n]["generated"] / plain[n]["seconds"] for n in concurrency}
+    after = {n: again[n]["generated"] / again[n]["seconds"] for n in concurrency}
+    base = {n: (before[n] + after[n]) / 2 for n in concurrency}  # plain's rate: the mean of before and after
+    drift = {str(n): round(abs(before[n] - after[n]) / base[n], 4) for n in concurrency}
     rows = []
-    for k, r in zip(ks, runs[1:]):
+    for k, r in zip(ks, runs[1:-1]):
         by = {b["concurrency"]: b for b in r["by_concurrency"]}
         rate = {n: by[n]["generated"] / by[n]["seconds"] for n in concurrency}
-        base = {n: plain[n]["generated"] / plain[n]["seconds"] for n in concurrency}
         rows.append({"k": k, "speedup": {str(n): round(rate[n] / base[n], 4) for n in concurrency},
                      "tokens_per_s": {str(n): round(rate[n], 2) for n in concurrency},
                      "acceptance_length": {str(n): (by[n]["acceptance"] or {}).get("mean_acceptance_length")
                                            for n in concurrency},
                      "per_position": (by[concurrency[0]]["acceptance"] or {}).get("per_position"),
                      "equal": all(a == b for n in concurrency for a, b in zip(by[n]["outputs"], plain[n]["outputs"]))})  # fmt: skip
-    profile = {"rows": rows, "plain_tokens_per_s": {str(n): round(plain[n]["generated"] / plain[n]["seconds"], 2)
-                                                     for n in concurrency},
+    profile = {"rows": rows, "plain_tokens_per_s": {str(n): round(base[n], 2) for n in concurrency},
+               "plain_before_after": {str(n): [round(before[n], 2), round(after[n], 2)] for n in concurrency},
+               "plain_drift": drift,
                "vllm_version": runs[0].get("vllm_version"), "host": describe(), "eager": c.vllm_eager,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prompts": c.prompts,
                "num_prompts": len(prompts), "max_new_tokens": c.max_new_tokens, "concurrency": concurrency,
@@ -322,6 +328,11 @@ def profile_report(r: dict) -> str:
             cells += [f"{row['tokens_per_s'][str(n)]:.1f}", f"{row['speedup'][str(n)]:.2f}x", "n/a" if al is None else f"{al:.3f}"]
         lines.append(f"| {row['k']} | " + " | ".join(cells) + f" | {row['equal']} |")
     ch = r["choice"]
+    if r.get("plain_before_after"):
+        lines += ["", "Plain decoding timed before and after the speculative engines (tok/s; their relative difference "
+                  "is the noise margin a K must clear): " + ", ".join(
+                      f"{n} in flight {a} / {b} ({100 * r['plain_drift'][str(n)]:.1f}%)"
+                      for n, (a, b) in ((n, r['plain_before_after'][str(n)]) for n in conc))]  # fmt: skip
     lines += ["", f"Chosen for {conc} requests in flight: **K = {ch['k'] or 'none (serve the target alone)'}**, "
               f"worst measured speedup {ch['worst_speedup']:.2f}x; each load alone: "
               + ", ".join(f"{n}: K={k} ({x:.2f}x)" for n, (k, x) in ch["best_alone"].items())]  # fmt: skip

@@ -248,6 +248,21 @@ def concurrency_note(spec: dict, speculation: dict | None) -> str:
             f"vLLM 0.32 {why}: serve without speculation where more run at once")
 
 
+def measured_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: dict, target_dir: str) -> list[dict]:
+    """For a line chosen from a vLLM profile: each load whose best K on its own differs from the served one, as
+    ``{"loads": [n], "num_speculative_tokens": K, "measured_speedup": x, "command": the CPU line serving K}``
+    (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone)."""
+    choice = (speculation.get("vllm_profile") or {}).get("choice") or {}
+    alts = []
+    for n, (k, x) in (choice.get("best_alone") or {}).items():
+        if k and k != choice.get("k"):
+            spec = vllm_speculative_config(fmt, out, int(k), engine_cfg)
+            line = shell_line(*vllm_cpu_command(target_dir, spec))
+            alts.append({"loads": [int(n)], "num_speculative_tokens": int(k), "measured_speedup": x,
+                         "command": f"{line}  # measured {x:.2f}x with {n} request(s) in flight; not for more at once"})  # fmt: skip
+    return alts
+
+
 def vllm_profile_for(info: dict) -> tuple[dict, Path] | None:
     """The vLLM profile cached on this host for an export's weights and target (or None); a profile from
     before this host's facts changed, or for other weights, is not found (:func:`drafttrain.export.vllm_profile.lookup`)."""
@@ -351,7 +366,8 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
                                                target_config=target.config)  # fmt: skip
                 info.update(export_record(tmp, fmt, drafter, target.config, target_dir))
             info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
-                         "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir)})  # fmt: skip
+                         "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
+                         "alternatives": measured_alternatives(fmt, out, engine_cfg, spec_block, target_dir)})  # fmt: skip
         write_json(tmp / INFO, info)
     return out
 

@@ -544,6 +544,8 @@ def export_for_serving(c: TrainConfig, out_dir: Path) -> Path | None:
         return None
     info = json.loads((out / "export_info.json").read_text())
     print(f"[drafttrain] serve it in vLLM ({info['format']} folder {out}): {info['commands'][-1]}", flush=True)
+    for alt in info.get("alternatives") or []:  # K measured in vLLM: the best for one load alone
+        print(f"[drafttrain] with {alt['loads'][0]} request(s) at a time only: {alt['command']}", flush=True)
     return out
 
 

@@ -38,6 +38,13 @@ def test_a_gain_inside_the_noise_margin_serves_the_target_alone():
     assert vpx.choose(p, [1, 8], min_gain=0.01)["k"] == 1
 
 
+def test_a_gain_inside_plains_measured_drift_is_not_served():
+    p = _profile((1, {1: 1.16, 8: 1.17}, True))
+    assert vpx.choose(p, [1, 8])["k"] == 1
+    c = vpx.choose({**p, "plain_drift": {"1": 0.05, "8": 0.19}}, [1, 8])  # plain at 8 moved 19% between runs
+    assert c["k"] == 0 and c["margin"] == {1: 0.05, 8: 0.19} and c["best_alone"] == {1: [1, 1.16], 8: [0, 1.0]}
+
+
 def test_a_k_whose_outputs_differed_from_plain_is_never_chosen():
     assert vpx.choose(_profile((1, {1: 1.5, 8: 1.4}, False), (2, {1: 1.1, 8: 1.05}, True)), [1, 8])["k"] == 2
     assert vpx.choose(_profile((1, {1: 1.5, 8: 1.4}, False)), [1, 8])["k"] == 0
@@ -132,6 +139,9 @@ def test_a_profile_where_no_k_holds_prints_a_line_that_serves_the_target_alone(t
     assert sp["pays"] is False and sp["expected_speedup"] == 1.0
     assert "--speculative-config" not in last and "no K holds at 1 request, 8 requests" in last
     assert "K=1 1.19x at 1, 0.94x at 8" in last and "at 1 alone K=1 measured 1.19x" in last
+    (alt,) = info["alternatives"]  # one request at a time: K = 1, as a line to paste
+    assert alt["loads"] == [1] and alt["num_speculative_tokens"] == 1 and alt["measured_speedup"] == 1.19
+    assert '"num_speculative_tokens": 1' in alt["command"] and "--speculative-config" in alt["command"]
     with pytest.raises(ConfigError, match=r"not at \[16\]"):  # a load the profile did not measure: named
         _export(run, out, tiny_dir, serve_loads=[1, 8, 16])
 
@@ -161,7 +171,8 @@ def test_serve_check_profile_measures_each_k_caches_and_reexports(tmp_path, tiny
     monkeypatch.setattr(sc, "run_vllm", fake_vllm)
     r = sc.run(sc.ServeCheckConfig(export_dir=str(out), profile_k=[2, 1], concurrency=[1, 8], num_prompts=2,
                                    vllm_python=sys.executable, output_dir=str(tmp_path / "sc")))  # fmt: skip
-    assert [(x["speculative_config"] or {}).get("num_speculative_tokens") for x in jobs[0]["runs"]] == [None, 1, 2]
+    assert [(x["speculative_config"] or {}).get("num_speculative_tokens") for x in jobs[0]["runs"]] == [None, 1, 2, None]
+    assert r["plain_drift"] == {"1": 0.0, "8": 0.0}
     assert all("num_speculative_tokens_per_batch_size" not in (x["speculative_config"] or {}) for x in jobs[0]["runs"])
     assert [row["speedup"] for row in r["rows"]] == [{"1": 1.2, "8": 1.04}, {"1": 1.4, "8": 0.9}]
     assert r["choice"]["k"] == 1 and r["choice"]["best_alone"][1] == [2, 1.4]
