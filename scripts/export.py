@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     if sp.get("vllm_profile"):
         ch = sp["vllm_profile"]["choice"]
         print(f"[drafttrain] K={ch['k'] or 'none (the target alone)'} ({sp['chosen_by']}): measured "
-              + ", ".join(f"{x:.2f}x at {n} requests" for n, x in ch["speedup"].items()), flush=True)  # fmt: skip
+              + ", ".join(f"{x:.2f}x at {n} request(s) in flight" for n, x in ch["speedup"].items()), flush=True)  # fmt: skip
     elif sp.get("expected_speedup") is not None:
         print(f"[drafttrain] K={sp['num_speculative_tokens']} ({sp['chosen_by']}): expected {sp['expected_speedup']:.2f}x "
               f"at batch 1, schedule {sp['schedule']}", flush=True)  # fmt: skip
