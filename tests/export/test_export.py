@@ -36,15 +36,6 @@ def _vocab(drafter, n: int, seed: int = 0) -> torch.Tensor:
     return ids
 
 
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory, tiny_target):
-    """The tiny random target saved as an HF folder (model + tokenizer): what an engine loads."""
-    d = tmp_path_factory.mktemp("tiny_target")
-    tiny_target.model.save_pretrained(d)
-    tiny_target.tokenizer.save_pretrained(d)
-    return d
-
-
 # -- format selection -------------------------------------------------------------------------
 def test_formats_per_recipe():
     assert formats_for("medusa") == ["vllm_medusa"]

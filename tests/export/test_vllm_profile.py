@@ -72,11 +72,8 @@ def test_the_key_changes_with_the_weights_the_target_and_the_host():
 
 # -- a tiny run's export --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_target):
-    d = tmp_path_factory.mktemp("tiny_target")
-    tiny_target.model.save_pretrained(d)
-    tiny_target.tokenizer.save_pretrained(d)
-    return d
+def tiny_dir(tiny_target_dir):
+    return tiny_target_dir  # tests/export/conftest.py
 
 
 ACC = {"eval/acc_0": 0.9, "eval/cond_acc_0": 0.9, "eval/acc_1": 0.81, "eval/cond_acc_1": 0.9,
