@@ -72,6 +72,7 @@ def run(c) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     from drafttrain.cliconfig import parse_cli
+    from drafttrain.export import alternative_label
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = run(parse_cli(ExportConfig, argv))
@@ -81,14 +82,17 @@ def main(argv: list[str] | None = None) -> None:
         ch = sp["vllm_profile"]["choice"]
         print(f"[drafttrain] K={ch['k'] or 'none (the target alone)'} ({sp['chosen_by']}): measured "
               + ", ".join(f"{x:.2f}x at {n} request(s) in flight" for n, x in ch["speedup"].items()), flush=True)  # fmt: skip
+    elif sp.get("model"):  # the cost model's K held to every serve load: the target alone
+        print(f"[drafttrain] K=none, the target alone ({sp['chosen_by']}); the model: K={sp['model']['num_speculative_tokens']} "
+              f"expected {sp['model']['expected_speedup']:.2f}x at batch 1, schedule {sp['model']['schedule']}", flush=True)  # fmt: skip
     elif sp.get("expected_speedup") is not None:
         print(f"[drafttrain] K={sp['num_speculative_tokens']} ({sp['chosen_by']}): expected {sp['expected_speedup']:.2f}x "
               f"at batch 1, schedule {sp['schedule']}", flush=True)  # fmt: skip
     print(f"[drafttrain] exported {info['recipe']} -> {out} ({info['format']}); serve it with:", flush=True)
     for cmd in info["commands"]:
         print("  " + cmd, flush=True)
-    for alt in info.get("alternatives") or []:  # K measured in vLLM: the best for one load alone
-        print(f"[drafttrain] with {alt['loads'][0]} request(s) at a time only:\n  {alt['command']}", flush=True)
+    for alt in info.get("alternatives") or []:  # a K for fewer requests at a time than the line serves
+        print(f"[drafttrain] with {alternative_label(alt)} at a time only:\n  {alt['command']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -251,7 +251,15 @@ def concurrency_note(spec: dict, speculation: dict | None) -> str:
 def measured_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: dict, target_dir: str) -> list[dict]:
     """For a line chosen from a vLLM profile: each load whose best K on its own differs from the served one, as
     ``{"loads": [n], "num_speculative_tokens": K, "measured_speedup": x, "command": the CPU line serving K}``
-    (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone)."""
+    (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone). For a line the
+    cost model held to every load (:func:`drafttrain.export.speculation.hold_at_loads`): its
+    ``predicted_alternative``, ``{"loads": [1..n], "num_speculative_tokens": K, "expected_speedup": x, "command"}``."""
+    pred = speculation.get("predicted_alternative")
+    if pred:
+        spec = vllm_speculative_config(fmt, out, int(pred["num_speculative_tokens"]), engine_cfg)
+        n = max(pred["loads"])
+        return [{**pred, "command": f"{shell_line(*vllm_cpu_command(target_dir, spec))}  # expected "
+                 f"{pred['expected_speedup']:.2f}x with 1 request; up to {n} at a time, not more"}]  # fmt: skip
     choice = (speculation.get("vllm_profile") or {}).get("choice") or {}
     alts = []
     for n, (k, x) in (choice.get("best_alone") or {}).items():
@@ -261,6 +269,13 @@ def measured_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: di
             alts.append({"loads": [int(n)], "num_speculative_tokens": int(k), "measured_speedup": x,
                          "command": f"{line}  # measured {x:.2f}x with {n} request(s) in flight; not for more at once"})  # fmt: skip
     return alts
+
+
+def alternative_label(alt: dict) -> str:
+    """How many requests at a time an ``alternatives`` entry is for, in words ("1 request", "up to 5 requests")."""
+    loads = [int(n) for n in alt["loads"]]
+    n = max(loads)
+    return f"{'up to ' if len(loads) > 1 else ''}{n} request{'s' if n != 1 else ''}"
 
 
 def vllm_profile_for(info: dict) -> tuple[dict, Path] | None:
@@ -288,7 +303,10 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     ``vllm_profile`` (the default) and a vLLM profile measured on this host for these exact weights and target
     (``scripts.serve_check profile_k=[...]``, :mod:`drafttrain.export.vllm_profile`), K comes from vLLM's
     measured speedups instead: the K that holds at every load in ``serve_loads`` (requests in flight), or
-    the target alone; the model's choice is kept under ``speculation.model``.
+    the target alone; the model's choice is kept under ``speculation.model``. Without a profile, the cost
+    model's K is held to the same loads (:func:`drafttrain.export.speculation.hold_at_loads`): where its
+    schedule drops K to 0 at one of them, the line serves the target alone and ``alternatives`` carries K
+    for fewer requests at a time.
 
     Returns:
         The folder written (``output_dir``; null = ``outputs/export/<run name>-<format>``).
@@ -306,6 +324,9 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     from drafttrain.export.common import drafter_dir, run_config, write_json
     from drafttrain.target import resolve_target_dir
 
+    loads = [int(n) for n in serve_loads]
+    if not loads or min(loads) < 1:
+        raise ConfigError(f"serve_loads must list requests in flight >= 1, got {list(serve_loads)}")
     try:
         ddir = drafter_dir(checkpoint)
     except FileNotFoundError as err:
@@ -368,10 +389,17 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
             info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
                          "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
                          "alternatives": measured_alternatives(fmt, out, engine_cfg, spec_block, target_dir)})  # fmt: skip
+        elif not num_speculative_tokens:  # the cost model's K, held to every load the line must serve
+            held = spx.hold_at_loads(spec_block, serve_loads)
+            if held is not spec_block:
+                spec_block = held
+                info.update({"speculation": spec_block,
+                             "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
+                             "alternatives": measured_alternatives(fmt, out, engine_cfg, spec_block, target_dir)})  # fmt: skip
         write_json(tmp / INFO, info)
     return out
 
 
-__all__ = ["FORMATS", "ExportError", "export_drafter", "export_run", "format_table", "formats_for", "load_exported",
+__all__ = ["FORMATS", "ExportError", "alternative_label", "export_drafter", "export_run", "format_table", "formats_for", "load_exported",
            "resolve_format", "serve_commands", "shell_line", "vllm_cpu_command", "vllm_profile_for",
            "vllm_speculative_config"]

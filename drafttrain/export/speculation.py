@@ -297,6 +297,56 @@ def plan(cond_acc: Sequence[float], cost: CostModel, drafting: str, draft_ratio:
     }
 
 
+def hold_at_loads(block: dict, loads: Sequence[int]) -> dict:
+    """The cost model's choice held to the rule a measured vLLM profile follows
+    (:func:`drafttrain.export.vllm_profile.choose`): the serve line runs ONE K at every batch size (vLLM 0.32
+    takes no batch-size schedule for parallel drafting, and a scheduled K = 0 still runs an EAGLE-3 chain's
+    drafter), so that K must pay at every load in ``loads`` (requests in flight). Where the block's schedule
+    drops K to 0 at a batch size in 2..max(loads), the line serves the target alone and the model's K becomes
+    an alternative for fewer requests at a time.
+
+    Args:
+        block: a :func:`plan` / :func:`for_export` block (its ``schedule`` [[first, last, K], ...]).
+        loads: requests in flight the line must serve without loss (each >= 1).
+
+    Returns:
+        ``block`` itself where the rule changes nothing (no schedule, K never 0 up to max(loads), or nothing
+        pays at batch 1 already); else a copy with ``pays`` False, ``schedule`` None, the model's figures
+        under ``model``, ``chosen_by`` and ``line_note`` saying why, and ``predicted_alternative``:
+        ``{"loads": [1..first zero - 1], "num_speculative_tokens": K, "expected_speedup": at batch 1}`` with K the
+        schedule's K just below its first 0 (the best K there, which also pays at every smaller batch size).
+
+    Raises:
+        SpeculationError: an empty ``loads`` or a load < 1.
+    """
+    loads = [int(n) for n in loads]
+    if not loads or min(loads) < 1:
+        raise SpeculationError(f"serve_loads must be requests in flight >= 1, got {loads}")
+    sched = block.get("schedule") or []
+    zero = next((int(lo) for lo, _hi, k in sched if int(k) == 0), None)
+    if block.get("pays") is not True or zero is None or zero <= 1 or zero > max(loads):
+        return block
+    model = {k: block.get(k) for k in ("num_speculative_tokens", "expected_speedup", "pays", "schedule", "chosen_by")}
+    k = int(block["num_speculative_tokens"])
+    # the alternative: the schedule's K just below its first 0, the best K there; a K's speedup only falls as the
+    # batch grows, so it pays at every smaller batch too (at batch 1: its speedup_by_k figure)
+    k_alt = int(next(kk for lo, _hi, kk in reversed(sched) if int(lo) < zero and int(kk) > 0))
+    by_k = block.get("speedup_by_k") or []
+    s_alt = float(by_k[k_alt - 1]) if len(by_k) >= k_alt else float(model["expected_speedup"])
+    out = {kk: v for kk, v in block.items() if kk not in model}
+    out.update({
+        "num_speculative_tokens": k, "expected_speedup": 1.0, "pays": False, "schedule": None, "model": model,
+        "chosen_by": (f"held to every load in {loads} requests in flight: the cost model expects every K to lose from "
+                      f"{zero} on, and the line runs one K at every batch size; so the target alone"),
+        "line_note": (f"  # the export expects speculation to pay up to {zero - 1} requests at a time and to lose "
+                      f"from {zero} on, and vLLM 0.32 runs one K at every batch size: serve without speculation for "
+                      f"{max(loads)} requests in flight (K={k_alt} expected {s_alt:.2f}x with 1)"),
+        "predicted_alternative": {"loads": list(range(1, zero)), "num_speculative_tokens": k_alt,
+                                  "expected_speedup": round(s_alt, 4)},
+    })  # fmt: skip
+    return out
+
+
 # ==================================================================================================
 # From an export: the run's metrics, the host's target, the drafter
 # ==================================================================================================
@@ -413,5 +463,5 @@ def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k:
 
 
 __all__ = ["CostModel", "DEFAULT_MAX_BATCH", "SpeculationError", "best_k", "conditional_acceptance", "draft_passes",
-           "expected_speedup", "expected_tokens", "for_export", "measure_forward_cost", "plan", "run_metrics",
+           "expected_speedup", "expected_tokens", "for_export", "hold_at_loads", "measure_forward_cost", "plan", "run_metrics",
            "schedule"]

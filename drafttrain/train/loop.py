@@ -527,7 +527,7 @@ def export_for_serving(c: TrainConfig, out_dir: Path) -> Path | None:
     tiny target that exists on no disk, prints why and returns None (never fails the finished run).
     """
     from drafttrain.config import ConfigError
-    from drafttrain.export import export_run, formats_for
+    from drafttrain.export import alternative_label, export_run, formats_for
 
     name = c.drafter.name
     if not formats_for(name):
@@ -544,8 +544,8 @@ def export_for_serving(c: TrainConfig, out_dir: Path) -> Path | None:
         return None
     info = json.loads((out / "export_info.json").read_text())
     print(f"[drafttrain] serve it in vLLM ({info['format']} folder {out}): {info['commands'][-1]}", flush=True)
-    for alt in info.get("alternatives") or []:  # K measured in vLLM: the best for one load alone
-        print(f"[drafttrain] with {alt['loads'][0]} request(s) at a time only: {alt['command']}", flush=True)
+    for alt in info.get("alternatives") or []:  # a K for fewer requests at a time than the line serves
+        print(f"[drafttrain] with {alternative_label(alt)} at a time only: {alt['command']}", flush=True)
     return out
 
 

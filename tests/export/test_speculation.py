@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from drafttrain.drafters import build_drafter
-from drafttrain.export import serve_commands, vllm_speculative_config
+from drafttrain.export import alternative_label, measured_alternatives, serve_commands, vllm_speculative_config
 from drafttrain.export.speculation import (CostModel, SpeculationError, best_k, conditional_acceptance,
-                                           expected_speedup, expected_tokens, plan, schedule)  # fmt: skip
+                                           expected_speedup, expected_tokens, hold_at_loads, plan, schedule)  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[2]
 # a CPU-like target: one input 20 ms, 6 inputs 24 ms (memory-bound), then compute-bound (~1.4 ms per input)
@@ -110,6 +110,37 @@ def test_a_line_that_cannot_carry_the_schedule_says_up_to_how_many_requests_it_p
     flat = {**spec_block, "schedule": [[1, 256, 1]]}
     assert "#" not in serve_commands("speculators", tmp_path, "/models/t", 1, {"speculators_model_type": "peagle"}, flat,
                                      target_dir=str(tmp_path))[-1]  # fmt: skip
+
+
+def test_a_k_that_loses_at_a_serve_load_leaves_the_line_to_the_target_alone(tmp_path):
+    """The line runs one K at every batch size, so the cost model's K must pay at every load it serves (the rule a
+    measured vLLM profile follows): a schedule that drops K to 0 from 6 on serves the target alone for loads
+    [1, 8], with K as the alternative for up to 5 requests; for loads [1, 4] the line keeps K."""
+    block = {"pays": True, "expected_speedup": 1.24, "num_speculative_tokens": 1, "chosen_by": "model",
+             "schedule": [[1, 5, 1], [6, 256, 0]]}  # fmt: skip
+    held = hold_at_loads(block, (1, 8))
+    assert held["pays"] is False and held["schedule"] is None and held["num_speculative_tokens"] == 1
+    assert held["model"]["schedule"] == block["schedule"] and held["model"]["expected_speedup"] == 1.24
+    assert held["predicted_alternative"] == {"loads": [1, 2, 3, 4, 5], "num_speculative_tokens": 1, "expected_speedup": 1.24}
+    assert "lose from 6 on" in held["line_note"] and "8 requests in flight" in held["line_note"]
+    two = hold_at_loads({**block, "num_speculative_tokens": 2, "speedup_by_k": [1.2, 1.27],
+                         "schedule": [[1, 1, 2], [2, 5, 1], [6, 256, 0]]}, (1, 8))  # fmt: skip
+    assert two["predicted_alternative"] == {"loads": [1, 2, 3, 4, 5], "num_speculative_tokens": 1, "expected_speedup": 1.2}
+    assert two["num_speculative_tokens"] == 2 and "K=1 expected 1.20x with 1" in two["line_note"]  # K=2 pays at 1 only
+    assert hold_at_loads(block, (1, 4)) is block and hold_at_loads(block, [5]) is block
+    assert hold_at_loads({**block, "schedule": [[1, 256, 1]]}, (1, 8))["pays"] is True  # never 0: K everywhere
+    assert hold_at_loads({**block, "pays": False, "schedule": [[1, 256, 0]]}, (1, 8))["pays"] is False
+    with pytest.raises(SpeculationError, match="requests in flight"):
+        hold_at_loads(block, [0, 8])
+    (tmp_path / "config.json").write_text("{}")
+    cfg = {"speculators_model_type": "peagle"}
+    cmds = serve_commands("speculators", tmp_path, "/models/t", 1, cfg, held, target_dir=str(tmp_path))
+    assert "--speculative-config" not in cmds[-1] and held["line_note"] in cmds[-1]
+    assert "speculative=false" in cmds[-2] and "--speculative-config" in cmds[1]  # the GPU form keeps the drafter
+    (alt,) = measured_alternatives("speculators", tmp_path, cfg, held, str(tmp_path))
+    assert alt["loads"] == [1, 2, 3, 4, 5] and '"num_speculative_tokens": 1' in alt["command"]
+    assert "--speculative-config" in alt["command"] and alternative_label(alt) == "up to 5 requests"
+    assert alternative_label({"loads": [1]}) == "1 request"
 
 
 # -- the schedule ---------------------------------------------------------------------------------
@@ -208,6 +239,30 @@ def test_hopeless_drafter_export_says_serve_without_speculation(tmp_path, tiny_t
     assert info["speculation"]["pays"] is False
     assert "serve without speculation on this host" in info["commands"][-1]
     assert "--speculative-config" not in info["commands"][-1]
+
+
+def test_tiny_run_export_holds_the_models_k_to_the_serve_loads(tmp_path, tiny_target, tiny_dir):
+    """A stated cost that grows with the inputs (each input 0.2 of a one-input forward): K pays at batch 1 and
+    loses before 8 sequences, so the line for [1, 8] requests in flight serves the target alone and the export
+    records K as the alternative for fewer; for [1, 2] the line speculates; a K the user gives is served as given."""
+    from drafttrain.export import export_run
+
+    acc = {"eval/acc_0": 0.6, "eval/cond_acc_0": 0.6, "eval/acc_1": 0.3, "eval/cond_acc_1": 0.5}
+    run = _run(tmp_path, tiny_target, acc)
+    kw = {"target_path": str(tiny_dir), "gpu_cost_ratio": 0.2, "draft_cost_ratio": 0.01}
+    info = json.loads((export_run(run, output_dir=tmp_path / "a", **kw) / "export_info.json").read_text())
+    sp = info["speculation"]
+    zero = next(lo for lo, _hi, k in sp["model"]["schedule"] if k == 0)
+    assert 1 < zero <= 8 and sp["pays"] is False and sp["model"]["pays"] is True
+    assert "--speculative-config" not in info["commands"][-1] and f"lose from {zero} on" in info["commands"][-1]
+    (alt,) = info["alternatives"]
+    k_alt = [k for lo, _hi, k in sp["model"]["schedule"] if lo < zero][-1]
+    assert alt["loads"] == list(range(1, zero)) and alt["num_speculative_tokens"] == k_alt
+    assert f'"num_speculative_tokens": {alt["num_speculative_tokens"]}' in alt["command"]
+    few = json.loads((export_run(run, output_dir=tmp_path / "b", serve_loads=[1, 2], **kw) / "export_info.json").read_text())
+    assert few["speculation"]["pays"] is True and "--speculative-config" in few["commands"][-1] and not few.get("alternatives")
+    given = json.loads((export_run(run, output_dir=tmp_path / "c", num_speculative_tokens=1, **kw) / "export_info.json").read_text())
+    assert "model" not in given["speculation"] and "--speculative-config" in given["commands"][-1]
 
 
 # -- scripts.serve --------------------------------------------------------------------------------
