@@ -352,9 +352,18 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
     if fmt == "dflash" and not fixed:  # vLLM runs DFlash's whole block: K = B - 1 is the only count
         fixed, why = drafter.draft_depth, "DFlash's block: vLLM drafts block_size - 1 tokens per pass"
     drafting = "autoregressive" if fmt == "sglang" else drafter.spec.drafting  # SGLang drafts step by step
+    import torch
+
+    from drafttrain.export.vllm_profile import host_key
+    from drafttrain.fingerprint import folder_fingerprint
+    from drafttrain.target import fastlinear
+
+    cost_key = {"host": host_key(), "target": folder_fingerprint(target_dir), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "linears": fastlinear.describe(target.model)}  # fmt: skip
     try:
         spec_block = spx.for_export(drafter, target, ddir, drafting, fixed_k=fixed, fixed_reason=why,
-                                    gpu_cost_ratio=gpu_cost_ratio, draft_cost_ratio=draft_cost_ratio)  # fmt: skip
+                                    gpu_cost_ratio=gpu_cost_ratio, draft_cost_ratio=draft_cost_ratio,
+                                    cost_key=cost_key)  # fmt: skip
     except spx.SpeculationError as err:
         raise ConfigError(f"speculation: {err}") from None
     n_spec = int(spec_block["num_speculative_tokens"])

@@ -159,11 +159,11 @@ class CostModel:
         return t0 + (t1 - t0) * (inputs - n0) / (n1 - n0)
 
 
-def measure_forward_cost(forward: Callable[[int, int], None], k_max: int, big_batch: int = 16, repeats: int = 3,
+def measure_forward_cost(forward: Callable[[int, int], None], k_max: int, big_batch: int = 16, repeats: int = 9,
                          source: str = "measured on this host") -> CostModel:  # fmt: skip
     """Time ``forward(batch, inputs)`` (one target forward of ``batch`` sequences of ``inputs`` tokens, no
-    cache) at (1, 1), (1, k_max + 1), (big_batch, 1), (big_batch, k_max + 1): median of ``repeats`` after
-    one warm-up call each.
+    cache) at (1, 1), (1, k_max + 1), (big_batch, 1), (big_batch, k_max + 1): one warm-up call each, then
+    ``repeats`` rounds over the four shapes in turn; each point is its minimum.
 
     Returns:
         a :class:`CostModel` in seconds whose points are (batch * inputs, median seconds).
@@ -174,17 +174,61 @@ def measure_forward_cost(forward: Callable[[int, int], None], k_max: int, big_ba
     if k_max < 1 or big_batch < 2 or repeats < 1:
         raise SpeculationError(f"measure_forward_cost needs k_max >= 1, big_batch >= 2, repeats >= 1; got "
                                f"{k_max}, {big_batch}, {repeats}")  # fmt: skip
-    pts: dict[float, list[float]] = {}
-    for b in (1, big_batch):
-        for n in (1, k_max + 1):
+    shapes = [(b, n) for b in (1, big_batch) for n in (1, k_max + 1)]
+    for b, n in shapes:
+        forward(b, n)  # warm-up
+    times: dict[tuple[int, int], list[float]] = {sh: [] for sh in shapes}
+    for _ in range(repeats):  # round-robin: a host that drifts slows every shape alike
+        for b, n in shapes:
+            t = time.perf_counter()
             forward(b, n)
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                forward(b, n)
-                times.append(time.perf_counter() - t)
-            pts.setdefault(float(b * n), []).append(max(statistics.median(times), 1e-9))
+            times[(b, n)].append(time.perf_counter() - t)
+    pts: dict[float, list[float]] = {}
+    for (b, n), ts in times.items():  # the minimum: interference on a shared host only ever adds time
+        pts.setdefault(float(b * n), []).append(max(min(ts), 1e-9))
     return CostModel(tuple((n, statistics.mean(ts)) for n, ts in sorted(pts.items())), source)
+
+
+COST_DIR = "forward_cost"
+
+
+def cached_forward_cost(forward: Callable[[int, int], None], k_max: int, key: dict, big_batch: int = 16,
+                        repeats: int = 9, source: str = "measured on this host", root: Path | None = None) -> CostModel:  # fmt: skip
+    """:func:`measure_forward_cost` taken once per ``key`` and cached, so every export on a host of one kind,
+    against one target, prices K from the same table (a short measurement taken at each export moved the main
+    job's schedule from "K = 1 up to 10 sequences" to "K = 2 at 1, 0 from 6" between two exports minutes apart).
+
+    Args:
+        key: what the cost depends on (JSON-safe): the host kind, the target's fingerprint, its linear kernels,
+            torch threads; ``k_max`` and ``big_batch`` are added.
+        root: the cache root (null: :func:`drafttrain.assets.cache_root`); the table is
+            ``<root>/forward_cost/<16 hex digits>.json``.
+
+    Returns:
+        the :class:`CostModel`, its ``source`` naming the cache file and when it was measured.
+
+    Raises:
+        SpeculationError: see :func:`measure_forward_cost`.
+    """
+    import hashlib
+
+    from drafttrain.assets import cache_root
+
+    blob = json.dumps({**key, "k_max": int(k_max), "big_batch": int(big_batch)}, sort_keys=True, default=str)
+    path = Path(root or cache_root()) / COST_DIR / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            return CostModel(tuple((float(n), float(t)) for n, t in d["points"]), f"{d['source']}; cached in {path}")
+        except (ValueError, KeyError, TypeError, SpeculationError):  # unreadable: measure again, write it over
+            pass
+    cost = measure_forward_cost(forward, k_max, big_batch=big_batch, repeats=repeats, source=source)
+    stamp = f"{cost.source}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": json.loads(blob), "points": [list(p) for p in cost.points], "source": stamp}, indent=1))
+    tmp.replace(path)
+    return CostModel(cost.points, f"{stamp}; cached in {path}")
 
 
 # ==================================================================================================
@@ -399,12 +443,13 @@ def host_forward(target) -> Callable[[int, int], None]:
 def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k: int | None = None,
                fixed_reason: str | None = None, gpu_cost_ratio: float | None = None,
                draft_cost_ratio: float | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-               big_batch: int = 16) -> dict:  # fmt: skip
+               big_batch: int = 16, cost_key: dict | None = None) -> dict:  # fmt: skip
     """``export_info.json``'s ``speculation`` block for ``drafter`` served against ``target``.
 
     K is chosen (:func:`plan`) from the run's held-out ``eval/cond_acc_k`` (:func:`run_metrics`), the
     target's cost (``gpu_cost_ratio``: :meth:`CostModel.stated`; null: :func:`measure_forward_cost` on this
-    host: 4 shapes x (1 warm-up + 3 timed) no-cache forwards, the largest 16 x (K_max + 1) tokens) and the drafter's
+    host: 4 shapes x (1 warm-up + 9 timed) no-cache forwards, the largest 16 x (K_max + 1) tokens; with ``cost_key``
+    taken once per key and cached, :func:`cached_forward_cost`) and the drafter's
     (``draft_cost_ratio``; null: :func:`param_draft_ratio`). ``fixed_k`` (with ``fixed_reason``) is scored
     instead of chosen. Without held-out acceptance nothing is measured: K = ``fixed_k`` or the drafter's depth.
 
@@ -442,7 +487,10 @@ def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k:
 
         where = (f"measured on this host ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
                  f"torch threads): target forwards of 1 and {k_max + 1} inputs at batch 1 and {big_batch}, no cache")  # fmt: skip
-        cost = measure_forward_cost(host_forward(target), k_max, big_batch=big_batch, source=where)
+        if cost_key is None:
+            cost = measure_forward_cost(host_forward(target), k_max, big_batch=big_batch, source=where)
+        else:
+            cost = cached_forward_cost(host_forward(target), k_max, cost_key, big_batch=big_batch, source=where)
     if draft_cost_ratio is not None:
         if draft_cost_ratio < 0:
             raise SpeculationError(f"draft_cost_ratio must be >= 0, got {draft_cost_ratio}")
@@ -462,6 +510,6 @@ def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k:
     return block
 
 
-__all__ = ["CostModel", "DEFAULT_MAX_BATCH", "SpeculationError", "best_k", "conditional_acceptance", "draft_passes",
-           "expected_speedup", "expected_tokens", "for_export", "hold_at_loads", "measure_forward_cost", "plan", "run_metrics",
-           "schedule"]
+__all__ = ["CostModel", "DEFAULT_MAX_BATCH", "SpeculationError", "best_k", "cached_forward_cost",
+           "conditional_acceptance", "draft_passes", "expected_speedup", "expected_tokens", "for_export",
+           "hold_at_loads", "measure_forward_cost", "plan", "run_metrics", "schedule"]

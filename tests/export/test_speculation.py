@@ -66,6 +66,64 @@ def test_cost_model_interpolates_and_refuses_bad_points():
         CostModel.stated(-0.1)
 
 
+class _FakeHost:
+    """A target forward that takes ``batch * inputs`` ms on a fake clock, plus ``spike`` ms on chosen calls
+    (another process taking the CPU): what measure_forward_cost times, without wall-clock timing."""
+
+    def __init__(self, spikes=()):
+        self.now, self.calls, self.spikes = 0.0, [], set(spikes)
+
+    def clock(self):
+        return self.now
+
+    def forward(self, batch, inputs):
+        self.calls.append((batch, inputs))
+        self.now += batch * inputs * 1e-3 + (0.5 if len(self.calls) in self.spikes else 0.0)
+
+
+def test_forward_cost_is_the_minimum_of_rounds_over_every_shape(monkeypatch):
+    """Each shape's time is the minimum of its repeats (interference only adds time), and the repeats go
+    round-robin over the four shapes after one warm-up each, so a host that drifts slows every shape alike."""
+    import types
+
+    from drafttrain.export import speculation as spx
+
+    host = _FakeHost(spikes={5, 6, 11})  # the first timed call of two shapes, and one of the second round
+    monkeypatch.setattr(spx, "time", types.SimpleNamespace(perf_counter=host.clock, strftime=time.strftime, gmtime=time.gmtime))
+    cost = spx.measure_forward_cost(host.forward, 3, big_batch=4, repeats=3)
+    shapes = [(1, 1), (1, 4), (4, 1), (4, 4)]
+    assert host.calls == shapes + shapes * 3  # warm-ups, then 3 rounds over the shapes in turn
+    assert [n for n, _ in cost.points] == [1.0, 4.0, 16.0]  # (1, 4) and (4, 1) are both 4 inputs: their mean
+    assert [t for _, t in cost.points] == pytest.approx([1e-3, 4e-3, 16e-3])  # no spike survives the minimum
+
+
+def test_forward_cost_is_measured_once_per_key_and_cached(monkeypatch, tmp_path):
+    """The same host kind and target price K from one table: the second call measures nothing; another key
+    measures again; an unreadable cache file is measured again and written over."""
+    import types
+
+    from drafttrain.export import speculation as spx
+
+    host = _FakeHost()
+    monkeypatch.setattr(spx, "time", types.SimpleNamespace(perf_counter=host.clock, strftime=time.strftime, gmtime=time.gmtime))
+    key = {"host": {"cpu_model": "x", "isa": "avx2", "usable_cpus": 2}, "target": "abc"}
+    first = spx.cached_forward_cost(host.forward, 2, key, big_batch=4, repeats=2, root=tmp_path)
+    n_calls = len(host.calls)
+    assert n_calls == 12 and "cached in" in first.source
+    (path,) = (tmp_path / spx.COST_DIR).glob("*.json")
+    host.now += 1.0
+    again = spx.cached_forward_cost(host.forward, 2, key, big_batch=4, repeats=2, root=tmp_path)
+    assert len(host.calls) == n_calls and again.points == first.points  # read back, nothing measured
+    spx.cached_forward_cost(host.forward, 2, {**key, "target": "other"}, big_batch=4, repeats=2, root=tmp_path)
+    assert len(host.calls) == 2 * n_calls and len(list((tmp_path / spx.COST_DIR).glob("*.json"))) == 2
+    spx.cached_forward_cost(host.forward, 3, key, big_batch=4, repeats=2, root=tmp_path)  # another K_max: another table
+    assert len(host.calls) == 3 * n_calls
+    path.write_text("{not json")
+    fixed = spx.cached_forward_cost(host.forward, 2, key, big_batch=4, repeats=2, root=tmp_path)
+    assert len(host.calls) == 4 * n_calls and json.loads(path.read_text())["points"]
+    assert [t for _, t in fixed.points] == pytest.approx([t for _, t in first.points])  # the same host, measured again
+
+
 # -- choosing K -----------------------------------------------------------------------------------
 def test_acceptance_falling_fast_gives_a_small_k():
     """The main job's shape: position 0 often accepted, later ones almost never: K stays at 1-2 of 5."""
