@@ -27,6 +27,13 @@ def need_input(fn):
         pytest.fail(f"real input missing: {err}", pytrace=False)
 
 
+def save_target(target, folder: Path) -> Path:
+    """Save a loaded target (model + tokenizer) as an HF folder, what an engine or an export loads; returns it."""
+    target.model.save_pretrained(folder)
+    target.tokenizer.save_pretrained(folder)
+    return folder
+
+
 def compose_dict(name: str, overrides: list[str]) -> dict:
     """Compose ``conf/<name>.yaml`` with Hydra ``overrides`` into a plain dict (no ``hydra`` key)."""
     from hydra import compose, initialize_config_dir

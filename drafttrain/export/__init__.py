@@ -248,10 +248,10 @@ def concurrency_note(spec: dict, speculation: dict | None) -> str:
             f"vLLM 0.32 {why}: serve without speculation where more run at once")
 
 
-def measured_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: dict, target_dir: str) -> list[dict]:
-    """For a line chosen from a vLLM profile: each load whose best K on its own differs from the served one, as
-    ``{"loads": [n], "num_speculative_tokens": K, "measured_speedup": x, "command": the CPU line serving K}``
-    (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone). For a line the
+def serve_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: dict, target_dir: str) -> list[dict]:
+    """Lines for fewer requests at a time than the printed line serves (vLLM formats). For a line chosen from a
+    vLLM profile: each load whose best K on its own differs from the served one, as ``{"loads": [n],
+    "num_speculative_tokens": K, "measured_speedup": x, "command": the CPU line serving K}`` (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone). For a line the
     cost model held to every load (:func:`drafttrain.export.speculation.hold_at_loads`): its
     ``predicted_alternative``, ``{"loads": [1..n], "num_speculative_tokens": K, "expected_speedup": x, "command"}``."""
     pred = speculation.get("predicted_alternative")
@@ -378,16 +378,14 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
         _, engine_cfg = export_drafter(drafter, fmt, tmp, verifier=verifier, num_speculative_tokens=n_spec,
                                        target_config=target.config)  # fmt: skip
         info = {"format": fmt, "recipe": recipe, "checkpoint": str(Path(checkpoint).resolve()), "target_path": target_dir,
-                "verifier": verifier, "num_speculative_tokens": n_spec,
-                "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
-                "speculation": spec_block}  # fmt: skip
+                "verifier": verifier, "num_speculative_tokens": n_spec, "commands": None, "speculation": None}  # fmt: skip
         info.update(export_record(tmp, fmt, drafter, target.config, target_dir))  # digests + target facts: verify_export
         found = vllm_profile_for(info) if vllm_profile and not fixed else None
         if found:  # K measured in vLLM on this host for these weights: it replaces the cost model's choice
             from drafttrain.export import vllm_profile as vpx
 
             try:
-                spec_block = vpx.apply(spec_block, found[0], found[1], serve_loads)
+                spec_block = vpx.apply(spec_block, found[0], found[1], loads)
             except vpx.ProfileError as err:
                 raise ConfigError(f"vLLM profile {found[1]}: {err}") from None
             if int(spec_block["num_speculative_tokens"]) != n_spec:  # the engine config names K: write it again
@@ -395,16 +393,12 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
                 _, engine_cfg = export_drafter(drafter, fmt, tmp, verifier=verifier, num_speculative_tokens=n_spec,
                                                target_config=target.config)  # fmt: skip
                 info.update(export_record(tmp, fmt, drafter, target.config, target_dir))
-            info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
-                         "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
-                         "alternatives": measured_alternatives(fmt, out, engine_cfg, spec_block, target_dir)})  # fmt: skip
-        elif not num_speculative_tokens:  # the cost model's K, held to every load the line must serve
-            held = spx.hold_at_loads(spec_block, serve_loads)
-            if held is not spec_block:
-                spec_block = held
-                info.update({"speculation": spec_block,
-                             "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir),
-                             "alternatives": measured_alternatives(fmt, out, engine_cfg, spec_block, target_dir)})  # fmt: skip
+        elif not num_speculative_tokens and fmt != "sglang":  # the model's K, held to every load vLLM's line serves
+            spec_block = spx.hold_at_loads(spec_block, loads)
+        info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
+                     "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir)})  # fmt: skip
+        if alts := serve_alternatives(fmt, out, engine_cfg, spec_block, target_dir):
+            info["alternatives"] = alts
         write_json(tmp / INFO, info)
     return out
 

@@ -341,6 +341,11 @@ def plan(cond_acc: Sequence[float], cost: CostModel, drafting: str, draft_ratio:
     }
 
 
+#: the figures of a speculation block that say what the cost model chose; a rule that overrides the choice keeps
+#: them under the block's ``model`` (:func:`hold_at_loads`, :func:`drafttrain.export.vllm_profile.apply`)
+MODEL_KEYS = ("num_speculative_tokens", "expected_speedup", "pays", "schedule", "chosen_by")
+
+
 def hold_at_loads(block: dict, loads: Sequence[int]) -> dict:
     """The cost model's choice held to the rule a measured vLLM profile follows
     (:func:`drafttrain.export.vllm_profile.choose`): the serve line runs ONE K at every batch size (vLLM 0.32
@@ -370,7 +375,7 @@ def hold_at_loads(block: dict, loads: Sequence[int]) -> dict:
     zero = next((int(lo) for lo, _hi, k in sched if int(k) == 0), None)
     if block.get("pays") is not True or zero is None or zero <= 1 or zero > max(loads):
         return block
-    model = {k: block.get(k) for k in ("num_speculative_tokens", "expected_speedup", "pays", "schedule", "chosen_by")}
+    model = {k: block.get(k) for k in MODEL_KEYS}
     k = int(block["num_speculative_tokens"])
     # the alternative: the schedule's K just below its first 0, the best K there; a K's speedup only falls as the
     # batch grows, so it pays at every smaller batch too (at batch 1: its speedup_by_k figure)
@@ -510,6 +515,6 @@ def for_export(drafter, target, drafter_folder: Path, drafting: str, *, fixed_k:
     return block
 
 
-__all__ = ["CostModel", "DEFAULT_MAX_BATCH", "SpeculationError", "best_k", "cached_forward_cost",
+__all__ = ["CostModel", "DEFAULT_MAX_BATCH", "MODEL_KEYS", "SpeculationError", "best_k", "cached_forward_cost",
            "conditional_acceptance", "draft_passes", "expected_speedup", "expected_tokens", "for_export",
            "hold_at_loads", "measure_forward_cost", "plan", "run_metrics", "schedule"]

@@ -162,8 +162,10 @@ def apply(block: dict, profile: dict, path: Path | str, loads=DEFAULT_LOADS, min
     ``vllm_profile`` records the loads, the measured rows and the choice; ``line_note`` is the comment the
     serve line carries.
     """
+    from drafttrain.export.speculation import MODEL_KEYS
+
     c = choose(profile, loads, min_gain)
-    model = {k: block.get(k) for k in ("num_speculative_tokens", "expected_speedup", "pays", "schedule", "chosen_by")}
+    model = {k: block.get(k) for k in MODEL_KEYS}
     out = {kk: v for kk, v in block.items() if kk not in model}
     load_txt = ", ".join(f"{n} request{'s' if n != 1 else ''}" for n in c["speedup"])
     meas = ", ".join(f"{c['speedup'][n]:.2f}x at {n}" for n in c["speedup"])

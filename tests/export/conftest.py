@@ -8,7 +8,6 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory, tiny_target):
     """The tiny random target saved as an HF folder (model + tokenizer): what an engine loads."""
-    d = tmp_path_factory.mktemp("tiny_target")
-    tiny_target.model.save_pretrained(d)
-    tiny_target.tokenizer.save_pretrained(d)
-    return d
+    from helpers import save_target
+
+    return save_target(tiny_target, tmp_path_factory.mktemp("tiny_target"))

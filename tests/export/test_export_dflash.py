@@ -34,10 +34,9 @@ def deep():
 @pytest.fixture(scope="module")
 def deep_dir(deep, tmp_path_factory):
     """The target saved as an HF folder: the verifier speculators reloads the embedding (and head) from."""
-    d = tmp_path_factory.mktemp("qwen3_target")
-    deep.model.save_pretrained(d)
-    deep.tokenizer.save_pretrained(d)
-    return d
+    from helpers import save_target
+
+    return save_target(deep, tmp_path_factory.mktemp("qwen3_target"))
 
 
 def _dflash(target, n_vocab: int = 0, seed: int = 0, **cfg):

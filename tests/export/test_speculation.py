@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from drafttrain.drafters import build_drafter
-from drafttrain.export import alternative_label, measured_alternatives, serve_commands, vllm_speculative_config
+from drafttrain.export import alternative_label, serve_alternatives, serve_commands, vllm_speculative_config
 from drafttrain.export.speculation import (CostModel, SpeculationError, best_k, conditional_acceptance,
                                            expected_speedup, expected_tokens, hold_at_loads, plan, schedule)  # fmt: skip
 
@@ -195,7 +195,7 @@ def test_a_k_that_loses_at_a_serve_load_leaves_the_line_to_the_target_alone(tmp_
     cmds = serve_commands("speculators", tmp_path, "/models/t", 1, cfg, held, target_dir=str(tmp_path))
     assert "--speculative-config" not in cmds[-1] and held["line_note"] in cmds[-1]
     assert "speculative=false" in cmds[-2] and "--speculative-config" in cmds[1]  # the GPU form keeps the drafter
-    (alt,) = measured_alternatives("speculators", tmp_path, cfg, held, str(tmp_path))
+    (alt,) = serve_alternatives("speculators", tmp_path, cfg, held, str(tmp_path))
     assert alt["loads"] == [1, 2, 3, 4, 5] and '"num_speculative_tokens": 1' in alt["command"]
     assert "--speculative-config" in alt["command"] and alternative_label(alt) == "up to 5 requests"
     assert alternative_label({"loads": [1]}) == "1 request"
@@ -230,14 +230,6 @@ def test_schedule_goes_into_vllm_config_only_for_methods_that_take_it(tmp_path):
 
 
 # -- a tiny run's export ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_target):
-    d = tmp_path_factory.mktemp("tiny_target")
-    tiny_target.model.save_pretrained(d)
-    tiny_target.tokenizer.save_pretrained(d)
-    return d
-
-
 def _run(tmp_path, target, metrics):
     torch.manual_seed(0)
     drafter = build_drafter("medusa", {"num_heads": 4, "draft_vocab_size": 0}, target)
@@ -249,12 +241,12 @@ def _run(tmp_path, target, metrics):
     return run
 
 
-def test_tiny_run_export_has_the_speculation_block(tmp_path, tiny_target, tiny_dir):
+def test_tiny_run_export_has_the_speculation_block(tmp_path, tiny_target, tiny_target_dir):
     from drafttrain.export import export_run
 
     acc = {"eval/acc_0": 0.6, "eval/cond_acc_0": 0.6, "eval/acc_1": 0.3, "eval/cond_acc_1": 0.5,
            "eval/acc_2": 0.05, "eval/cond_acc_2": 0.1, "eval/acc_3": 0.01, "eval/cond_acc_3": 0.0}  # fmt: skip
-    out = export_run(_run(tmp_path, tiny_target, acc), output_dir=tmp_path / "out", target_path=str(tiny_dir),
+    out = export_run(_run(tmp_path, tiny_target, acc), output_dir=tmp_path / "out", target_path=str(tiny_target_dir),
                      draft_cost_ratio=0.01)  # fmt: skip
     info = json.loads((out / "export_info.json").read_text())
     sp = info["speculation"]
@@ -269,7 +261,7 @@ def test_tiny_run_export_has_the_speculation_block(tmp_path, tiny_target, tiny_d
     last = info["commands"][-1]
     assert last.startswith("VLLM_CPU_OMP_THREADS_BIND=") and "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in last
     assert "-m vllm.entrypoints.openai.api_server" in last and "--enforce-eager" in last
-    assert f"--model {tiny_dir.resolve()}" in last
+    assert f"--model {tiny_target_dir.resolve()}" in last
     if sp["pays"]:
         assert f'"num_speculative_tokens": {sp["num_speculative_tokens"]}' in last and str(out.resolve()) in last
     else:
@@ -278,20 +270,20 @@ def test_tiny_run_export_has_the_speculation_block(tmp_path, tiny_target, tiny_d
     assert any("-m scripts.serve checkpoint=" in c for c in info["commands"])
 
 
-def test_export_without_held_out_acceptance_keeps_the_depth(tmp_path, tiny_target, tiny_dir):
+def test_export_without_held_out_acceptance_keeps_the_depth(tmp_path, tiny_target, tiny_target_dir):
     from drafttrain.export import export_run
 
-    out = export_run(_run(tmp_path, tiny_target, None), output_dir=tmp_path / "out", target_path=str(tiny_dir))
+    out = export_run(_run(tmp_path, tiny_target, None), output_dir=tmp_path / "out", target_path=str(tiny_target_dir))
     info = json.loads((out / "export_info.json").read_text())
     assert info["num_speculative_tokens"] == 4 and info["speculation"]["pays"] is None
     assert "no held-out acceptance" in info["speculation"]["chosen_by"]
 
 
-def test_hopeless_drafter_export_says_serve_without_speculation(tmp_path, tiny_target, tiny_dir):
+def test_hopeless_drafter_export_says_serve_without_speculation(tmp_path, tiny_target, tiny_target_dir):
     from drafttrain.export import export_run
 
     acc = {"eval/acc_0": 0.01, "eval/cond_acc_0": 0.01}
-    out = export_run(_run(tmp_path, tiny_target, acc), output_dir=tmp_path / "out", target_path=str(tiny_dir),
+    out = export_run(_run(tmp_path, tiny_target, acc), output_dir=tmp_path / "out", target_path=str(tiny_target_dir),
                      draft_cost_ratio=0.5)  # fmt: skip
     info = json.loads((out / "export_info.json").read_text())
     assert info["speculation"]["pays"] is False
@@ -299,7 +291,7 @@ def test_hopeless_drafter_export_says_serve_without_speculation(tmp_path, tiny_t
     assert "--speculative-config" not in info["commands"][-1]
 
 
-def test_tiny_run_export_holds_the_models_k_to_the_serve_loads(tmp_path, tiny_target, tiny_dir):
+def test_tiny_run_export_holds_the_models_k_to_the_serve_loads(tmp_path, tiny_target, tiny_target_dir):
     """A stated cost that grows with the inputs (each input 0.2 of a one-input forward): K pays at batch 1 and
     loses before 8 sequences, so the line for [1, 8] requests in flight serves the target alone and the export
     records K as the alternative for fewer; for [1, 2] the line speculates; a K the user gives is served as given."""
@@ -307,7 +299,7 @@ def test_tiny_run_export_holds_the_models_k_to_the_serve_loads(tmp_path, tiny_ta
 
     acc = {"eval/acc_0": 0.6, "eval/cond_acc_0": 0.6, "eval/acc_1": 0.3, "eval/cond_acc_1": 0.5}
     run = _run(tmp_path, tiny_target, acc)
-    kw = {"target_path": str(tiny_dir), "gpu_cost_ratio": 0.2, "draft_cost_ratio": 0.01}
+    kw = {"target_path": str(tiny_target_dir), "gpu_cost_ratio": 0.2, "draft_cost_ratio": 0.01}
     info = json.loads((export_run(run, output_dir=tmp_path / "a", **kw) / "export_info.json").read_text())
     sp = info["speculation"]
     zero = next(lo for lo, _hi, k in sp["model"]["schedule"] if k == 0)
@@ -324,13 +316,13 @@ def test_tiny_run_export_holds_the_models_k_to_the_serve_loads(tmp_path, tiny_ta
 
 
 # -- scripts.serve --------------------------------------------------------------------------------
-def test_serve_command_from_an_export(tmp_path, tiny_target, tiny_dir, capsys):
+def test_serve_command_from_an_export(tmp_path, tiny_target, tiny_target_dir, capsys):
     from drafttrain.config import ConfigError
     from drafttrain.export import export_run
     from scripts.serve import main
 
     run = _run(tmp_path, tiny_target, None)
-    export_run(run, output_dir=run / "export", target_path=str(tiny_dir))
+    export_run(run, output_dir=run / "export", target_path=str(tiny_target_dir))
     with pytest.raises(ConfigError, match="install_vllm"):
         main([f"checkpoint={run}", "vllm_python=/nonexistent/python", "dry_run=true"])
     with pytest.raises(ConfigError, match="export it first"):
@@ -338,7 +330,7 @@ def test_serve_command_from_an_export(tmp_path, tiny_target, tiny_dir, capsys):
     main([f"checkpoint={run}", f"vllm_python={sys.executable}", "port=8123", "dry_run=true"])
     line = capsys.readouterr().out
     assert "--port 8123" in line and "--host 127.0.0.1" in line and '"method": "medusa"' in line
-    assert f"--model {tiny_dir.resolve()}" in line and "VLLM_CPU_KVCACHE_SPACE=4" in line
+    assert f"--model {tiny_target_dir.resolve()}" in line and "VLLM_CPU_KVCACHE_SPACE=4" in line
     main([f"checkpoint={run}", f"vllm_python={sys.executable}", "speculative=false", "dry_run=true"])
     assert "--speculative-config" not in capsys.readouterr().out
 
@@ -416,17 +408,17 @@ def test_scripts_serve_answers_a_completion(tmp_path):
         log.close()
 
 
-def test_bad_cost_is_refused_before_anything_is_written(tmp_path, tiny_target, tiny_dir):
+def test_bad_cost_is_refused_before_anything_is_written(tmp_path, tiny_target, tiny_target_dir):
     from drafttrain.config import ConfigError
     from drafttrain.export import export_run
 
     run = _run(tmp_path, tiny_target, {"eval/acc_0": 0.5, "eval/cond_acc_0": 0.5})
     with pytest.raises(ConfigError, match="speculation: gpu_cost_ratio must be >= 0"):
-        export_run(run, output_dir=tmp_path / "out", target_path=str(tiny_dir), gpu_cost_ratio=-1.0)
+        export_run(run, output_dir=tmp_path / "out", target_path=str(tiny_target_dir), gpu_cost_ratio=-1.0)
     assert not (tmp_path / "out").exists()
     (run / "final_metrics.json").write_text(json.dumps({"eval/acc_0": 1.5}))
     with pytest.raises(ConfigError, match="acceptance rates must lie in \\[0, 1\\]"):
-        export_run(run, output_dir=tmp_path / "out", target_path=str(tiny_dir))
+        export_run(run, output_dir=tmp_path / "out", target_path=str(tiny_target_dir))
 
 
 @pytest.mark.slow
