@@ -1,6 +1,6 @@
 """Targets a user brings (``target.path=<folder>``) of transformers classes the family table does not list:
 tiny random ones (6 layers, d = 128, the SmolLM2 tokenizer) of the real classes. A trait the engine cannot
-honour is refused by name before any data is generated (DeepSeek-V3's MLA attention); a decoder layer whose
+honour is refused by name before any data is generated (tests/target: the pre-flight check); a decoder layer whose
 modules do not map onto the Llama-style draft layer (OLMo-2's post-norms, Cohere's LayerNorm and parallel
 block, Llama-4's ``feed_forward``) starts the draft layer from its own initialisation where they do not, with
 the reason logged; a model that scales its logits (Granite, Cohere) gives its own distribution through
@@ -44,7 +44,7 @@ def _target(kind: str, tokenizer, **extra) -> Target:
     return Target(AutoModelForCausalLM.from_config(_config(kind, tokenizer, **extra)), tokenizer)
 
 
-# ------------------------------------------------------------------------------------------------ MLA: refused
+# ------------------------------------------------------------------------------------------------ MLA: read from the config
 
 
 def test_mla_rule_reads_public_config_attributes(tiny_target):
@@ -57,33 +57,6 @@ def test_mla_rule_reads_public_config_attributes(tiny_target):
     assert families.mla_attention(tiny_target.config) is None
     assert families.family_of({"model_type": "deepseek_v3", "kv_lora_rank": 32}).mla
     assert families.architecture_name({"architectures": ["DeepseekV3ForCausalLM"]}) == "DeepseekV3"
-
-
-def test_mla_target_is_refused_by_name_before_any_data_is_generated(tiny_target, tmp_path, monkeypatch):
-    """A DeepSeek-V3 folder: every job that decodes with the engine (the default self-distillation and the
-    in-training evaluation) fails at config validation, naming target.path, the architecture and MLA; the
-    self-distillation is never reached. With HF generation and no engine evaluation it validates."""
-    from drafttrain import train as T
-    from drafttrain.data import selfdistill
-    from drafttrain.validation import validate
-
-    cfg = _config("DeepseekV3Config", tiny_target.tokenizer, kv_lora_rank=32, q_lora_rank=48, head_dim=16,
-                  qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)  # fmt: skip
-    cfg.save_pretrained(tmp_path)
-    want = (f"target.path={tmp_path}: DeepseekV3 uses MLA attention \\(kv_lora_rank\\); the engine's KV cache does "
-            "not support it yet")  # fmt: skip
-    with pytest.raises(ConfigError, match=want):
-        validate(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}"]))
-    monkeypatch.setattr(selfdistill, "generate_dataset", lambda *a, **k: pytest.fail("self-distillation started"))
-    with pytest.raises(ConfigError, match=want):
-        T.run(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}", f"output_dir={tmp_path / 'run'}",
-                                     "logging.wandb=false"]))  # fmt: skip
-    ok = validate(compose_dict("train", ["+recipe=eagle3", f"target.path={tmp_path}", "data.generation.backend=hf",
-                                         "trainer.spec_eval.num_prompts=0"]))  # fmt: skip
-    assert ok.target.path == str(tmp_path)
-    with pytest.raises(ValueError, match="MLA attention"):
-        families.check_engine_support(cfg)  # what the engine itself checks (SpecEngine, engine_generate)
 
 
 # ------------------------------------------------------------------------------------------------ init fallback

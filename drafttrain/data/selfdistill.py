@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain.cliconfig import FatalError
 from drafttrain.config import GenerationConfig, VllmConfig
 from drafttrain.data.lock import locks_folder
 from drafttrain.data.shards import ShardStore, atomic_write_text, load_dataset_folder, quiet, read_json
@@ -316,6 +317,15 @@ def teacher_forced_features(target, rows: Sequence[Sequence[int]], feature_layer
     return out
 
 
+#: conversations failing with one identical error, before any succeeded, that stop self-distillation at once
+SYSTEMATIC_FAILURES = 3
+
+
+class SystematicFailure(FatalError):
+    """Self-distillation's first conversations all failed with the same error (a target or setting that cannot
+    work, not a bad row): the job stops in one line instead of failing every conversation."""
+
+
 def failure_detail(err: BaseException, limit: int = 300) -> str:
     """An exception as one line, ``"Type: message"`` (whitespace collapsed, at most ``limit`` characters): what a
     failed conversation's report keeps of its cause."""
@@ -411,6 +421,7 @@ def generate_shard(
         states.append(st)
     # the engine and vLLM batch (and refill) a whole round themselves
     whole_round = gen.backend in ("engine", "vllm") and gen.sampling.temperature == 0
+    generated_any, same = False, []  # a systematic failure (the same error before any success) stops at once
     while True:
         ready = sorted((st for st in states if st.pending), key=lambda st: (len(st.ids), st.plan.index))
         if not ready:
@@ -419,6 +430,7 @@ def generate_shard(
         for batch in batches:
             try:
                 n = _generate_batch(target, batch, gen, stops, feature_layers, vllm)
+                generated_any = True
             except VllmProcessError:  # the engine is gone: stop the job (resumable), never fail rows one by one
                 raise
             except Exception as err:  # noqa: BLE001 - counted per conversation below, never silent
@@ -427,11 +439,19 @@ def generate_shard(
                 for st in batch:
                     try:
                         n += _generate_batch(target, [st], gen, stops, feature_layers, vllm)
+                        generated_any = True
                     except VllmProcessError:
                         raise
                     except Exception as err1:  # noqa: BLE001
                         st.failed, st.error = f"generation error: {type(err1).__name__}", failure_detail(err1)
                         log.error("conversation %s failed: %s: %s", st.plan.id, type(err1).__name__, err1)
+                        if not generated_any:  # nothing generated yet: is it the same error every time?
+                            same.append(st.error)
+                            if len(same) >= SYSTEMATIC_FAILURES and len(set(same)) == 1:
+                                raise SystematicFailure(
+                                    f"self-distillation stopped: the first {len(same)} conversations failed with the "
+                                    f"same error, so every other one would ({same[0]}); nothing was written for "
+                                    "them, and the same command resumes once the cause is fixed")  # fmt: skip
             if on_tokens is not None:
                 on_tokens(n)
         for st in ready:

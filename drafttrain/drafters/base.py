@@ -135,6 +135,7 @@ class SharedTargetModules:
     decoder_layer: nn.Module | None = None  # the target's last layer (class + optional init source)
     rotary_emb: nn.Module | None = None
     decoder_layers: tuple | None = None  # every decoder layer of the target (init sources of multi-layer drafters)
+    decoder_layer_index: int | None = None  # index of decoder_layer among the target's layers
 
     @classmethod
     def from_target(cls, target) -> "SharedTargetModules":
@@ -145,7 +146,8 @@ class SharedTargetModules:
             model_config=target.config,
             decoder_layer=target.last_layer,
             rotary_emb=target.rotary_emb,
-            decoder_layers=tuple(target.model.model.layers),
+            decoder_layers=tuple(target.layers),
+            decoder_layer_index=target.last_attention_index,
         )
 
 

@@ -210,8 +210,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
             layer, self.rotary = LlamaDecoderLayer(lcfg, layer_idx=0), LlamaRotaryEmbedding(config=lcfg)
             eps = lcfg.rms_norm_eps
         elif style == "target":  # the target's own decoder-layer class (checkpoints written before "llama")
-            layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
-            self.rotary = type(shared.rotary_emb)(config=mcfg)
+            layer, self.rotary = families.target_class_layer(shared, mcfg, "drafter.draft_layer=target")
             eps = mcfg.rms_norm_eps
         else:
             raise ValueError(f"drafter.draft_layer must be llama|target, got {style!r}")

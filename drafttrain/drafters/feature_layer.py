@@ -59,8 +59,7 @@ class FeatureLayerDrafter(Drafter):
         d = mcfg.hidden_size
         # items read [e(x_{i+1}); f_i]: d + the declared features' width (len(feature_layers) * d)
         self.fc = nn.Linear(d + self.feature_dim, d, bias=bool(self.config["fc_bias"]))
-        self.layer = type(shared.decoder_layer)(mcfg, layer_idx=0)
-        self.rotary = type(shared.rotary_emb)(config=mcfg)
+        self.layer, self.rotary = families.target_class_layer(shared, mcfg, f"drafter {type(self).__name__}")
 
     def _finish(self) -> None:
         """Move to the target's dtype and device (last step of a subclass ``__init__``)."""

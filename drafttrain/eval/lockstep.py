@@ -138,7 +138,14 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     bs = se.batch_size
     tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
-    if bs > 1:
+    chains_only = getattr(target, "recurrent", False)  # a recurrent state follows one sequence: no tree branches
+    if chains_only and (se.tree.widths is not None or se.tree.budget is not None or se.sssd.source != "none"):
+        from drafttrain.target import families
+
+        log.warning("%s: the evaluation verifies the drafter's chain (trainer.spec_eval.tree and sssd make trees, "
+                    "which the engine verifies on attention-only targets)", families.recurrent_layers_text(target))
+        tree = dict(tree_widths=None, tree_budget=None)
+    if bs > 1 and not chains_only:
         tree.update(sssd=sssd_for_eval(c, train_ds, datastore), sssd_nodes=se.sssd.nodes)
     lat = None
     b1 = latency_subset(list(range(len(prompts))), se.latency_prompts)  # the batch-1 prompts' indices
@@ -189,7 +196,8 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
                                        "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),
         **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
-           if bs > 1 and (se.tree.widths is not None or se.tree.budget is not None) else {}),
+           if bs > 1 and not chains_only and (se.tree.widths is not None or se.tree.budget is not None) else {}),
+        **({"eval/tree": "chain (the target has recurrent layers)"} if chains_only else {}),
         "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
     }
     return out

@@ -91,8 +91,6 @@ class Family:
             return "its attention sinks (a learned per-head logit in every softmax) are not in the engine's attention"
         if self.softcap:
             return "its attention logit soft-capping is not in the engine's attention"
-        if self.mla:
-            return "its MLA attention (keys and values of other head sizes than head_dim) is not in the engine's KV cache"
         return None
 
 
@@ -129,7 +127,7 @@ def family_of(config) -> Family:
 
     An unknown ``model_type`` gets :data:`GENERIC` traits read from the config: sliding window, soft-capping.
     """
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    get = _getter(config)
     mt = str(get("model_type", "") or "")
     for fam in FAMILIES.values():
         if mt in fam.model_types:
@@ -139,7 +137,18 @@ def family_of(config) -> Family:
 
 
 def _getter(config):
-    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    """``get(key, default)`` of a config or its ``to_dict()``; a per-layer attribute (a heterogeneous config's
+    ``head_dim``, Gemma-4) reads as absent rather than raising."""
+    if isinstance(config, dict):
+        return config.get
+
+    def get(k, d=None):
+        try:
+            return getattr(config, k, d)
+        except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and kin
+            return d
+
+    return get
 
 
 def mla_attention(config) -> str | None:
@@ -200,16 +209,13 @@ def by_name(name: str) -> Family:
 def check_engine_support(config, where: str = "drafttrain's engine") -> None:
     """Refuse a target the engine cannot decode exactly (a transformers config or its ``to_dict()``).
 
+    MLA attention is not refused: the engine's cache holds each layer's keys and values in the sizes the model
+    writes them (:func:`cache_layout`; DeepSeek's latent keys and rotary keys included).
+
     Raises:
-        ValueError: the family has attention sinks or soft-capping, or MLA attention (:func:`mla_attention`);
-            the message names the family (MLA: the architecture, ``DeepseekV3``) and why.
+        ValueError: the family has attention sinks or soft-capping; the message names the family and why.
     """
     howto = "train with data.generation.backend=hf and trainer.spec_eval.num_prompts=0"
-    mla = mla_attention(config)
-    if mla:
-        raise ValueError(f"{architecture_name(config)} uses MLA attention ({mla}); the engine's KV cache does not "
-                         f"support it yet (it holds keys and values of one head_dim), so {where} refuses it "
-                         f"({howto})")  # fmt: skip
     fam = family_of(config)
     why = fam.engine_refusal
     if why:
@@ -224,7 +230,7 @@ def attention_window(config) -> int | None:
     Chunked attention (Llama-4's ``attention_chunk_size``: tokens attend within their chunk) counts as a
     window of the chunk size: a sequence that fits in one chunk is attended exactly.
     """
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    get = _getter(config)
     types = get("layer_types", None)
     windows = []
     window = get("sliding_window", None)
@@ -442,7 +448,7 @@ def draft_layer_config(target_config) -> dict[str, Any]:
     always ``silu`` (vLLM's Llama MLP supports nothing else). The same recipe the peers use (speculators,
     SpecForge) to draft for Qwen, Gemma and gpt-oss targets with one Llama layer.
     """
-    get = target_config.get if isinstance(target_config, dict) else lambda k, d=None: getattr(target_config, k, d)
+    get = _getter(target_config)
     d = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     head_dim = int(get("head_dim", None) or d // heads)
@@ -481,3 +487,329 @@ def llama_layer_config(target_config, attn_implementation: str = "sdpa"):
     cfg = LlamaConfig(**{k: v for k, v in draft_layer_config(target_config).items() if k != "model_type"})
     cfg._attn_implementation = attn_implementation if attn_implementation in ("sdpa", "eager") else "sdpa"
     return cfg
+
+
+# ------------------------------------------------------------------------------------------------ structure
+
+
+class UnsupportedTarget(ValueError):
+    """A target whose structure drafttrain cannot read, or that its engine cannot decode exactly. The message is
+    one line: the model's class, the part that failed, and what still works."""
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What one decoder layer keeps between forwards, read off transformers' own cache after one forward
+    (:func:`cache_layout`).
+
+    Attributes:
+        kind: ``"attention"`` (keys/values per token), ``"recurrent"`` (conv and/or recurrent states, no per-token
+            keys: gated delta-net, Mamba, short convolutions), ``"hybrid"`` (both in one layer), ``"none"``
+            (nothing: a layer that reads another layer's keys/values, or has no attention).
+        key_shape, value_shape: (h_kv, hd_k) and (h_kv, hd_v) of one token (MLA: hd_k != hd_v); None without keys.
+        sliding: the layer keeps a sliding window (transformers' sliding-window cache layer).
+        indexer_dim: a sparse-attention indexer's key size per token (DeepSeek-V3.2 DSA), else None.
+        conv_shapes, recurrent_shapes: per state index, the state's shape for one sequence (no batch axis).
+        transformers_class: the transformers cache-layer class the layout was read from (for messages).
+    """
+
+    kind: str
+    key_shape: tuple[int, int] | None = None
+    value_shape: tuple[int, int] | None = None
+    sliding: bool = False
+    indexer_dim: int | None = None
+    conv_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    recurrent_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    transformers_class: str = ""
+    conv_dtypes: tuple[str | None, ...] = ()
+    recurrent_dtypes: tuple[str | None, ...] = ()
+
+    def state_dtype(self, which: str, i: int, default: torch.dtype) -> torch.dtype:
+        """The dtype state ``i`` was written in (``which``: ``"conv"`` | ``"rec"``; some models keep recurrent states
+        in float32 under a bf16 model), else ``default``."""
+        names = self.conv_dtypes if which == "conv" else self.recurrent_dtypes
+        name = names[i] if i < len(names) else None
+        return getattr(torch, name) if name else default
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.kind in ("recurrent", "hybrid")
+
+
+def default_layout(config) -> tuple[LayerCache, ...]:
+    """A plain transformer's layout read from its config: every layer attention keys/values of
+    ``num_key_value_heads`` x ``head_dim`` (hidden_size // num_attention_heads where unset)."""
+    get = _getter(config)
+    heads = int(get("num_attention_heads"))
+    h_kv = int(get("num_key_value_heads", None) or heads)
+    hd = int(get("head_dim", None) or int(get("hidden_size")) // heads)
+    return tuple(LayerCache("attention", (h_kv, hd), (h_kv, hd)) for _ in range(int(get("num_hidden_layers"))))
+
+
+def text_config(config):
+    """The decoder's own config: ``get_text_config(decoder=True)`` of a multimodal umbrella config, else the config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The module that returns ``last_hidden_state`` (the decoder without its LM head): transformers'
+    ``get_decoder()`` where it names another module, else ``base_model``.
+
+    Raises:
+        UnsupportedTarget: neither gives a module other than the causal-LM wrapper itself.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+
+    def usable(m) -> bool:  # a module other than the wrapper and its LM head, holding the input embeddings
+        return (isinstance(m, nn.Module) and m is not model and m is not head
+                and (embed is None or any(x is embed for x in m.modules())))  # fmt: skip
+
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if usable(dec):
+        return dec
+    base = getattr(model, "base_model", None)
+    if usable(base):
+        return base
+    children = [m for m in model.children() if usable(m)]  # the one child holding the embeddings
+    if len(children) == 1:
+        return children[0]
+    raise UnsupportedTarget(f"{type(model).__name__}: drafttrain cannot find its decoder (get_decoder() and base_model "
+                            "return the causal-LM wrapper itself)")  # fmt: skip
+
+
+def num_layers_of(config) -> int:
+    """L: decoder layers of a (text) config: ``num_hidden_layers`` (transformers' standard name, mapped by each
+    config's ``attribute_map``)."""
+    return int(text_config(config).num_hidden_layers)
+
+
+def decoder_layers_of(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: the ``nn.ModuleList`` of the backbone (:func:`backbone_of`) with L entries (L = the
+    config's ``num_hidden_layers``), a direct child before a nested one.
+
+    Raises:
+        UnsupportedTarget: no module list of L layers.
+    """
+    backbone = backbone_of(model)
+    n = num_layers_of(model.config)
+    lists = [(name, m) for name, m in backbone.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not lists:
+        raise UnsupportedTarget(f"{type(model).__name__}: its decoder {type(backbone).__name__} has no list of "
+                                f"{n} decoder layers (num_hidden_layers)")  # fmt: skip
+    lists.sort(key=lambda nm: nm[0].count("."))
+    return lists[0][1]
+
+
+def _last_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def probe_structure(model: nn.Module) -> dict[str, Any]:
+    """Read the parts of a causal LM that drafttrain drives from the model itself: one forward of 4 tokens.
+
+    Rules (one each; no attribute is read by name):
+
+    - backbone: :func:`backbone_of`; decoder layers: :func:`decoder_layers_of`; embeddings and LM head:
+      ``get_input_embeddings()`` / ``get_output_embeddings()``.
+    - hidden states: the backbone's ``output_hidden_states`` must hold L + 1 states, the last one equal to
+      ``last_hidden_state`` (id i = the state entering layer i, id L = the final post-norm state).
+    - final norm: the module of the backbone (outside the decoder layers) that maps the last layer's output to
+      ``last_hidden_state``, probed on that output; ``nn.Identity`` where the last layer's output already is it.
+    - rotary embedding: the parameter-free module of the backbone (outside the decoder layers) that maps
+      (x, position_ids) to a (cos, sin) pair; None where the model has none (learned or no positions).
+
+    Returns:
+        {"backbone", "layers", "embed", "head", "final_norm", "rotary"} -> modules (``rotary`` may be None).
+
+    Raises:
+        UnsupportedTarget: a part that cannot be read (the message names the class and the part).
+    """
+    cls = type(model).__name__
+    backbone = backbone_of(model)
+    layers = decoder_layers_of(model)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embed, nn.Module) or not isinstance(getattr(embed, "weight", None), torch.Tensor):
+        raise UnsupportedTarget(f"{cls}: get_input_embeddings() gives no embedding table")
+    if not isinstance(head, nn.Module) or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise UnsupportedTarget(f"{cls}: get_output_embeddings() gives no LM head weight")
+    n = len(layers)
+    device = embed.weight.device
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % int(embed.weight.shape[0])
+    seen: dict[str, torch.Tensor] = {}
+    hook = layers[-1].register_forward_hook(lambda m, a, out: seen.__setitem__("last", _last_output(out)))
+    try:
+        out = backbone(input_ids=ids, output_hidden_states=True, use_cache=False)
+    except Exception as e:  # noqa: BLE001 - reported as the part that failed
+        raise UnsupportedTarget(f"{cls}: its decoder's forward fails on 4 tokens ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160]})") from e  # fmt: skip
+    finally:
+        hook.remove()
+    last = getattr(out, "last_hidden_state", None)
+    states = getattr(out, "hidden_states", None)
+    if not isinstance(last, torch.Tensor) or states is None:
+        raise UnsupportedTarget(f"{cls}: its decoder returns no last_hidden_state / hidden_states")
+    if len(states) != n + 1 or not torch.allclose(states[-1].float(), last.float(), atol=1e-5, rtol=1e-4):
+        raise UnsupportedTarget(f"{cls}: its output_hidden_states has {len(states)} states, not {n + 1} ending with "
+                                "last_hidden_state (the feature layer ids would mean other states)")  # fmt: skip
+    pre = seen.get("last")
+    if not isinstance(pre, torch.Tensor) or pre.shape != last.shape:
+        raise UnsupportedTarget(f"{cls}: its last decoder layer's output is not a hidden-state tensor")
+    in_layers = {id(m) for m in layers.modules()}
+    final_norm: nn.Module | None = None
+    if torch.allclose(pre.float(), last.float(), atol=1e-6, rtol=1e-5):
+        final_norm = nn.Identity()
+    else:
+        for name, m in backbone.named_modules():
+            if id(m) in in_layers or m is backbone or m is embed or isinstance(m, (nn.ModuleList, nn.Embedding)):
+                continue
+            if any(x is embed for x in m.modules()):
+                continue
+            try:
+                got = m(pre)
+            except Exception:  # noqa: BLE001 - not a module that maps a hidden state
+                continue
+            if isinstance(got, torch.Tensor) and got.shape == last.shape and torch.allclose(
+                got.float(), last.float(), atol=1e-5, rtol=1e-4
+            ):
+                final_norm = m
+                break
+    if final_norm is None:
+        raise UnsupportedTarget(f"{cls}: no module of its decoder maps the last layer's output to last_hidden_state "
+                                "(its final norm)")  # fmt: skip
+    rotary = None
+    x = last.new_zeros(1, ids.shape[1], last.shape[-1])
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    for name, m in backbone.named_modules():
+        if id(m) in in_layers or m is backbone or any(True for _ in m.parameters(recurse=False)):
+            continue
+        if isinstance(m, (nn.ModuleList, nn.Dropout, nn.Identity)) or list(m.children()):
+            continue
+        try:
+            got = rotary_embeddings(m, x, pos)
+        except Exception:  # noqa: BLE001 - not a rotary module
+            continue
+        if isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got):
+            rotary = m
+            break
+    return {"backbone": backbone, "layers": layers, "embed": embed, "head": head, "final_norm": final_norm,
+            "rotary": rotary}  # fmt: skip
+
+
+def layer_cache_of(layer, keys_of=None) -> LayerCache:
+    """The :class:`LayerCache` of one transformers cache layer after a forward (batch axis dropped)."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+    name = type(layer).__name__
+    has_kv = isinstance(layer, CacheLayerMixin) and isinstance(getattr(layer, "keys", None), torch.Tensor)
+    has_state = isinstance(layer, LinearAttentionCacheLayerMixin)
+    k = v = None
+    if has_kv and layer.keys.numel():
+        k, v = tuple(layer.keys.shape[1::2]), tuple(layer.values.shape[1::2])  # [b, h, s, hd] -> (h, hd)
+    conv = rec = conv_dt = rec_dt = ()
+    if has_state:
+        n = getattr(layer, "number_of_states", 1)
+        c = [layer.conv_states.get(i) for i in range(n)]
+        r = [layer.recurrent_states.get(i) for i in range(n)]
+        conv = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in c)
+        rec = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in r)
+        conv_dt = tuple(str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None for t in c)
+        rec_dt = tuple(str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None for t in r)
+    idx = getattr(layer, "indexer_keys", None)
+    indexer = int(idx.shape[-1]) if isinstance(idx, torch.Tensor) else None
+    if has_kv and has_state:
+        kind = "hybrid"
+    elif has_state:
+        kind = "recurrent"
+    elif has_kv and k is not None:
+        kind = "attention"
+    elif type(layer).__name__ == "DummyLayer":
+        kind = "none"
+    elif isinstance(layer, CacheLayerMixin):
+        kind = "unwritten"
+    else:
+        kind = f"unknown:{name}"
+    return LayerCache(kind, k, v, sliding=bool(getattr(layer, "is_sliding", False)), indexer_dim=indexer,
+                      conv_shapes=conv, recurrent_shapes=rec, transformers_class=name, conv_dtypes=conv_dt,
+                      recurrent_dtypes=rec_dt)  # fmt: skip
+
+
+@torch.no_grad()
+def cache_layout(model: nn.Module) -> tuple[LayerCache, ...]:
+    """Each decoder layer's :class:`LayerCache`, read off transformers' own ``DynamicCache(config=...)`` after
+    one forward of 2 tokens through the model's public forward: the layer kinds (``config.layer_types``,
+    per-layer configs) as transformers itself lays them out, and every state's shape (MLA's key and value head
+    sizes, per-layer head sizes, conv and recurrent state sizes) as the model writes them.
+
+    Raises:
+        UnsupportedTarget: the model does not run with transformers' cache object (a cache class of its own), or a
+            layer kind this reading does not know (the message names the class, the layer and its cache class).
+    """
+    from transformers import DynamicCache
+
+    cls = type(model).__name__
+    backbone = backbone_of(model)
+    embed = model.get_input_embeddings()
+    ids = torch.tensor([[1, 2]], device=embed.weight.device) % int(embed.weight.shape[0])
+    try:
+        cache = DynamicCache(config=model.config)
+        out = backbone(input_ids=ids, cache=cache, use_cache=True)
+    except Exception as e:  # noqa: BLE001 - reported as the part that failed
+        raise UnsupportedTarget(f"{cls}: its forward does not run with transformers' DynamicCache ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160]})") from e  # fmt: skip
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+    layers = getattr(cache, "layers", None)
+    n = num_layers_of(model.config)
+    if not isinstance(layers, list) or len(layers) < n:
+        raise UnsupportedTarget(f"{cls}: its forward returns a {type(cache).__name__} without one layer per decoder "
+                                "layer (a cache class of its own)")  # fmt: skip
+    out_layers = tuple(layer_cache_of(layer) for layer in layers[:n])
+    if all(c.kind in ("unwritten", "none") for c in out_layers):
+        raise UnsupportedTarget(f"{cls}: its forward writes nothing into transformers' cache object (it keeps no "
+                                "keys/values between forwards that the engine could hold)")  # fmt: skip
+    bad = [(i, c) for i, c in enumerate(out_layers) if c.kind.startswith("unknown") or c.kind == "unwritten"]
+    if bad:
+        i, c = bad[0]
+        raise UnsupportedTarget(f"{cls}: layer {i} keeps a {c.transformers_class} cache, a kind drafttrain's engine "
+                                "does not hold (attention keys/values, conv or recurrent states)")  # fmt: skip
+    return out_layers
+
+
+def target_class_layer(shared, config, purpose: str) -> tuple[nn.Module, nn.Module]:
+    """A fresh decoder layer of the target's own class and its rotary embedding, for drafters built from the
+    target's layer class (``shared``: :class:`drafttrain.drafters.base.SharedTargetModules`; ``config`` a copy of the
+    target's config, attention implementation set). The layer is built at index 0 of a config copy whose per-layer
+    kinds (``layer_types`` / ``layers_block_type``) all read the kind of the target layer it copies, so a hybrid
+    target gives an attention layer, not a recurrent one.
+
+    Raises:
+        UnsupportedTarget: the target has no rotary embedding module its layer class reads, or the class builds no
+            ``self_attn`` (the message names ``purpose``, the class and the missing part).
+    """
+    src = shared.decoder_layer
+    cls = type(src).__name__
+    if shared.rotary_emb is None:
+        raise UnsupportedTarget(f"{purpose} builds its draft layer from the target's own {cls}, which reads rotary "
+                                "embeddings the target's decoder computes once; this target's decoder has no rotary "
+                                "module (use a recipe with the Llama-style draft layer: parallelspec, eagle3)")  # fmt: skip
+    cfg = copy.deepcopy(config)
+    idx = shared.decoder_layer_index if shared.decoder_layer_index is not None else -1
+    for attr in ("layer_types", "layers_block_type"):
+        kinds = getattr(cfg, attr, None)
+        if isinstance(kinds, (list, tuple)) and kinds:
+            setattr(cfg, attr, [kinds[idx]] * len(kinds))
+    layer = type(src)(cfg, layer_idx=0)
+    if not isinstance(getattr(layer, "self_attn", None), nn.Module):
+        raise UnsupportedTarget(f"{purpose} builds its draft layer from the target's own {cls}, which has no "
+                                "self_attn (use a recipe with the Llama-style draft layer: parallelspec, eagle3)")  # fmt: skip
+    return layer, type(shared.rotary_emb)(config=cfg)
+
+
+def recurrent_layers_text(target) -> str:
+    """``"Qwen3NextForCausalLM's recurrent layers (0, 1, 2 of 4)"``: the target's class and which layers keep
+    recurrent states (for messages)."""
+    idx = [i for i, c in enumerate(target.cache_layout) if c.is_recurrent]
+    shown = ", ".join(map(str, idx[:6])) + (", ..." if len(idx) > 6 else "")
+    return f"{type(target.model).__name__}'s recurrent layers ({shown} of {len(target.cache_layout)})"

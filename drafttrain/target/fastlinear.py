@@ -36,6 +36,7 @@ Shape letters: m rows (any leading dims), i in_features, o out_features.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -99,22 +100,58 @@ def kernel_isa() -> str | None:
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]}
 
 
+def extension_dir(name: str) -> Path:
+    """torch's build folder of extension ``name``: ``$TORCH_EXTENSIONS_DIR/name``, else its per-Python default."""
+    from torch.utils import cpp_extension
+
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    if get is not None:
+        return Path(get(name, verbose=False))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / name
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold drafttrain's lock of one extension's build folder for the block: an ``fcntl`` lock on
+    ``drafttrain-build.flock``, which the kernel releases when its holder dies (a SIGKILL included). Inside it no
+    other drafttrain process is building, so a ``lock`` file of torch's own (``FileBaton``: a plain file that a
+    killed build leaves behind, and that torch's next build waits on forever) belongs to no live build: it is
+    removed, with a warning naming it."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "drafttrain-build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # waits while a live drafttrain process builds; never for a dead one
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s: torch's extension build lock, left by a build that was killed (no "
+                            "drafttrain process is building it now)", stale)  # fmt: skip
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def build_extension(name: str, source: Path, isa: str, fallback: str):
     """Build (once per machine: torch's extension folder, ``TORCH_EXTENSIONS_DIR``) and load one of
     drafttrain's C++ CPU kernels (``drafttrain/target/csrc``) with ``isa``'s flags (:data:`ISA_FLAGS`), or return
     why it did not build (a str; logged as a warning naming ``fallback``, what runs instead). Shared by the
-    linear kernel and :mod:`drafttrain.target.fastattention`."""
+    linear kernel and :mod:`drafttrain.target.fastattention`. Under :func:`build_lock`: a build killed earlier
+    never blocks this one."""
     try:
         from torch.utils import cpp_extension
 
         log.info("building drafttrain's %s kernel %s (once per machine, under a minute)", isa.upper(), name)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with build_lock(extension_dir(name)):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=["-O3", *ISA_FLAGS[isa], "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler / ninja / headers: fall back, say why (once per process)
         why = f"the kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("%s: %s; falling back to %s", name, why, fallback)

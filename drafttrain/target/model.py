@@ -103,14 +103,61 @@ class Target:
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, source_dir: str | Path | None = None):
+        from drafttrain.target import families
+
         model.eval()
         model.requires_grad_(False)
         self.model = model
         self.tokenizer = tokenizer
-        self.config = model.config
+        self.config = families.text_config(model.config)  # the decoder's config (a multimodal umbrella's text part)
         self.source_dir = Path(source_dir) if source_dir is not None else None
         self._compiled_backbone = None  # built on first use by compiled_backbone()
-        self.logit_multiplier = _fold_logit_scale(model)
+        self._structure: dict | None = None  # read on first use (families.probe_structure)
+        self._layout = None  # read on first use (families.cache_layout)
+        self.logit_multiplier, self._head = _fold_logit_scale(model)
+
+    # -- the model's structure, read from the model (drafttrain.target.families.probe_structure) ----
+    @property
+    def structure(self) -> dict:
+        """Backbone, decoder layers, embeddings, LM head, final norm and rotary embedding of the model, read from the
+        model itself once (:func:`drafttrain.target.families.probe_structure`).
+
+        Raises:
+            UnsupportedTarget: a part that cannot be read (the message names the class and the part).
+        """
+        if self._structure is None:
+            from drafttrain.target import families
+
+            self._structure = families.probe_structure(self.model)
+        return self._structure
+
+    @property
+    def cache_layout(self) -> tuple:
+        """Each decoder layer's cache kind and shapes (:func:`drafttrain.target.families.cache_layout`), read once.
+
+        Raises:
+            UnsupportedTarget: the model keeps a cache of its own, or a layer kind the engine does not hold.
+        """
+        if self._layout is None:
+            from drafttrain.target import families
+
+            self._layout = families.cache_layout(self.model)
+        return self._layout
+
+    @property
+    def recurrent(self) -> bool:
+        """Some decoder layer keeps recurrent states (gated delta-net, Mamba, short convolutions)."""
+        return any(c.is_recurrent for c in self.cache_layout)
+
+    @property
+    def backbone(self) -> nn.Module:
+        """The decoder without its LM head (returns ``last_hidden_state``)."""
+        return self.structure["backbone"]
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The L decoder layers."""
+        return self.structure["layers"]
 
     # -- modules the drafters share by reference (frozen) --------------------------------------
     @property
@@ -119,24 +166,39 @@ class Target:
 
     @property
     def lm_head(self) -> nn.Linear:
-        return self.model.get_output_embeddings()
+        """The LM head whose output is the model's own logits (its logit scale folded in)."""
+        return self._head if self._head is not None else self.model.get_output_embeddings()
 
     @property
     def final_norm(self) -> nn.Module:
-        return self.model.model.norm
+        """The module that maps the last decoder layer's output to ``last_hidden_state`` (``nn.Identity`` where
+        the model has none)."""
+        return self.structure["final_norm"]
+
+    @property
+    def last_attention_index(self) -> int:
+        """Index of the last decoder layer that attends (keys/values, not only recurrent states); the last layer
+        where none does."""
+        kinds = [c.kind for c in self.cache_layout]
+        idx = [i for i, k in enumerate(kinds) if k in ("attention", "hybrid")]
+        return idx[-1] if idx else len(kinds) - 1
 
     @property
     def last_layer(self) -> nn.Module:
-        return self.model.model.layers[-1]
+        """The last attending decoder layer (:attr:`last_attention_index`): what a draft layer starts from."""
+        return self.layers[self.last_attention_index]
 
     @property
-    def rotary_emb(self) -> nn.Module:
-        return self.model.model.rotary_emb
+    def rotary_emb(self) -> nn.Module | None:
+        """The backbone's rotary embedding module (None: the model has none it shares across layers)."""
+        return self.structure["rotary"]
 
     @property
     def num_hidden_layers(self) -> int:
         """L: decoder layers (layer id L = the final post-norm state)."""
-        return int(self.config.num_hidden_layers)
+        from drafttrain.target import families
+
+        return families.num_layers_of(self.config)
 
     @property
     def device(self) -> torch.device:
@@ -187,7 +249,7 @@ class Target:
         """
         layers = resolve_feature_layers(feature_layers, self.num_hidden_layers)
         extra = layers != (self.num_hidden_layers,)  # other states than the final one: keep them all
-        backbone = self.compiled_backbone() if compiled else self.model.model
+        backbone = self.compiled_backbone() if compiled else self.backbone
         out = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -224,9 +286,9 @@ class Target:
             with torch.no_grad():  # transformers installs its hidden-state capturing hooks on the first
                 # output_hidden_states call, under a threading lock dynamo cannot trace (a fullgraph compile of a
                 # feature-layer graph then raises): one eager 1-token forward installs them outside the graph
-                self.model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                                 output_hidden_states=True, use_cache=False)  # fmt: skip
-            compiled = torch.compile(self.model.model, dynamic=True, fullgraph=True)
+                self.backbone(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                              output_hidden_states=True, use_cache=False)  # fmt: skip
+            compiled = torch.compile(self.backbone, dynamic=True, fullgraph=True)
 
             def backbone(**kwargs):
                 # freezing: the global switch, not torch.compile(options={"freezing": True}): with the option alone
@@ -368,7 +430,7 @@ class Target:
             keep = [j for j, i in enumerate(active) if not done[i]]
             if len(keep) < len(active) and not static_cache:  # drop finished rows from batch and KV cache
                 sel = torch.tensor(keep, device=device)
-                cache.batch_select_indices(sel)
+                _select_rows(cache, sel)
                 attn, cur_pos, next_tok = attn[sel], cur_pos[sel], next_tok[sel]
                 active = [active[j] for j in keep]
             attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
@@ -393,12 +455,27 @@ class Target:
         return results
 
 
+def _select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep ``rows`` of a transformers cache: attention layers by ``batch_select_indices``, recurrent-state layers
+    (which have no such method) by ``reorder_cache``, the same selection."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(rows)
+        else:
+            layer.reorder_cache(rows)
+
+
 @torch.no_grad()
 def _fold_logit_scale(model: nn.Module) -> float:
     """Fold the model's own logit scale (:func:`drafttrain.target.families.logit_multiplier`) into its LM head and set
     the model's scale to 1 (``config.logits_scaling`` / ``config.logit_scale`` and the model's ``logit_scale``
     attribute), so that ``lm_head(h)`` alone is the model's logits. A head tied to the input embedding gets its
-    own scaled copy (the embedding is left as it is). Returns the multiplier folded (1.0: nothing to do).
+    own scaled copy (the embedding is left as it is). Where the config derives its scale (a property with no setter)
+    the model is left as it is and drafttrain reads a scaled copy of the head instead.
+
+    Returns:
+        (the multiplier folded, 1.0: nothing to do; the scaled copy of the head, or None where the model's own head
+        now gives its logits).
 
     Raises:
         ValueError: the config's scale is unusable (:func:`drafttrain.target.families.logit_multiplier`), or the model
@@ -408,10 +485,26 @@ def _fold_logit_scale(model: nn.Module) -> float:
 
     m = families.logit_multiplier(model.config)
     if m == 1.0:
-        return 1.0
+        return 1.0, None
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"{type(model).__name__} scales its logits by {m} but has no LM head weight to fold it into")
+    cfg = model.config
+    settable = True
+    for key in ("logits_scaling", "logit_scale"):
+        if getattr(cfg, key, None) is not None:
+            try:
+                setattr(cfg, key, getattr(cfg, key))
+            except (AttributeError, TypeError):  # a property the config derives (MiniCPM3): the model keeps its scale
+                settable = False
+    if not settable:  # drafttrain reads its own scaled copy of the head; the model is left as it is
+        own = nn.Linear(head.in_features, head.out_features, bias=getattr(head, "bias", None) is not None,
+                        device=head.weight.device, dtype=head.weight.dtype)  # fmt: skip
+        own.weight = nn.Parameter(head.weight.detach() * m, requires_grad=False)
+        if own.bias is not None:
+            own.bias = nn.Parameter(head.bias.detach() * m, requires_grad=False)
+        log.info("%s: its logit scale (x %g) is applied by drafttrain's copy of the LM head", type(model).__name__, m)
+        return m, own
     embed = model.get_input_embeddings()
     if embed is not None and head.weight is embed.weight:  # tied: the head gets its own (scaled) copy
         head.weight = nn.Parameter(head.weight.detach() * m, requires_grad=False)
@@ -427,7 +520,7 @@ def _fold_logit_scale(model: nn.Module) -> float:
     if isinstance(getattr(model, "logit_scale", None), (int, float)):
         model.logit_scale = 1.0
     log.info("%s: its logit scale (x %g) is folded into the LM head", type(model).__name__, m)
-    return m
+    return m, None
 
 
 def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
@@ -443,6 +536,43 @@ def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
                                 num_key_value_heads=cfg.num_key_value_heads, tokenizer=tokenizer,
                                 attn_implementation=cfg.attn_implementation)  # fmt: skip
     return AutoModelForCausalLM.from_config(mcfg, attn_implementation=mcfg._attn_implementation)
+
+
+#: weight files a Hugging Face model folder may hold (one of them, or an index naming its shards)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """What a Hugging Face model folder lacks, as one line, or None when it has what ``from_pretrained`` reads:
+    ``config.json``, a weight file (:data:`WEIGHT_FILES`, or the shards its index lists, every one of them) and a
+    tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or a SentencePiece ``tokenizer.model``)."""
+    import json
+
+    path = Path(path)
+    if not path.is_dir():
+        return "is not a folder"
+    names = {p.name for p in path.iterdir()}
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json")
+    index = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in names), None)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"its {index} cannot be read ({type(e).__name__}: {e})"
+        absent = [n for n in shards if n not in names]
+        if absent:
+            missing.append(f"{len(absent)} of the {len(shards)} weight shards {index} lists ({', '.join(absent[:3])}"
+                           f"{', ...' if len(absent) > 3 else ''})")  # fmt: skip
+    elif not any(n in names for n in WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
+        missing.append("a weight file (model.safetensors, sharded model-*.safetensors with their index, or "
+                       "pytorch_model.bin)")  # fmt: skip
+    if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
+        missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+    if not missing:
+        return None
+    return f"the folder has no {' and no '.join(missing)}" if len(missing) < 3 else f"the folder lacks {', '.join(missing)}"
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path:
@@ -461,8 +591,9 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
                 f"HF_HUB_OFFLINE=1): if this is a Hugging Face hub id, download it yourself first, e.g. "
                 f"`huggingface-cli download {cfg.path} --local-dir models/target`, then pass target.path=models/target"
             )
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target.path={path} is not a Hugging Face model folder (no config.json)")
+        problem = folder_problem(path)
+        if problem:
+            raise FileNotFoundError(f"target.path={path}: {problem}")
         return path
     if cfg.gguf_file:
         return assets.converted_target_dir(Path(cfg.gguf_file))

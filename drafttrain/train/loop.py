@@ -183,6 +183,7 @@ class _Run:
     mlog: MetricsLog | None = None
     strategy: Any = None  # the training strategy (drafttrain.train.strategies): rows -> batch -> loss
     data_reports: dict[str, Any] = field(default_factory=dict)  # prepare_data's (the self-distillation report)
+    preflight: Any = None  # the pre-flight check's report (drafttrain.preflight)
 
     @property
     def main(self) -> bool:
@@ -278,10 +279,23 @@ def _load_target_and_data(r: _Run) -> None:
     with frozen_target_context(r.accelerator):  # whole on every rank, outside DeepSpeed (never partitioned)
         r.target = build_run(c, device=r.accelerator.device).target
     r.dcfg = drafter_config(c.drafter.name, to_dict(c)["drafter"])
+    _preflight(r)  # before any work: the target's structure, the engine, the drafter (one line if it fails)
     # the target layers the drafter declares: what self-distillation stores and every batch carries
     r.layers = drafter_class(c.drafter.name).layers_for(r.dcfg, r.target.num_hidden_layers)
     r.train_ds, r.held_ds = prepare_data(c, r.target, r.accelerator, r.layers, reports=r.data_reports)
     log.info("train sequences %d, held-out %d", len(r.train_ds), len(r.held_ds) if r.held_ds is not None else 0)
+
+
+def _preflight(r: _Run) -> None:
+    """:func:`drafttrain.preflight.check_target` on the loaded target: its structure and forward; the engine where
+    the run decodes with it (self-distillation through the engine, the speculative evaluation); the recipe's
+    drafter. Runs under a forked RNG, so the run's own draws (drafter init, batches) are the ones without it."""
+    from drafttrain.preflight import check_target
+
+    c = r.c
+    engine = c.data.generation.backend == "engine" or c.trainer.spec_eval.num_prompts > 0
+    with torch.random.fork_rng(devices=[]):
+        r.preflight = check_target(r.target, engine=engine, drafter=(c.drafter.name, r.dcfg))
 
 
 def _build_drafter(r: _Run) -> None:

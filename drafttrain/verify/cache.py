@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from drafttrain.target import fastattention
@@ -111,15 +111,22 @@ class RaggedSegments:
 
 
 class _RaggedLayer(CacheLayerMixin):
-    """One layer's buffers; writes/reads follow the parent cache's current :class:`WritePlan`."""
+    """One attention layer's key/value buffers (``[b, h_kv, cap, hd_k]`` and ``[b, h_kv, cap, hd_v]``: MLA's keys
+    and values may differ in size, as may two layers of one model); writes/reads follow the parent cache's current
+    :class:`WritePlan`. A sparse-attention indexer's keys (``[b, cap, d_idx]``, DeepSeek-V3.2's DSA) are held the
+    same way where the layer has one (:meth:`update_indexer`)."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "RaggedKVCache", keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner: "RaggedKVCache", keys: torch.Tensor, values: torch.Tensor,
+                 indexer: torch.Tensor | None = None):  # fmt: skip
         super().__init__()
+        self._init_kv(owner, keys, values, indexer)
+
+    def _init_kv(self, owner, keys, values, indexer=None) -> None:
         self.owner = owner
-        self.keys, self.values = keys, values
+        self.keys, self.values, self.indexer_keys = keys, values, indexer
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
@@ -138,6 +145,16 @@ class _RaggedLayer(CacheLayerMixin):
             return self.keys[:, :, plan.lo : plan.hi], self.values[:, :, plan.lo : plan.hi]  # views
         return self.keys[plan.read_rows, :, plan.lo : plan.hi], self.values[plan.read_rows, :, plan.lo : plan.hi]
 
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Write indexer keys [B, q, d_idx] at the plan's (row, slot) pairs; return the read window [B, kv, d_idx]."""
+        plan = self.owner.plan
+        if plan is None or self.indexer_keys is None:
+            raise RuntimeError("RaggedKVCache: this layer holds no indexer keys (or no plan is set)")
+        self.indexer_keys[plan.rows, plan.slots] = indexer_key_states.to(self.indexer_keys.dtype)
+        if plan.packed or plan.read_rows is None:
+            return self.indexer_keys[:, plan.lo : plan.hi]
+        return self.indexer_keys[plan.read_rows, plan.lo : plan.hi]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         plan = self.owner.plan
         return (plan.hi - plan.lo, plan.lo) if plan is not None else (query_length, 0)
@@ -148,33 +165,193 @@ class _RaggedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.keys.shape[2]
 
+    def buffers(self) -> list[tuple[str, int]]:
+        """(attribute, slot axis) of every per-token buffer."""
+        out = [("keys", 2), ("values", 2)]
+        return out + [("indexer_keys", 1)] if self.indexer_keys is not None else out
+
+
+class _StateLayer(LinearAttentionLayer):
+    """One recurrent layer's conv and recurrent states (gated delta-net, Mamba, short convolutions), one per cache
+    row, held in ``store_conv`` / ``store_rec`` (``[b, ...]``; the shapes transformers' own cache holds for one
+    sequence, read by :func:`drafttrain.target.families.cache_layout`).
+
+    The model reads and writes ``conv_states`` / ``recurrent_states`` through transformers' ``Cache`` API (in place
+    for a one-token step). Those are the *working* states of the current forward's rows: :meth:`begin` makes them
+    (the stores themselves when the forward covers every row in order and nothing may need undoing, else a copy
+    of the forward's rows), :meth:`end` writes back the rows whose states are exact after the forward. Until then
+    the store still holds every row's state from before the forward: that is the snapshot a rejected draft is
+    rolled back to.
+
+    A fresh row starts from zero states with ``has_previous_state`` set: a zero conv window and a zero recurrent
+    state are exactly what transformers starts a prompt from.
+    """
+
+    is_sliding = False
+
+    def __init__(self, owner: "RaggedKVCache", spec, batch_size: int, dtype: torch.dtype, device):
+        n = max(len(spec.conv_shapes), len(spec.recurrent_shapes), 1)
+        LinearAttentionLayer.__init__(self, number_of_states=n)
+        self._init_states(owner, spec, batch_size, dtype, device)
+
+    def _init_states(self, owner, spec, batch_size, dtype, device) -> None:
+        self.owner = owner
+        self.dtype, self.device = dtype, device
+        self.store_conv: dict[int, torch.Tensor] = {}
+        self.store_rec: dict[int, torch.Tensor] = {}
+        for i, shape in enumerate(spec.conv_shapes):
+            if shape:
+                self.store_conv[i] = torch.zeros(batch_size, *shape, dtype=spec.state_dtype("conv", i, dtype), device=device)
+                self.conv_kernel_size[i] = int(shape[-1])
+                self.is_conv_states_initialized[i] = True
+        for i, shape in enumerate(spec.recurrent_shapes):
+            if shape:
+                self.store_rec[i] = torch.zeros(batch_size, *shape, dtype=spec.state_dtype("rec", i, dtype), device=device)
+                self.is_recurrent_states_initialized[i] = True
+        for i in range(self.number_of_states):
+            self.has_previous_state[i] = True
+        self._rows: torch.Tensor | None = None
+        self._views = True
+        self.conv_states.update(self.store_conv)
+        self.recurrent_states.update(self.store_rec)
+
+    # -- transformers' Cache API (the model calls these) ---------------------------------------
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, conv_kernel_size=None):
+        raise RuntimeError(f"RaggedKVCache: state {state_idx} of this layer was not in the layout read before the "
+                           "first forward (drafttrain.target.families.cache_layout)")  # fmt: skip
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        """The conv window of the forward's rows followed by the new inputs [B, C, k + q] (what the model's causal
+        conv reads); keeps the last k columns as the rows' working conv state."""
+        if state_idx not in self.store_conv:
+            self.lazy_initialization(state_idx=state_idx)
+        cur = self.conv_states[state_idx]
+        full = torch.cat([cur, conv_states.to(cur.dtype)], dim=-1)
+        cur.copy_(full[..., -self.conv_kernel_size[state_idx] :])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs):
+        if state_idx not in self.store_rec:
+            self.lazy_initialization(state_idx=state_idx)
+        cur = self.recurrent_states[state_idx]
+        cur.copy_(recurrent_states)
+        return cur
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("RaggedKVCache rolls recurrent states back by snapshot (RaggedKVCache.end_states)")
+
+    # -- engine API ---------------------------------------------------------------------------
+    def begin(self, rows: torch.Tensor | None, snapshot: bool) -> None:
+        """Working states for a forward over cache rows ``rows`` [B] (None: every row in order)."""
+        if rows is None and not snapshot:
+            self._rows, self._views = None, True
+            self.conv_states.update(self.store_conv)
+            self.recurrent_states.update(self.store_rec)
+            return
+        idx = rows if rows is not None else torch.arange(self.owner.batch_size, device=self.device)
+        self._rows, self._views = idx, False
+        self.conv_states.update({i: t.index_select(0, idx) for i, t in self.store_conv.items()})
+        self.recurrent_states.update({i: t.index_select(0, idx) for i, t in self.store_rec.items()})
+
+    def end(self, exact: torch.Tensor | None) -> None:
+        """Write back the working states of the forward's rows where ``exact`` [B] bool (None: all of them)."""
+        if not self._views:
+            keep = torch.arange(self._rows.numel(), device=self.device) if exact is None else exact.nonzero().squeeze(-1)
+            if keep.numel():
+                rows = self._rows[keep]
+                for i, t in self.store_conv.items():
+                    t[rows] = self.conv_states[i][keep]
+                for i, t in self.store_rec.items():
+                    t[rows] = self.recurrent_states[i][keep]
+        elif exact is not None and not bool(exact.all()):
+            raise RuntimeError("RaggedKVCache: a forward that wrote the states in place cannot be undone")
+        self.begin(None, snapshot=False)
+
+    def state_tensors(self) -> list[tuple[dict, int]]:
+        return [(self.store_conv, 0), (self.store_rec, 0)]
+
+
+class _HybridLayer(_StateLayer, _RaggedLayer):
+    """A layer that keeps both attention keys/values and recurrent states (Falcon-H1's parallel blocks, Zamba's
+    shared attention on a Mamba layer): :class:`_RaggedLayer` and :class:`_StateLayer` in one."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner, spec, batch_size, dtype, device, keys, values, indexer=None):
+        n = max(len(spec.conv_shapes), len(spec.recurrent_shapes), 1)
+        LinearAttentionLayer.__init__(self, number_of_states=n)
+        self._init_states(owner, spec, batch_size, dtype, device)
+        self._init_kv(owner, keys, values, indexer)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # both parts are allocated up front
+        pass
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
 
 class RaggedKVCache(Cache):
-    """Preallocated KV cache whose rows are independent sequences with their own lengths.
+    """Preallocated cache whose rows are independent sequences with their own lengths, with one layer kind per
+    decoder layer.
+
+    The kinds (:class:`drafttrain.target.families.LayerCache`, read from the model by
+    :func:`drafttrain.target.families.cache_layout`): attention keys/values (full, sliding or chunked windows, MLA's
+    latent keys and values of other sizes, a sparse-attention indexer's keys), recurrent states (conv and recurrent
+    states per row: gated delta-net, Mamba-2, short convolutions) and both. Without a layout every layer holds
+    keys/values of the config's ``num_key_value_heads`` x ``head_dim`` (a plain transformer).
+
+    Recurrent states have no slot axis: a rejected draft cannot be overwritten later, so a forward's states are
+    written back only for the rows where they are exact (:meth:`begin_states` / :meth:`end_states`), and the engine
+    replays the committed tokens of the others (:class:`drafttrain.verify.engine.SpecEngine`).
 
     Args:
         config: the target's transformers config (num_hidden_layers, num_key_value_heads, head_dim).
         batch_size: rows b.
         capacity: slots per row (grown on demand by :meth:`ensure_capacity`).
         dtype, device: of the buffers (the model's).
+        layout: one :class:`~drafttrain.target.families.LayerCache` per decoder layer (None: plain attention).
 
     Attributes:
         valid: [b, cap] bool, slots holding committed tokens.
         lengths: [b] int64, committed tokens per row (= the position id of the row's next token).
         plan: the current :class:`WritePlan` (set by the engine before each forward).
+        recurrent: some layer keeps recurrent states (the engine then verifies chains, batched, never packed).
+        packable: every layer is plain attention (no indexer, no state): packed ``[1, N]`` forwards are exact.
     """
 
-    def __init__(self, config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        h_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    def __init__(self, config, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 layout=None):  # fmt: skip
+        from drafttrain.target.families import default_layout, text_config
+
+        config = text_config(config)
+        self.layout = tuple(layout) if layout is not None else default_layout(config)
         layers = []
-        for _ in range(config.num_hidden_layers):
-            k = torch.zeros(batch_size, h_kv, capacity, hd, dtype=dtype, device=device)  # [b, h_kv, cap, hd]
-            layers.append(_RaggedLayer(self, k, torch.zeros_like(k)))
+        for spec in self.layout:
+            kv = None
+            if spec.key_shape is not None:
+                (hk, dk), (hv, dv) = spec.key_shape, spec.value_shape
+                k = torch.zeros(batch_size, hk, capacity, dk, dtype=dtype, device=device)  # [b, h_kv, cap, hd_k]
+                v = torch.zeros(batch_size, hv, capacity, dv, dtype=dtype, device=device)  # [b, h_kv, cap, hd_v]
+                idx = (torch.zeros(batch_size, capacity, spec.indexer_dim, dtype=dtype, device=device)
+                       if spec.indexer_dim else None)  # fmt: skip
+                kv = (k, v, idx)
+            if spec.kind == "attention":
+                layers.append(_RaggedLayer(self, *kv))
+            elif spec.kind == "recurrent":
+                layers.append(_StateLayer(self, spec, batch_size, dtype, device))
+            elif spec.kind == "hybrid":
+                layers.append(_HybridLayer(self, spec, batch_size, dtype, device, *kv))
+            elif spec.kind == "none":
+                layers.append(DummyLayer())
+            else:
+                raise ValueError(f"RaggedKVCache: layer kind {spec.kind!r} is not one the engine holds")
         super().__init__(layers=layers)
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.plan: WritePlan | None = None
+        self.recurrent = any(isinstance(layer, _StateLayer) for layer in layers)
+        self.packable = all(spec.kind in ("attention", "none") and not spec.indexer_dim for spec in self.layout)
 
     # -- shape ----------------------------------------------------------------------------------
     @property
@@ -188,9 +365,60 @@ class RaggedKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        plan = self.plan
+        return (plan.hi - plan.lo, plan.lo) if plan is not None else (query_length, 0)
+
+    def _kv_layers(self) -> list[_RaggedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, _RaggedLayer)]
+
+    def _state_layers(self) -> list[_StateLayer]:
+        return [layer for layer in self.layers if isinstance(layer, _StateLayer)]
+
     # -- engine API -----------------------------------------------------------------------------
     def set_plan(self, plan: WritePlan | None) -> None:
         self.plan = plan
+
+    def begin_states(self, rows: list[int] | None, snapshot: bool) -> None:
+        """Before a forward over cache rows ``rows`` (None: every row in order): the recurrent layers' working
+        states. ``snapshot``: some row's states may have to be undone after the forward (kept out of place)."""
+        if not self.recurrent:
+            return
+        idx = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        if idx is not None and not snapshot and rows == list(range(self.batch_size)):
+            idx = None
+        for layer in self._state_layers():
+            layer.begin(idx, snapshot)
+
+    def end_states(self, exact: list[bool] | None = None) -> None:
+        """After the forward: keep the recurrent states of the rows where ``exact`` (None: all), so that every
+        other row's state stays as it was before the forward (its snapshot)."""
+        if not self.recurrent:
+            return
+        mask = None if exact is None else torch.tensor(exact, dtype=torch.bool, device=self.valid.device)
+        for layer in self._state_layers():
+            layer.end(mask)
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Zero the recurrent states of ``rows`` (a new sequence starts there)."""
+        if not self.recurrent or not rows:
+            return
+        idx = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        for layer in self._state_layers():
+            for store in (layer.store_conv, layer.store_rec):
+                for t in store.values():
+                    t[idx] = 0
+
+    def row_states(self, row: int) -> dict[str, torch.Tensor]:
+        """Copies of one row's recurrent states, ``"L.conv.i"`` / ``"L.rec.i"`` -> tensor (tests, debugging)."""
+        out = {}
+        for li, layer in enumerate(self.layers):
+            if isinstance(layer, _StateLayer):
+                for i, t in layer.store_conv.items():
+                    out[f"{li}.conv.{i}"] = t[row].clone()
+                for i, t in layer.store_rec.items():
+                    out[f"{li}.rec.{i}"] = t[row].clone()
+        return out
 
     def ensure_capacity(self, slots: int) -> None:
         """Grow every row to at least ``slots`` slots (copies the buffers; contents are kept)."""
@@ -198,11 +426,13 @@ class RaggedKVCache(Cache):
         if slots <= cap:
             return
         new_cap = max(slots, cap + cap // 2 + 16)
-        for layer in self.layers:
-            for name in ("keys", "values"):
+        for layer in self._kv_layers():
+            for name, axis in layer.buffers():
                 old = getattr(layer, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                new[:, :, :cap] = old
+                shape = list(old.shape)
+                shape[axis] = new_cap
+                new = old.new_zeros(shape)
+                new.narrow(axis, 0, cap).copy_(old)
                 setattr(layer, name, new)
         valid = self.valid.new_zeros(self.batch_size, new_cap)
         valid[:, :cap] = self.valid
@@ -218,17 +448,24 @@ class RaggedKVCache(Cache):
         """
         if rows.numel() == 0:
             return
-        for layer in self.layers:
-            k = layer.keys[rows, :, src]  # [m, h_kv, hd] (a copy: safe if src and dst overlap)
-            v = layer.values[rows, :, src]
-            layer.keys[rows, :, dst] = k
-            layer.values[rows, :, dst] = v
+        for layer in self._kv_layers():
+            for name, axis in layer.buffers():
+                buf = getattr(layer, name)
+                if axis == 2:
+                    buf[rows, :, dst] = buf[rows, :, src]  # [m, h_kv, hd] (a copy: safe if src and dst overlap)
+                else:
+                    buf[rows, dst] = buf[rows, src]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` ([b'] int64), in that order (drops finished sequences from the batch)."""
-        for layer in self.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+        for layer in self._kv_layers():
+            for name, _ in layer.buffers():
+                setattr(layer, name, getattr(layer, name).index_select(0, rows))
+        for layer in self._state_layers():
+            for store in (layer.store_conv, layer.store_rec):
+                for i in list(store):
+                    store[i] = store[i].index_select(0, rows)
+            layer.begin(None, snapshot=False)
         self.valid = self.valid.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
 
@@ -236,10 +473,15 @@ class RaggedKVCache(Cache):
         """Append ``n`` empty rows."""
         if n <= 0:
             return
-        for layer in self.layers:
-            for name in ("keys", "values"):
+        for layer in self._kv_layers():
+            for name, _ in layer.buffers():
                 old = getattr(layer, name)
                 setattr(layer, name, torch.cat([old, old.new_zeros(n, *old.shape[1:])], dim=0))
+        for layer in self._state_layers():
+            for store in (layer.store_conv, layer.store_rec):
+                for i in list(store):
+                    store[i] = torch.cat([store[i], store[i].new_zeros(n, *store[i].shape[1:])], dim=0)
+            layer.begin(None, snapshot=False)
         self.valid = torch.cat([self.valid, self.valid.new_zeros(n, self.capacity)], dim=0)
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(n)], dim=0)
 
@@ -248,14 +490,15 @@ class RaggedKVCache(Cache):
         if offset <= 0:
             return
         cap = self.capacity
-        for layer in self.layers:
-            layer.keys[:, :, : cap - offset] = layer.keys[:, :, offset:].clone()
-            layer.values[:, :, : cap - offset] = layer.values[:, :, offset:].clone()
+        for layer in self._kv_layers():
+            for name, axis in layer.buffers():
+                buf = getattr(layer, name)
+                buf.narrow(axis, 0, cap - offset).copy_(buf.narrow(axis, offset, cap - offset).clone())
         self.valid[:, : cap - offset] = self.valid[:, offset:].clone()
         self.valid[:, cap - offset :] = False
 
     def row_kv(self, row: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed keys/values of one row, in slot order: ([h_kv, L, hd], [h_kv, L, hd]) (tests, debugging)."""
+        """The committed keys/values of one row, in slot order: ([h_kv, L, hd_k], [h_kv, L, hd_v]) (tests, debugging)."""
         idx = self.valid[row].nonzero().squeeze(-1)
         layer = self.layers[layer_idx]
         return layer.keys[row][:, idx], layer.values[row][:, idx]
@@ -367,7 +610,7 @@ def grouped_attention(query, key, value, mask, scale: float | None) -> torch.Ten
     scores = torch.matmul(query.reshape(b, h_kv, g * q, hd), key.transpose(-1, -2)).view(b, h_kv, g, q, kv)
     scores = scores.mul_(scale).add_(mask[:, :, None])  # [B, h_kv, g, q, kv] + [B, 1, 1, q, kv]
     probs = torch.softmax(scores, dim=-1).view(b, h_kv, g * q, kv)
-    return torch.matmul(probs, value).view(b, h, q, hd)
+    return torch.matmul(probs, value).view(b, h, q, value.shape[-1])  # MLA: values of their own size
 
 
 def ragged_attention(
@@ -410,6 +653,8 @@ def ragged_attention(
     Returns:
         ([1, N, h, hd] attention output, None).
     """
+    if kwargs.get("drafttrain_probe") is not None:  # attention_kwargs_reach(): the kwarg made it down here
+        kwargs.pop("drafttrain_probe").append(True)
     if kwargs.get("s_aux") is not None or kwargs.get("softcap"):  # the engine refuses these families up front
         raise NotImplementedError("attention sinks / logit soft-capping are not in drafttrain's engine attention")
     if ragged_segments is None:
@@ -459,6 +704,25 @@ def ragged_attention(
 
 
 AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+
+
+@torch.no_grad()
+def attention_kwargs_reach(target) -> bool:
+    """Whether keyword arguments of the backbone's forward reach its attention function (a 2-token probe, read once
+    per target): the packed forward hands its :class:`RaggedSegments` down that way, so a model whose layers drop
+    them (StableLM) runs the engine's batched layout instead, which needs nothing but the mask and the cache."""
+    cached = getattr(target, "_attention_kwargs_reach", None)
+    if cached is not None:
+        return cached
+    seen: list[bool] = []
+    ids = torch.zeros(1, 2, dtype=torch.long, device=target.device)
+    try:
+        with attention_implementation(target.model, RAGGED_ATTENTION):
+            target.backbone(input_ids=ids, use_cache=False, drafttrain_probe=seen)
+    except Exception:  # noqa: BLE001 - a forward that refuses unknown keywords: they do not reach it
+        seen.clear()
+    target._attention_kwargs_reach = bool(seen)
+    return target._attention_kwargs_reach
 
 
 @contextlib.contextmanager

@@ -55,6 +55,7 @@ from drafttrain.verify.cache import (
     RaggedSegments,
     WritePlan,
     attention_implementation,
+    attention_kwargs_reach,
     batched_layout,
 )
 from drafttrain.verify.tree import DraftTree
@@ -126,6 +127,9 @@ class EngineStats:
     forward_seconds: float = 0.0
     prefill_seconds: float = 0.0  # the target's prompt forwards (part of ``seconds``)
     prefill_emitted: int = 0  # first tokens sampled from the prompt forwards (one per admitted sequence)
+    replay_forwards: int = 0  # recurrent targets: forwards that replayed committed tokens after a rejected draft
+    replay_tokens: int = 0
+    replay_seconds: float = 0.0  # (part of ``seconds``)
     accept_hist: dict[int, int] = field(default_factory=dict)
     depth_attempts: dict[int, int] = field(default_factory=dict)  # depth -> steps that reached it with a node there
     depth_accepts: dict[int, int] = field(default_factory=dict)  # depth -> steps that accepted a node there
@@ -276,6 +280,16 @@ class SpecEngine:
         families.check_engine_support(target.config)  # sinks / soft-capping: refused, never decoded wrongly
         self.window = families.attention_window(target.config)  # a sliding window: sequences must fit in it
         self.family = families.family_of(target.config).name
+        self.layout = target.cache_layout  # one cache kind per layer, read from the model (UnsupportedTarget if not)
+        self.recurrent = any(c.is_recurrent for c in self.layout)
+        if self.recurrent:
+            where = families.recurrent_layers_text(target)
+            if mode == "padded":
+                raise ValueError(f"mode='padded' left-pads prompts, which {where} would read into their state: use "
+                                 "mode='unpadded'")  # fmt: skip
+            if compile_target:
+                raise ValueError(f"compile_target runs one graph over the whole cache row; {where} keep states the "
+                                 "graph does not hold: run without compile_target")  # fmt: skip
         self.target = target
         self.proposer = proposer
         from drafttrain.target import resolve_feature_layers
@@ -296,7 +310,9 @@ class SpecEngine:
         self.device = target.device
         self.dtype = next(target.model.parameters()).dtype
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.cache = RaggedKVCache(target.config, 0, initial_capacity, self.dtype, self.device)
+        self.cache = RaggedKVCache(target.config, 0, initial_capacity, self.dtype, self.device, layout=self.layout)
+        # packed [1, N] forwards: every layer plain attention and the segments reach the attention function
+        self.packable = self.cache.packable and attention_kwargs_reach(target)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # build (once per machine, ~20 s) and load the decode-attention kernel now, not inside the first
             # timed decoding step (a benchmark's first round read 49 against ~160 tokens/s at batch 16)
@@ -424,6 +440,7 @@ class SpecEngine:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         cache.valid[idx] = False
         cache.lengths[idx] = 0
+        cache.reset_rows(rows)  # recurrent layers: a new sequence starts from zero states
         lens = [len(s.prompt) for s in seqs]
         p_max = max(lens)
         if self.mode == "padded":  # left-pad every new prompt to end at the common offset W (grow W if needed)
@@ -532,6 +549,15 @@ class SpecEngine:
         cache = self.cache
         toks, pos, masks, slots = [], [], [], []
         q = [1 + t.n for t in trees]
+        if self.recurrent:
+            for t in trees:
+                if t.n and not bool((t.parents.cpu() == torch.arange(-1, t.n - 1)).all()):
+                    from drafttrain.target import families
+
+                    raise ValueError(f"{families.recurrent_layers_text(self.target)}: the engine verifies draft "
+                                     "chains on this target (a recurrent state follows one sequence; a tree's "
+                                     f"branches would share it), and {self.proposer.name} drafted a tree: draft a "
+                                     "chain (tree.widths=null)")  # fmt: skip
         for r, tree in zip(rows, trees):
             seq = self.rows[r]
             # assembled on the host (trees live there, drafttrain.verify.tree), then one copy each
@@ -558,7 +584,8 @@ class SpecEngine:
             self.stats.window_valid += sum(lens)
         sel = [torch.arange(n, device=self.device) for n in q]
         t0 = time.perf_counter()
-        hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False)
+        hidden, logits = self._forward(rows, toks, pos, masks, slots, sel, left_pad=False,
+                                       states="snapshot" if max(q) > 1 else "commit")  # fmt: skip
         dt = time.perf_counter() - t0
         self.stats.forward_seconds += dt
         report = getattr(self.proposer, "observe_forward", None)  # the planner's cost curve (verify/planner.py)
@@ -569,6 +596,7 @@ class SpecEngine:
     def _commit(self, rows, seqs, trees, logits, hidden) -> None:
         cache = self.cache
         st = self.stats
+        roots = {r: seq.pending for r, seq in zip(rows, seqs)}  # the token each row's step was fed first
         rule = getattr(self.proposer, "accept", None)  # a proposer's own rule (SSSD, MCSD, MTAD) wins
         if rule is not None:
             results: list[Acceptance] = [
@@ -639,17 +667,84 @@ class SpecEngine:
                 self.proposer.commit(seq.slot, full, h[fed[: len(full)]])
         if self.mode == "padded":
             self._write_ptr += a_max
+        if self.recurrent and max(q) > 1:
+            self._settle_states(rows, seqs, trees, results, q, base, keep, roots)
 
     # =============================================================================================
     # the target forward (packed or batched)
     # =============================================================================================
-    def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool):
+    def _settle_states(self, rows, seqs, trees, results, q, base, keep, roots) -> None:
+        """Recurrent layers after a verification forward (docs/design.md, "Recurrent state and rollback"): a row whose
+        inputs were all committed and not padded (every draft accepted in a forward of equal-length rows) keeps the
+        forward's states; every other row's states stay as they were before the forward (the snapshot), and its
+        committed tokens (root + accepted drafts) are replayed in forwards of equal-length rows, so the state ends
+        exactly where plain decoding of those tokens leaves it. Rows that finished this step are skipped."""
+        q_max = max(q)
+        exact = [keep[r] == q_max for r in rows]
+        self.cache.end_states(exact)
+        replay = [(r, seq, acc) for r, seq, acc, ok in zip(rows, seqs, results, exact)
+                  if not ok and self.rows[r] is seq]  # fmt: skip
+        if not replay:
+            return
+        t0 = time.perf_counter()
+        toks, pos, masks, slots, sel, rr = [], [], [], [], [], []
+        tree_of = dict(zip(rows, trees))
+        for r, seq, acc in replay:
+            n = keep[r]
+            committed = ([roots[r]] + tree_of[r].tokens[acc.path].tolist())[:n]
+            toks.append(torch.tensor(committed, dtype=torch.long, device=self.device))
+            ar = torch.arange(n, device=self.device)
+            pos.append(base[r] + ar)
+            slots.append(base[r] + ar)
+            masks.append(torch.ones(n, n, dtype=torch.bool, device=self.device).tril())
+            sel.append(ar[:0])
+            rr.append(r)
+        self._forward(rr, toks, pos, masks, slots, sel, left_pad=False, states="commit", logits=False)
+        self.stats.replay_forwards += len({t.numel() for t in toks})
+        self.stats.replay_tokens += sum(t.numel() for t in toks)
+        self.stats.replay_seconds += time.perf_counter() - t0
+
+    def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool, states: str = "commit",
+                 logits: bool = True):  # fmt: skip
         """One target forward over per-row inputs; keys/values go to (row, slot); returns per row
-        (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs."""
+        (features [q_i, F] of the proposer's feature layers, logits [len(sel_i), v]) for the real inputs.
+
+        A target with recurrent layers runs batched (never packed: a recurrent layer reads its whole input row as
+        one sequence). ``states="commit"``: rows are grouped by input length, one forward per group, so no row is
+        padded and every row's states are exact afterwards (prefills, replays, plain steps). ``"snapshot"``: one
+        forward; the states are left out of place until :meth:`_settle_states` decides which rows keep them."""
+        if self.recurrent:
+            if states == "commit":
+                by_len: dict[int, list[int]] = {}
+                for i, t in enumerate(toks):
+                    by_len.setdefault(t.numel(), []).append(i)
+                out_h: list = [None] * len(rows)
+                out_l: list = [None] * len(rows)
+                for group in by_len.values():
+                    g_rows = [rows[i] for i in group]
+                    self.cache.begin_states(g_rows, snapshot=False)
+                    try:
+                        h, f = self._forward_batched(g_rows, [toks[i] for i in group], [pos[i] for i in group],
+                                                     [masks[i] for i in group], [slots[i] for i in group], left_pad)
+                    except BaseException:
+                        self.cache.end_states([False] * len(g_rows))
+                        raise
+                    self.cache.end_states(None)
+                    for j, i in enumerate(group):
+                        out_h[i], out_l[i] = f[j], h[j]
+                hidden, feats = out_l, out_h
+            else:
+                self.cache.begin_states(rows, snapshot=True)
+                hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
+            if not logits:
+                return feats, None
+            picked = torch.cat([h[s.to(h.device)] for h, s in zip(hidden, sel)])  # [M, d]
+            lg = self.target.lm_head(picked).float()
+            return feats, list(torch.split(lg, [s.numel() for s in sel]))
         plain = {t.numel() for t in toks} == {1}  # one input per row: [B, 1] through the model's own attention
         if self.compile_target:
             hidden, feats = self._forward_compiled(rows, toks, pos, masks, slots)
-        elif self.mode == "unpadded" and not (plain and self.pack_inputs == "auto"):
+        elif self.mode == "unpadded" and self.packable and not (plain and self.pack_inputs == "auto"):
             hidden, feats = self._forward_packed(rows, toks, pos, masks, slots)
         else:
             hidden, feats = self._forward_batched(rows, toks, pos, masks, slots, left_pad)
@@ -755,7 +850,7 @@ class SpecEngine:
         saved, saved_layers = self.cache, self.feature_layers
         if feature_layers is not None:
             self.feature_layers = resolve_feature_layers(feature_layers, self.target.num_hidden_layers)
-        self.cache = RaggedKVCache(self.target.config, 1, 16, self.dtype, self.device)
+        self.cache = RaggedKVCache(self.target.config, 1, 16, self.dtype, self.device, layout=self.layout)
         try:
             for q in (2, 1):
                 tri = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
