@@ -61,6 +61,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafttrain.cliconfig import FatalError
+
 log = logging.getLogger(__name__)
 
 
@@ -316,9 +318,10 @@ def raw_embedding(embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
 def effective_norm_weight(norm: nn.Module, hidden_size: int) -> torch.Tensor:
     """The per-channel scale an RMSNorm applies, as a Llama ``weight`` (x * w): probed with a vector of ones
     (RMS 1), so Gemma's ``x * (1 + w)`` and any other parameterisation come out right. [d] float32."""
-    w = next(norm.parameters())
+    w = next(norm.parameters(), None)  # a norm without parameters (OLMo's LayerNorm): probed in float32 on the CPU
+    dev, dt = (w.device, w.dtype) if w is not None else (torch.device("cpu"), torch.float32)
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)) or 0.0)
-    out = norm(torch.ones(1, hidden_size, dtype=torch.float32, device=w.device).to(w.dtype)).float()[0]
+    out = norm(torch.ones(1, hidden_size, dtype=torch.float32, device=dev).to(dt)).float()[0]
     return out * (1.0 + eps) ** 0.5
 
 
@@ -450,8 +453,10 @@ def draft_layer_config(target_config) -> dict[str, Any]:
     """
     get = _getter(target_config)
     d = int(get("hidden_size"))
-    heads = int(get("num_attention_heads"))
-    head_dim = int(get("head_dim", None) or d // heads)
+    # a target without attention heads (a pure state-space model) gets heads of 64 (d // 64 of them, at least one)
+    attn_heads = get("num_attention_heads", None)
+    heads = int(attn_heads or max(1, d // 64))
+    head_dim = int((get("head_dim", None) if attn_heads else None) or d // heads)
     inter = get("intermediate_size", None) or 3 * d  # an MoE config without a dense size: 3d, as speculators
     rope = copy.deepcopy(get("rope_parameters", None)) or {"rope_type": "default",
                                                             "rope_theta": float(get("rope_theta", 10000.0))}
@@ -492,9 +497,10 @@ def llama_layer_config(target_config, attn_implementation: str = "sdpa"):
 # ------------------------------------------------------------------------------------------------ structure
 
 
-class UnsupportedTarget(ValueError):
+class UnsupportedTarget(FatalError, ValueError):
     """A target whose structure drafttrain cannot read, or that its engine cannot decode exactly. The message is
-    one line: the model's class, the part that failed, and what still works."""
+    one line: the model's class, the part that failed, and what still works (a :class:`FatalError`: the entry
+    points print it without a traceback and exit with status 1)."""
 
 
 @dataclass(frozen=True)

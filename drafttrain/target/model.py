@@ -262,7 +262,8 @@ class Target:
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden).float() if with_logits else None
         feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if extra else hidden
-        return TargetOutput(hidden=hidden, logits=logits, cache=out.cache, features=feats)
+        cache_out = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return TargetOutput(hidden=hidden, logits=logits, cache=cache_out, features=feats)
 
     def compiled_backbone(self):
         """The backbone (``model.model``) under ``torch.compile`` with inductor's freezing and dynamic shapes.
@@ -625,9 +626,16 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         model = _tiny_model(cfg, len(tokenizer), tokenizer).to(dtype)
     else:
         mcfg = AutoConfig.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, config=copy.deepcopy(mcfg), dtype=dtype, attn_implementation=cfg.attn_implementation
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=copy.deepcopy(mcfg), dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
+        except ValueError as e:  # a class without that attention implementation (Mamba: no attention at all)
+            if "attention implementation" not in str(e) and "attn_implementation" not in str(e):
+                raise
+            log.info("%s: attention implementation %s unsupported; loading with the model's default",
+                     (mcfg.architectures or ["the target"])[0], cfg.attn_implementation)  # fmt: skip
+            model = AutoModelForCausalLM.from_pretrained(folder, config=copy.deepcopy(mcfg), dtype=dtype)
     model = model.to(device)
     target = Target(model, tokenizer, source_dir=None if cfg.random_init else folder)  # (folds a logit scale)
     if pack:  # after the fold: the packed LM head holds the scaled weights

@@ -715,10 +715,14 @@ def attention_kwargs_reach(target) -> bool:
     if cached is not None:
         return cached
     seen: list[bool] = []
+    backbone = target.backbone  # (its structure is read first, outside the probe's attention implementation)
     ids = torch.zeros(1, 2, dtype=torch.long, device=target.device)
+    dtype = next(target.model.parameters()).dtype
+    mask = torch.zeros(1, 1, 2, 2, dtype=dtype, device=target.device)
+    mask[..., 0, 1] = torch.finfo(dtype).min  # causal, as the engine's own masks
     try:
         with attention_implementation(target.model, RAGGED_ATTENTION):
-            target.backbone(input_ids=ids, use_cache=False, drafttrain_probe=seen)
+            backbone(input_ids=ids, attention_mask=mask, use_cache=False, drafttrain_probe=seen)
     except Exception:  # noqa: BLE001 - a forward that refuses unknown keywords: they do not reach it
         seen.clear()
     target._attention_kwargs_reach = bool(seen)

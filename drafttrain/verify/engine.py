@@ -280,6 +280,7 @@ class SpecEngine:
         families.check_engine_support(target.config)  # sinks / soft-capping: refused, never decoded wrongly
         self.window = families.attention_window(target.config)  # a sliding window: sequences must fit in it
         self.family = families.family_of(target.config).name
+        target.structure  # read before any forward of the engine's own (its attention implementation, its masks)
         self.layout = target.cache_layout  # one cache kind per layer, read from the model (UnsupportedTarget if not)
         self.recurrent = any(c.is_recurrent for c in self.layout)
         if self.recurrent:
