@@ -441,7 +441,9 @@ class Drafter(nn.Module):
         """
         head = self.shared.lm_head
         w, b = (head.weight, getattr(head, "bias", None)) if not self.restricted_vocab else self.draft_head_rows()
-        return torch.nn.functional.linear(features.to(w.dtype), w, b).float()
+        logits = torch.nn.functional.linear(features.to(w.dtype), w, b).float()
+        cap = getattr(head, "cap", None)  # a target that soft-caps its logits (SoftcappedHead): the same cap here
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocabulary logits [..., N] into the target vocabulary [..., v] (-inf elsewhere)."""

@@ -254,6 +254,8 @@ def serve_alternatives(fmt: str, out: Path, engine_cfg: dict, speculation: dict,
     "num_speculative_tokens": K, "measured_speedup": x, "command": the CPU line serving K}`` (e.g. one request at a time, where the line for 1 and 8 requests serves the target alone). For a line the
     cost model held to every load (:func:`drafttrain.export.speculation.hold_at_loads`): its
     ``predicted_alternative``, ``{"loads": [1..n], "num_speculative_tokens": K, "expected_speedup": x, "command"}``."""
+    if speculation.get("vllm_cpu_refused"):  # the CPU build is not lossless on this target: no speculating line
+        return []
     pred = speculation.get("predicted_alternative")
     if pred:
         spec = vllm_speculative_config(fmt, out, int(pred["num_speculative_tokens"]), engine_cfg)
@@ -284,6 +286,24 @@ def vllm_profile_for(info: dict) -> tuple[dict, Path] | None:
     from drafttrain.export.vllm_profile import lookup
 
     return lookup(info)
+
+
+def vllm_cpu_refusal(target) -> str | None:
+    """Why the printed CPU line must not speculate on this target, or None: vLLM 0.32's CPU build loads EAGLE-3
+    exports of targets with recurrent layers (Qwen3-Next: bf16 only, prefix caching off) and of MLA targets
+    (DeepSeek-V3: bf16, a 512 + 64 latent only), but its speculative output was measured different from its own plain
+    greedy at one request at a time on both (docs/benchmarks/serving.md), so the line serves the target alone; the
+    exported folder is written all the same (a GPU build may serve it)."""
+    from drafttrain.target import families
+
+    cls = type(target.model).__name__
+    if getattr(target, "recurrent", False):
+        return (f"vLLM 0.32 CPU's speculative decoding is not lossless on {cls}'s recurrent layers (its output "
+                "differs from its plain greedy at one request at a time)")  # fmt: skip
+    if families.mla_attention(target.config):
+        return (f"vLLM 0.32 CPU's speculative decoding is not lossless on {cls}'s MLA attention (its output differs "
+                "from its plain greedy at one request at a time)")  # fmt: skip
+    return None
 
 
 def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str | Path | None = None,
@@ -395,6 +415,9 @@ def export_run(checkpoint: str | Path, fmt: str | None = None, output_dir: str |
                 info.update(export_record(tmp, fmt, drafter, target.config, target_dir))
         elif not num_speculative_tokens and fmt != "sglang":  # the model's K, held to every load vLLM's line serves
             spec_block = spx.hold_at_loads(spec_block, loads)
+        if fmt != "sglang" and (why_not := vllm_cpu_refusal(target)):  # measured not lossless in vLLM 0.32 CPU
+            spec_block = {**spec_block, "pays": False, "vllm_cpu_refused": why_not,
+                          "line_note": f"  # {why_not}: serve without speculation on vLLM's CPU build"}  # fmt: skip
         info.update({"num_speculative_tokens": n_spec, "speculation": spec_block,
                      "commands": serve_commands(fmt, out, verifier, n_spec, engine_cfg, spec_block, target_dir)})  # fmt: skip
         if alts := serve_alternatives(fmt, out, engine_cfg, spec_block, target_dir):

@@ -104,6 +104,9 @@ def run(job: dict) -> dict:
         disable_log_stats=False,
         seed=0,
         **({"enforce_eager": True, "compilation_config": {"mode": 0}} if job.get("eager") else {}),
+        # a target with recurrent layers: vLLM's prefix caching keeps their states in its "align" mode, whose
+        # kernels are Triton's (none on the CPU build); without it the states stay per request
+        **({"enable_prefix_caching": bool(job["prefix_caching"])} if "prefix_caching" in job else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
                             stop_token_ids=job.get("stop_token_ids") or None, detokenize=False)  # fmt: skip

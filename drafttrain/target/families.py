@@ -88,11 +88,9 @@ class Family:
 
     @property
     def engine_refusal(self) -> str | None:
-        """Why drafttrain's engine cannot decode this family exactly (None: it can)."""
-        if self.sinks:
-            return "its attention sinks (a learned per-head logit in every softmax) are not in the engine's attention"
-        if self.softcap:
-            return "its attention logit soft-capping is not in the engine's attention"
+        """Why drafttrain's engine cannot decode this family exactly (None: it can). Attention sinks and logit
+        soft-capping are in the engine's attention (:func:`drafttrain.verify.cache.exact_attention`): no family
+        listed here is refused; the pre-flight check (:mod:`drafttrain.preflight`) decides for a loaded target."""
         return None
 
 
@@ -168,6 +166,13 @@ def mla_attention(config) -> str | None:
     if v and qk and int(v) != int(qk):
         return f"v_head_dim {v} != query/key head size {qk}"
     return None
+
+
+def final_logit_softcap(config) -> float | None:
+    """The cap c of a model that soft-caps its final logits, ``c * tanh(logits / c)`` (Gemma-2, VaultGemma,
+    NanoChat, Beam: ``final_logit_softcapping``); None where it does not (a transformers config or its ``to_dict()``)."""
+    cap = _getter(config)("final_logit_softcapping", None)
+    return float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0 else None
 
 
 def architecture_name(config) -> str:

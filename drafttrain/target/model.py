@@ -115,6 +115,9 @@ class Target:
         self._structure: dict | None = None  # read on first use (families.probe_structure)
         self._layout = None  # read on first use (families.cache_layout)
         self.logit_multiplier, self._head = _fold_logit_scale(model)
+        self.logit_softcap = families.final_logit_softcap(self.config)  # Gemma-2's c * tanh(logits / c)
+        if self.logit_softcap is not None:
+            self._head = SoftcappedHead(model, self.logit_softcap, own=self._head)
 
     # -- the model's structure, read from the model (drafttrain.target.families.probe_structure) ----
     @property
@@ -454,6 +457,41 @@ class Target:
                 r["features"] = torch.cat(feats[i], dim=0)[: len(tokens) - 1]
             results.append(r)
         return results
+
+
+class SoftcappedHead(nn.Module):
+    """The LM head of a model that soft-caps its final logits: ``cap * tanh(head(h) / cap)``, the model's own logits
+    (:func:`drafttrain.target.families.final_logit_softcap`). ``head`` is the model's output embedding as it is now
+    (prepacked or not: read at each call) or drafttrain's own scaled copy; ``weight`` / ``bias`` are its tensors, for
+    the readers of the head's rows (a draft vocabulary's)."""
+
+    def __init__(self, model: nn.Module, cap: float, own: nn.Module | None = None):
+        super().__init__()
+        self.__dict__["_model"], self.__dict__["_own"] = model, own  # not submodules: nothing is registered twice
+        self.cap = float(cap)
+
+    @property
+    def head(self) -> nn.Module:
+        return self._own if self._own is not None else self._model.get_output_embeddings()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    @property
+    def bias(self):
+        return getattr(self.head, "bias", None)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.head.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.head.weight.shape[0])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden).float() / self.cap) * self.cap
 
 
 def _select_rows(cache, rows: torch.Tensor) -> None:

@@ -613,6 +613,41 @@ def grouped_attention(query, key, value, mask, scale: float | None) -> torch.Ten
     return torch.matmul(probs, value).view(b, h, q, value.shape[-1])  # MLA: values of their own size
 
 
+def exact_attention(query, key, value, mask, scale: float | None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(softcap(q k^T * scale) + mask) v, with learned attention sinks where given: the eager attention of the
+    families that have them (Gemma-2's logit soft-capping ``c * tanh(x / c)``; gpt-oss's per-head sink logit, one
+    more softmax column that takes probability mass and is dropped), grouped-query heads folded as in
+    :func:`grouped_attention`.
+
+    Args:
+        query: [B, h, q, hd_k]; key: [B, h_kv, kv, hd_k]; value: [B, h_kv, kv, hd_v]; mask: [B or 1, 1, q, kv]
+            additive float mask or None; softcap: the cap c (None: none); sinks: [h] logits (None: none).
+
+    Returns:
+        [B, h, q, hd_v] in the query's dtype (computed in float32).
+    """
+    b, h, q, hd = query.shape
+    h_kv, kv = key.shape[1], key.shape[2]
+    g = h // h_kv
+    scale = hd**-0.5 if scale is None else scale
+    scores = torch.matmul(query.float().reshape(b, h_kv, g * q, hd), key.float().transpose(-1, -2)) * scale
+    scores = scores.view(b, h_kv, g, q, kv)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()[:, :, None]  # [B, 1, 1, q, kv]
+    if sinks is not None:
+        sink = sinks.float().reshape(1, h_kv, g, 1, 1).expand(b, h_kv, g, q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.reshape(b, h_kv, g * q, kv), value.float())
+    return out.view(b, h, q, value.shape[-1]).to(query.dtype)
+
+
 def ragged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -655,8 +690,11 @@ def ragged_attention(
     """
     if kwargs.get("drafttrain_probe") is not None:  # attention_kwargs_reach(): the kwarg made it down here
         kwargs.pop("drafttrain_probe").append(True)
-    if kwargs.get("s_aux") is not None or kwargs.get("softcap"):  # the engine refuses these families up front
-        raise NotImplementedError("attention sinks / logit soft-capping are not in drafttrain's engine attention")
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    exact = sinks is not None or bool(softcap)  # a family's own softmax (sinks, soft-capping): exact_attention
+    if ragged_segments is None and exact:
+        mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+        return exact_attention(query, key, value, mask, scaling, softcap, sinks).transpose(1, 2), None
     if ragged_segments is None:
         # decoding / verification (usable: up to MAX_QUERIES per row): drafttrain's kernel; several queries
         # only with an explicit mask (without one sdpa would be causal)
@@ -672,7 +710,9 @@ def ragged_attention(
         k = key[rows, :, :kv] if isinstance(rows, slice) else key.index_select(0, rows)[:, :, :kv]
         v = value[rows, :, :kv] if isinstance(rows, slice) else value.index_select(0, rows)[:, :, :kv]
         qb = query[0][:, plan["q_idx"]].transpose(0, 1)  # [h, B, q_max, hd] -> [B, h, q_max, hd]
-        if plan["causal"]:  # a packed prefill: sdpa's causal kernel, no mask, no masked-out work
+        if exact:
+            out = exact_attention(qb, k, v, plan["mask"], scaling, softcap, sinks)
+        elif plan["causal"]:  # a packed prefill: sdpa's causal kernel, no mask, no masked-out work
             # Real query j of a sequence sees its keys 0..j (< its length); the repeated queries past
             # its end see other slots, and their outputs are dropped. Measured on the 2-core CPU, the
             # engine prefilling 47 ShareGPT prompts (up to 218 tokens) at once: 12.4 / 11.4 -> 9.1 / 8.5 s
@@ -694,7 +734,9 @@ def ragged_attention(
     for s, e, row, kv in zip(seg.starts, seg.ends, seg.rows, seg.kv_lens):
         args = (query[:, :, s:e], key[row : row + 1, :, :kv], value[row : row + 1, :, :kv])  # [1, h, q_i, hd], [1, h_kv, kv_i, hd] x 2
         mask = attention_mask[:, :, s:e, :kv]  # [1, 1, q_i, kv_i]
-        if fastattention.usable(*args, mask, max_queries=fastattention.MAX_QUERIES_ONE):  # one sequence's tree
+        if exact:
+            outs.append(exact_attention(*args, mask, scaling, softcap, sinks))
+        elif fastattention.usable(*args, mask, max_queries=fastattention.MAX_QUERIES_ONE):  # one sequence's tree
             outs.append(fastattention.decode_attention(*args, mask, scaling))
         else:
             outs.append(torch.nn.functional.scaled_dot_product_attention(

@@ -330,6 +330,7 @@ class SpecEngine:
         # called once per sequence before its release, with the hidden states of the last step's inputs
         # whose tokens were emitted (a plain step: the root's)
         self._finish_hook = getattr(proposer, "finish", None)
+        self._observation = None  # a recurrent target's verification cost, reported once its replay is known
 
     # =============================================================================================
     # public driving API
@@ -591,7 +592,10 @@ class SpecEngine:
         self.stats.forward_seconds += dt
         report = getattr(self.proposer, "observe_forward", None)  # the planner's cost curve (verify/planner.py)
         if report is not None:
-            report(len(rows), sum(q), dt)
+            if self.recurrent and max(q) > 1:  # reported after the commit, with its replay (what the step costs)
+                self._observation = (report, len(rows), sum(q), dt)
+            else:
+                report(len(rows), sum(q), dt)
         return logits, hidden
 
     def _commit(self, rows, seqs, trees, logits, hidden) -> None:
@@ -670,6 +674,10 @@ class SpecEngine:
             self._write_ptr += a_max
         if self.recurrent and max(q) > 1:
             self._settle_states(rows, seqs, trees, results, q, base, keep, roots)
+            if self._observation is not None:  # the planner sees the verification with its replay
+                report, n_rows, n_tokens, dt = self._observation
+                self._observation = None
+                report(n_rows, n_tokens, dt)
 
     # =============================================================================================
     # the target forward (packed or batched)
@@ -703,7 +711,9 @@ class SpecEngine:
         self._forward(rr, toks, pos, masks, slots, sel, left_pad=False, states="commit", logits=False)
         self.stats.replay_forwards += len({t.numel() for t in toks})
         self.stats.replay_tokens += sum(t.numel() for t in toks)
-        self.stats.replay_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.replay_seconds += dt
+        self._observation = self._observation and (*self._observation[:3], self._observation[3] + dt)
 
     def _forward(self, rows, toks, pos, masks, slots, sel, left_pad: bool, states: str = "commit",
                  logits: bool = True):  # fmt: skip
