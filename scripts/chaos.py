@@ -3,6 +3,7 @@ same command until it finishes, compared with the same pipeline run once without
 
     python -m scripts.chaos                                            # seed 0, 5 kills, into outputs/chaos
     python -m scripts.chaos seed=7 kills=3 out=outputs/chaos_seed7     # replay a draw: the same seed, the same kill points
+    python -m scripts.chaos fresh_kernels=true out=outputs/chaos_kernels  # the CPU kernels build in each run: kills inside the build
 
 The pipeline (one shell command, relaunched as it is): ``accelerate launch train.py +recipe=parallelspec
 target=tiny resume=true ...`` (self-distillation into sharded data, the feature columns the drafter reads,
@@ -13,7 +14,7 @@ target that exists on no disk; ``gpu_cost_ratio`` is stated so K does not depend
 cache) and ``target/``: nothing is shared.
 
 Kill points: ``kills`` draws of (phase, fraction) from ``random.Random(seed)``: a phase of the uninterrupted
-run (startup, generation, training, evaluation, export: the spans between the log lines in
+run (startup, kernel, generation, training, evaluation, export: the spans between the log lines in
 :data:`PHASE_MARKERS`), and a fraction of its measured duration. Attempt ``i`` is SIGKILLed (its whole
 process group) that long after its output reaches the drawn phase (or a later one: a resumed attempt skips
 work already done). Each kill prints one line: number, drawn point, the phase the process was in
@@ -49,6 +50,7 @@ EXPORT_MARK = "[chaos] export stage"
 #: (phase, regex of the output line that starts it), in the pipeline's order. "startup" starts at launch.
 PHASE_MARKERS: tuple[tuple[str, str | None], ...] = (
     ("startup", None),  # interpreter, imports, config, the target
+    ("kernel", r"building drafttrain's \S+ kernel"),  # drafttrain's CPU kernels built (fresh_kernels) or loaded
     ("generation", r"\]\[drafttrain\.data\.pipeline\]"),  # conversations read, self-distillation shards written
     ("training", r"train sequences \d+"),  # steps, metrics rows, checkpoints every save_every
     ("evaluation", r"Saving current state to \S*step_{last}"),  # last checkpoints, held-out + speculative eval
@@ -254,6 +256,9 @@ class ChaosConfig:
     generation_batch: int = 4  # conversations per self-distillation shard (several shards, so kills land between them)
     launch_timeout_s: int = 900  # one launch longer than this is killed and the chaos run fails
     overwrite: bool = False  # remove an existing out/ first
+    # a fresh torch extensions folder per run (out/kernels_<run>, not compared): the kernels build in the first
+    # launch, so a kill can land inside the build (torch's lock file left behind must not block the next launch)
+    fresh_kernels: bool = False
 
 
 def pipeline_command(root: Path, c: ChaosConfig) -> str:
@@ -265,7 +270,10 @@ def pipeline_command(root: Path, c: ChaosConfig) -> str:
              f"data.generation.batch_size={c.generation_batch}"]  # fmt: skip
     export = [sys.executable, "-m", "scripts.export", f"checkpoint={root / 'run'}", f"target_path={root / 'target'}",
               f"output_dir={root / 'run' / 'export'}", "overwrite=true", "gpu_cost_ratio=0.1"]  # fmt: skip
-    return f"{shlex.join(train)} && echo {shlex.quote(EXPORT_MARK)} && {shlex.join(export)}"
+    line = f"{shlex.join(train)} && echo {shlex.quote(EXPORT_MARK)} && {shlex.join(export)}"
+    if c.fresh_kernels:  # beside the run's root, so compare_runs never sees it
+        line = f"export TORCH_EXTENSIONS_DIR={shlex.quote(str(root.parent / ('kernels_' + root.name)))}; {line}"
+    return line
 
 
 def save_tiny_target(folder: Path, layers: int) -> None:
@@ -329,6 +337,8 @@ def observed_phase(root: Path, lines: list[str], c: ChaosConfig) -> str:
         return f"checkpoint write ({', '.join(tmp) or last.split(' to ')[-1].strip()})"
     if not re.search(r"train sequences \d+", text):
         if not re.search(r"\]\[drafttrain\.data\.pipeline\]", text):
+            if re.search(r"building drafttrain's \S+ kernel", last):
+                return f"kernel build ({last.split(' kernel ')[-1].split(' ')[0]})"
             return "startup (interpreter, imports, config, target)"
         jobs = list((root / "data" / "selfdistill").glob("*/manifest.json"))
         done = len(json.loads(jobs[0].read_text()).get("shards", {})) if jobs else 0

@@ -48,6 +48,10 @@ def run(cfg) -> dict:
     convs = load_conversations(c.source, split=c.split, max_conversations=c.max_conversations, stats=stats)
     log.info(stats.report())
     target = build_run(c, device="auto").target  # CUDA where torch sees a device
+    from drafttrain.preflight import check_target
+
+    with torch.random.fork_rng(devices=[]):  # before any conversation: one line if the target cannot be driven
+        check_target(target, engine=c.generation.backend == "engine")
     from drafttrain.fingerprint import target_fingerprint
 
     fp = target_fingerprint(c.target)  # the target's content (config + weights), not its name

@@ -207,6 +207,17 @@ def evaluate(cfg) -> dict[str, Any]:
             spec.preflight(c)
     rows = prompt_rows(c)  # a missing, empty or malformed prompts file too
     target = build_run(c).target
+    from drafttrain.preflight import check_target
+
+    with torch.random.fork_rng(devices=[]):  # before any work: structure, forward, the engine (one line if it fails)
+        check_target(target, engine=True)
+    if target.recurrent and any(v is not None for v in (c.tree.widths, c.tree.budget, c.tree.choices)):
+        from drafttrain.target import families
+        from drafttrain.target.families import UnsupportedTarget
+
+        raise UnsupportedTarget(f"{families.recurrent_layers_text(target)}: the engine verifies draft chains on this "
+                                "target (a recurrent state follows one sequence), and tree.widths / tree.budget / "
+                                "tree.choices ask for a tree: set them to null")  # fmt: skip
     drafter = load_drafter(c, ddir, target) if any(s.needs_drafter for s in specs) else None
     ids, prompts = load_prompts(c, target.tokenizer, rows)
     stops = c.stop_token_ids if c.stop_token_ids is not None else sorted(end_of_turn_ids(target.tokenizer))

@@ -132,11 +132,12 @@ def test_the_excluded_list_names_measurements_only():
 
 
 def test_kill_points_are_a_function_of_the_seed_and_reach_every_phase():
-    lines = [(0.5, "x"), (2.0, "[t][drafttrain.data.pipeline][INFO] - sharegpt: read 24"), (3.0, "train sequences 18"),
+    lines = [(0.5, "x"), (1.0, "[t][drafttrain.target.fastlinear][INFO] - building drafttrain's AVX2 kernel k (once)"),
+             (2.0, "[t][drafttrain.data.pipeline][INFO] - sharegpt: read 24"), (3.0, "train sequences 18"),
              (5.0, "Saving current state to /r/checkpoints/.tmp_step_0000012"), (6.0, "[chaos] export stage"), (8.0, "end")]  # fmt: skip
     phases = phase_times(lines, ChaosConfig(max_steps=12))
-    assert phases == {"startup": (0.0, 2.0), "generation": (2.0, 3.0), "training": (3.0, 5.0), "evaluation": (5.0, 6.0),
-                      "export": (6.0, 8.0)}  # fmt: skip
+    assert phases == {"startup": (0.0, 1.0), "kernel": (1.0, 2.0), "generation": (2.0, 3.0), "training": (3.0, 5.0),
+                      "evaluation": (5.0, 6.0), "export": (6.0, 8.0)}  # fmt: skip
     assert list(phases) == [name for name, _ in PHASE_MARKERS]
     assert draw_kills(3, 5, phases) == draw_kills(3, 5, phases) != draw_kills(4, 5, phases)
     drawn = draw_kills(0, 60, phases)
