@@ -116,7 +116,8 @@ class _Scripted:
                     out.append(DraftTree.chain([right, wrong]))
                 else:  # root -> {wrong', right -> wrong}: accepts the second branch's first node
                     other = (right + 1) % self.vocab
-                    out.append(DraftTree(torch.tensor([other, right, wrong]), torch.tensor([-1, -1, 1])))
+                    out.append(DraftTree(torch.tensor([other, right, wrong], device="cpu"),
+                                           torch.tensor([-1, -1, 1], device="cpu")))
             else:
                 out.append(DraftTree.empty())
         return out
@@ -136,7 +137,7 @@ class _Scripted:
 def _prompts(target) -> list[list[int]]:
     v = int(target.lm_head.weight.shape[0])
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, max(v - 1, 4), (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(3, max(v - 1, 4), (n,), generator=g, device="cpu").tolist() for n in PROMPT_LENGTHS]
 
 
 def check_engine(target) -> list[str]:
@@ -202,15 +203,16 @@ def check_drafter(target, name: str, config: dict[str, Any]) -> list[str]:
         v = int(target.lm_head.weight.shape[0])
         g = torch.Generator().manual_seed(0)
         lengths = (12, 9)
-        ids = torch.randint(3, max(v - 1, 4), (2, max(lengths)), generator=g)
+        ids = torch.randint(3, max(v - 1, 4), (2, max(lengths)), generator=g, device="cpu")
         loss_mask = torch.zeros_like(ids)
         for i, n in enumerate(lengths):
             ids[i, n:] = 0
             loss_mask[i, 3:n] = 1
-        attn = (torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]).long()
+        lens = torch.tensor(lengths, device="cpu")
+        attn = (torch.arange(ids.shape[1], device="cpu")[None] < lens[:, None]).long()
         dev = target.device
         feats = target.features(ids.to(dev), attention_mask=attn.to(dev), feature_layers=drafter.feature_layers)
-        batch = {"input_ids": ids.to(dev), "loss_mask": loss_mask.to(dev), "lengths": torch.tensor(lengths),
+        batch = {"input_ids": ids.to(dev), "loss_mask": loss_mask.to(dev), "lengths": lens,
                  "features": feats[:, :-1]}  # fmt: skip
         out = drafter.training_loss(batch, torch.Generator().manual_seed(0))
         if not bool(torch.isfinite(out.loss)):

@@ -182,13 +182,6 @@ def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
     if t.random_init and t.family not in families.FAMILIES:
         problems.append(f"target.family must be one of {'|'.join(families.FAMILIES)}, got {t.family!r}")
         return problems
-    if t.path and not t.random_init and Path(t.path).expanduser().exists():
-        from drafttrain.target.model import folder_problem
-
-        problem = folder_problem(Path(t.path).expanduser())
-        if problem:
-            problems.append(f"target.path={t.path}: {problem}")
-            return problems
     model_config = target_model_config(t)
     if uses_engine and model_config is not None:
         try:

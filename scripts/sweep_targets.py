@@ -1,4 +1,4 @@
-"""The sweep over every decoder-only text causal LM transformers exports (:mod:`drafttrain.target.sweep`): one tiny
+"""The sweep over every decoder-only text causal LM transformers exports (:mod:`drafttrain.sweep`): one tiny
 random target per class, each either trained (the main job's drafter and EAGLE-3, a few steps) and decoded through
 the engine greedy-equal to its own forward, refused in one line, or not buildable from its tiny config.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +45,28 @@ def _reason(row: dict) -> str:
     return text.replace("|", "\\|")  # inside a markdown table cell
 
 
+def _group(row: dict) -> str:
+    """The README's row of a class that does not train: what refused it, in a few words (families.md has the line)."""
+    if row["status"] == "crash":
+        return "crash"
+    if row["status"] == "cannot build":
+        return "cannot build: its tiny config (sweep limit)"
+    text = row["reason"]
+    if "DynamicCache" in text or "writes nothing" in text:
+        return "refused: keeps a cache of its own"
+    if "drafttrain's forward" in text:
+        return "refused: its logits are not the LM head of its last hidden state"
+    if "the engine (" in text:
+        return "refused: its forward over a cache differs from its full forward, or fails, in the engine"
+    if "drafter" in text:
+        return "refused: the drafter cannot start from it"
+    return "refused: its structure cannot be read (layers, hidden states, final norm)"
+
+
 def readme_table(rows: list[dict], transformers_version: str) -> str:
     """README's family table (between the markers): the counts, the classes that train by layer kinds, and every
     refusal and unbuildable class with its cause. Deterministic for one transformers version."""
-    from drafttrain.target.sweep import summary, SweepRow
+    from drafttrain.sweep import summary, SweepRow
 
     counts = summary([SweepRow(**r) for r in rows])
     swept = len(rows) - counts.get("excluded", 0)
@@ -61,6 +78,7 @@ def readme_table(rows: list[dict], transformers_version: str) -> str:
              f"engine greedy-equal to the model's own forward), **{counts.get('refused', 0)} are refused** in one line "
              f"before any work (the pre-flight check), {counts.get('cannot build', 0)} do not build from the sweep's "
              f"tiny config, {counts.get('crash', 0)} crash.",
+             "The reason of each refusal, one line per class: [families.md](docs/benchmarks/families.md).",
              "", "| outcome | layer kinds | classes |", "|---|---|---|"]  # fmt: skip
     by_kind: dict[str, list[str]] = {}
     for r in rows:
@@ -68,10 +86,12 @@ def readme_table(rows: list[dict], transformers_version: str) -> str:
             by_kind.setdefault(_kinds(r), []).append(r["name"])
     for kinds, names in sorted(by_kind.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| trains ({len(names)}) | {kinds} | {', '.join(n.removesuffix('ForCausalLM') for n in names)} |")
-    for status in ("refused", "cannot build", "crash"):
-        for r in rows:
-            if r["status"] == status:
-                lines.append(f"| {status} | | {r['name']}: {_reason(r)} |")
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] in ("refused", "cannot build", "crash"):
+            groups.setdefault(_group(r), []).append(r["name"].removesuffix("ForCausalLM"))
+    for label, names in groups.items():
+        lines.append(f"| {label} ({len(names)}) | | {', '.join(names)} |")
     lines.append("<!-- /sweep table -->")
     return "\n".join(lines)
 
@@ -102,12 +122,13 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     from drafttrain.cliconfig import parse_cli
-    from drafttrain.target import sweep, tiny
+    from drafttrain import sweep
+    from drafttrain.target import tiny
     from transformers import AutoTokenizer
 
     from drafttrain.assets import converted_target_dir
 
-    c = parse_cli(SweepConfig, sys.argv[1:] if argv is None else argv)
+    c = parse_cli(SweepConfig, argv)
     torch.set_num_threads(c.threads)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

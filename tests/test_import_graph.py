@@ -106,7 +106,7 @@ LAYERS = {
     "train": 8,
     "eval": 7,
     "export": 6, "data": 6,
-    "validation": 5, "compose": 5, "preflight": 5,
+    "validation": 5, "compose": 5, "preflight": 5, "sweep": 5.5,
     "generation": 4,
     "verify": 3, "drafters": 3,
     "fingerprint": 2.5,

@@ -471,24 +471,51 @@ class Drafter(nn.Module):
         Raises:
             FileNotFoundError: no drafter checkpoint in ``directory``.
             ValueError: the checkpoint names an unknown drafter or does not fit the target.
+            FatalError: (one line naming the file) a truncated / corrupt ``drafter.safetensors`` or config, or
+                weights that do not match the config (missing, unknown or other-shaped tensors).
         """
         from safetensors.torch import load_file
+
+        from drafttrain.cliconfig import FatalError
 
         directory = Path(directory)
         cfg_path = directory / DRAFTER_CONFIG
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no {DRAFTER_CONFIG} in {directory}")
-        config = json.loads(cfg_path.read_text())
-        name = config.pop("name")
+        try:
+            config = json.loads(cfg_path.read_text())
+            name = config.pop("name")
+        except (ValueError, KeyError, AttributeError) as e:  # truncated or hand-edited JSON
+            raise FatalError(f"{cfg_path}: not a drafter config ({type(e).__name__}: {e}); the folder was not written "
+                             "whole: save or export the drafter again") from None  # fmt: skip
         if name not in DRAFTERS:
             raise ValueError(f"unknown drafter '{name}' in {cfg_path}; known: {sorted(DRAFTERS)}")
         if "draft_layer" in DRAFTERS[name].defaults and "draft_layer" not in config:
             config["draft_layer"] = "target"  # written before draft_layer existed: the target's own layer class
         drafter = DRAFTERS[name](config, SharedTargetModules.from_target(target), init_weights=False)
-        state = load_file(str(directory / DRAFTER_WEIGHTS))
+        weights = directory / DRAFTER_WEIGHTS
+        try:
+            state = load_file(str(weights))
+        except FileNotFoundError:
+            raise FatalError(f"{weights}: missing (the drafter folder has its config but no weights)") from None
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError: a truncated or corrupt file
+            raise FatalError(f"{weights}: cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}; "
+                             f"{weights.stat().st_size} bytes): a truncated or corrupt drafter file, not written "
+                             "whole: save or export the drafter again") from None  # fmt: skip
         if "d2t" in state and "t2d" not in state:  # written before the offset convention: d2t held absolute ids
             ids = state.pop("d2t")
             state["d2t"] = ids - torch.arange(ids.numel())
             state["t2d"] = torch.zeros(drafter.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        want = drafter.state_dict()
+        missing = sorted(set(want) - set(state))
+        extra = sorted(set(state) - set(want))
+        shapes = [k for k in set(want) & set(state) if tuple(want[k].shape) != tuple(state[k].shape)]
+        if missing or extra or shapes:
+            what = "; ".join(x for x in (
+                f"missing tensors {missing[:4]}" if missing else "", f"tensors it does not know {extra[:4]}" if extra else "",
+                (f"tensors of other shapes than {cfg_path.name} says: "
+                 + ", ".join(f"{k} {tuple(state[k].shape)} vs {tuple(want[k].shape)}" for k in sorted(shapes)[:3]))
+                if shapes else "") if x)  # fmt: skip
+            raise FatalError(f"{weights}: does not match {cfg_path.name} ({name}): {what}")
         drafter.load_state_dict(state)
         return drafter.to(target.device)

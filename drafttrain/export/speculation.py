@@ -224,10 +224,11 @@ def cached_forward_cost(forward: Callable[[int, int], None], k_max: int, key: di
             pass
     cost = measure_forward_cost(forward, k_max, big_batch=big_batch, repeats=repeats, source=source)
     stamp = f"{cost.source}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    from drafttrain.atomic import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": json.loads(blob), "points": [list(p) for p in cost.points], "source": stamp}, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps({"key": json.loads(blob), "points": [list(p) for p in cost.points],
+                                        "source": stamp}, indent=1), what="the cached forward cost")  # fmt: skip
     return CostModel(cost.points, f"{stamp}; cached in {path}")
 
 

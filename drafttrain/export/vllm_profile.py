@@ -78,11 +78,11 @@ def profile_path(key: str, root: Path | None = None) -> Path:
 
 def save(profile: dict, info: dict, root: Path | None = None) -> Path:
     """Cache ``profile`` for the export ``info`` on this host (atomically: written beside, then renamed)."""
+    from drafttrain.atomic import atomic_write_text
+
     path = profile_path(profile_key(info), root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(profile, indent=1), what="the vLLM profile")
     return path
 
 

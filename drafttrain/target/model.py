@@ -30,7 +30,7 @@ from torch import nn
 
 from drafttrain import assets
 from drafttrain.target import fastlinear
-from drafttrain.config import TargetConfig
+from drafttrain.config import ConfigError, TargetConfig
 from drafttrain.sampling import SamplingParams, sample_next
 
 log = logging.getLogger(__name__)
@@ -581,17 +581,23 @@ def _tiny_model(cfg: TargetConfig, vocab_size: int, tokenizer) -> nn.Module:
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def folder_problem(path: str | Path) -> str | None:
+class TargetFolderError(ConfigError, FileNotFoundError):
+    """``target.path`` is not a model folder drafttrain can load: one line naming the folder and what it lacks (a
+    :class:`ConfigError`: the entry points print it without a traceback)."""
+
+
+def folder_problem(path: str | Path, tokenizer: bool = False) -> str | None:
     """What a Hugging Face model folder lacks, as one line, or None when it has what ``from_pretrained`` reads:
-    ``config.json``, a weight file (:data:`WEIGHT_FILES`, or the shards its index lists, every one of them) and a
-    tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or a SentencePiece ``tokenizer.model``)."""
+    ``config.json``, a weight file (:data:`WEIGHT_FILES`, or the shards its index lists, every one of them) and,
+    with ``tokenizer``, a tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or a SentencePiece
+    ``tokenizer.model``)."""
     import json
 
     path = Path(path)
     if not path.is_dir():
         return "is not a folder"
     names = {p.name for p in path.iterdir()}
-    missing = []
+    missing: list[str] = []
     if "config.json" not in names:
         missing.append("config.json")
     index = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in names), None)
@@ -607,11 +613,9 @@ def folder_problem(path: str | Path) -> str | None:
     elif not any(n in names for n in WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
         missing.append("a weight file (model.safetensors, sharded model-*.safetensors with their index, or "
                        "pytorch_model.bin)")  # fmt: skip
-    if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
+    if tokenizer and not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
         missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
-    if not missing:
-        return None
-    return f"the folder has no {' and no '.join(missing)}" if len(missing) < 3 else f"the folder lacks {', '.join(missing)}"
+    return f"the folder lacks {' and '.join(missing)}" if missing else None
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path:
@@ -632,7 +636,7 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
             )
         problem = folder_problem(path)
         if problem:
-            raise FileNotFoundError(f"target.path={path}: {problem}")
+            raise TargetFolderError(f"target.path={path}: {problem}")
         return path
     if cfg.gguf_file:
         return assets.converted_target_dir(Path(cfg.gguf_file))
@@ -659,6 +663,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     dtype = _DTYPES[cfg.dtype]
     pack = fastlinear.resolve(cfg.fast_linear, device, dtype)  # a bad value fails before any model loads
     folder = resolve_target_dir(cfg)
+    if cfg.path and (problem := folder_problem(folder, tokenizer=True)):
+        raise TargetFolderError(f"target.path={folder}: {problem}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if cfg.random_init:
         model = _tiny_model(cfg, len(tokenizer), tokenizer).to(dtype)

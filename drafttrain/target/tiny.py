@@ -1,6 +1,6 @@
 """Tiny random targets of any transformers causal-LM class, built from the class's own config defaults.
 
-The sweep (:mod:`drafttrain.target.sweep`, ``tests/target/test_sweep.py``) builds one of every decoder-only
+The sweep (:mod:`drafttrain.sweep`, ``tests/target/test_sweep.py``) builds one of every decoder-only
 text causal LM transformers exports. No hub access: each target comes from its config class's defaults with
 every size shrunk (:func:`shrink_config`), so the structure the class defines (layer kinds and their pattern,
 MoE, MLA, recurrent layers, norms, rotary variants) is kept and only the sizes change.

@@ -68,7 +68,7 @@ def test_gemma2_final_softcap_target_decodes_greedy_equal(tiny_target):
     """Gemma-2 soft-caps its attention logits and its final logits: drafttrain's logits are the model's own
     (:class:`drafttrain.target.model.SoftcappedHead`) and the sweep's check passes (both drafters trained and decoded
     greedy-equal through the engine)."""
-    from drafttrain.target import sweep
+    from drafttrain import sweep
 
     row = sweep.sweep_one("Gemma2ForCausalLM", tiny_target.tokenizer)
     assert row.status == "trains" and all(row.greedy_equal.values()), row

@@ -4,7 +4,8 @@ the export for serving) on saved tiny folders of the targets people serve in 202
 attention), DeepSeek-V3.2 (MLA + a sparse-attention indexer); and LFM2, Phi, GPT-NeoX, StableLM, Gemma-4, which
 crashed before the structure was read from the model. Each finishes greedy-equal through the engine.
 
-The main job's recipe runs in the default tier (about 3 s a folder); ``eagle3`` in the slow tier (``-m sweep``).
+Qwen3.5 and DeepSeek-V3.2 with the main job's recipe run in the default tier; the rest in the slow tier
+(``-m sweep``, about 3 s a run).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from drafttrain.target import tiny
-from drafttrain.target.sweep import vary_weights
+from drafttrain.sweep import vary_weights
 from helpers import compose_dict
 
 FOLDERS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM", "DeepseekV32ForCausalLM",
@@ -49,7 +50,8 @@ def _run(root, recipe, tmp_path):
     return T.run(compose_dict("train", ov))
 
 
-CASES = [pytest.param(n, r, marks=() if r == "parallelspec" else pytest.mark.sweep)
+DEFAULT_TIER = {("Qwen3_5ForCausalLM", "parallelspec"), ("DeepseekV32ForCausalLM", "parallelspec")}
+CASES = [pytest.param(n, r, marks=() if (n, r) in DEFAULT_TIER else pytest.mark.sweep)
          for n in FOLDERS for r in ("parallelspec", "eagle3")]  # fmt: skip
 
 

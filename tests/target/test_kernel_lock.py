@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from drafttrain.target import fastlinear
 
@@ -41,16 +40,15 @@ def test_a_stale_lock_of_a_killed_build_is_removed_and_the_build_goes_on(tmp_pat
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    t0 = time.perf_counter()
-    with caplog.at_level("WARNING", logger="drafttrain.target.fastlinear"):
+    with caplog.at_level("WARNING", logger="drafttrain.target.fastlinear"):  # a wait here would hit the test timeout
         out = fastlinear.build_extension("drafttrain_probe_kernel", tmp_path / "x.cpp", "avx2", "the fallback")
-    assert out == "loaded" and seen == [False] and time.perf_counter() - t0 < 5
+    assert out == "loaded" and seen == [False]
     assert any(str(build_dir / "lock") in r.getMessage() and "killed" in r.getMessage() for r in caplog.records)
 
 
 def test_a_live_build_is_waited_for(tmp_path, monkeypatch):
-    """While another process is inside the build lock (a live build), a second build waits for it to finish, and its
-    torch lock file is not touched while it builds."""
+    """While another process is inside the build lock (a live build), a second build waits for it: it gets the lock
+    only after the holder wrote its last file and released it, and the holder's torch lock file is not touched."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     build_dir = fastlinear.extension_dir("drafttrain_probe_kernel")
     holder = subprocess.Popen([sys.executable, "-c", (
@@ -59,10 +57,9 @@ def test_a_live_build_is_waited_for(tmp_path, monkeypatch):
         "with fastlinear.build_lock(d):\n"
         "    (d / 'lock').write_text('')\n"
         "    print('inside', flush=True); time.sleep(1.5)\n"
-        "    (d / 'lock').unlink()\n")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        "    (d / 'lock').unlink(); (d / 'done').write_text('')\n")], stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout.readline().strip() == "inside"
-    t0 = time.perf_counter()
     with fastlinear.build_lock(build_dir):
-        waited = time.perf_counter() - t0
+        finished_first = (build_dir / "done").exists()
     holder.wait(timeout=10)
-    assert holder.returncode == 0 and waited > 0.5
+    assert holder.returncode == 0 and finished_first

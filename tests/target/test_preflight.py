@@ -14,7 +14,7 @@ import torch
 from drafttrain.preflight import check_target
 from drafttrain.target import Target, tiny
 from drafttrain.target.families import UnsupportedTarget
-from drafttrain.target.sweep import vary_weights
+from drafttrain.sweep import vary_weights
 from helpers import compose_dict
 
 
@@ -79,26 +79,33 @@ def test_train_refuses_an_unsupported_target_before_self_distillation(tiny_targe
     monkeypatch.setattr(selfdistill, "generate_dataset", lambda *a, **k: pytest.fail("self-distillation started"))
     with pytest.raises(UnsupportedTarget, match="^MambaForCausalLM: the engine"):
         T.run(compose_dict("train", ["+recipe=parallelspec", f"target.path={folder}", f"output_dir={tmp_path / 'run'}",
-                                     f"data.cache_dir={tmp_path / 'data'}", "logging.wandb=false"]))  # fmt: skip
+                                     f"data.cache_dir={tmp_path / 'data'}", "logging.wandb=false",
+                                     "trainer.mixed_precision=no", "trainer.num_threads=1"]))  # fmt: skip
 
 
 def test_a_folder_without_weights_is_refused_in_one_line_naming_it(tiny_target, tmp_path):
-    """config.json and a tokenizer, no weights: the config error names the folder and what is missing (it used to
-    end in a Hydra traceback, ``FileNotFoundError: ... has no weight file``); a shard its index lists is named too."""
+    """config.json and a tokenizer, no weights: loading it is a config error naming the folder and what it lacks
+    (it used to end in a Hydra traceback, ``FileNotFoundError: ... has no weight file``), before the tokenizer or any
+    weight loads; a shard its index lists and a missing tokenizer are named too."""
     import json
 
-    from drafttrain.config import ConfigError
-    from drafttrain.validation import validate
+    from drafttrain.config import ConfigError, TargetConfig
+    from drafttrain.target import load_target
 
     folder = _save("LlamaForCausalLM", tiny_target.tokenizer, tmp_path / "t")
     (folder / "model.safetensors").unlink()
-    with pytest.raises(ConfigError, match=f"target.path={folder}: the folder has no a weight file"):
-        validate(compose_dict("train", ["+recipe=parallelspec", f"target.path={folder}"]))
+    with pytest.raises(ConfigError, match=f"^target.path={folder}: the folder lacks a weight file \\(model.safetensors"):
+        load_target(TargetConfig(path=str(folder)))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                                                                     "b": "model-00002-of-00002.safetensors"}}))  # fmt: skip
     (folder / "model-00001-of-00002.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"1 of the 2 weight shards model.safetensors.index.json lists \(model-00002"):
-        validate(compose_dict("train", ["+recipe=parallelspec", f"target.path={folder}"]))
+    with pytest.raises(ConfigError, match=r"lacks 1 of the 2 weight shards model.safetensors.index.json lists \(model-00002"):
+        load_target(TargetConfig(path=str(folder)))
+    folder2 = _save("LlamaForCausalLM", tiny_target.tokenizer, tmp_path / "t2")
+    for f in folder2.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="the folder lacks a tokenizer"):
+        load_target(TargetConfig(path=str(folder2)))
 
 
 def test_a_systematic_self_distillation_failure_stops_at_once(tiny_target, monkeypatch):

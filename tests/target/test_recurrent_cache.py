@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from drafttrain.target import Target, tiny
-from drafttrain.target.sweep import vary_weights
+from drafttrain.sweep import vary_weights
 from drafttrain.verify.engine import SpecEngine
 from drafttrain.verify.proposers import PlainProposer
 from drafttrain.verify.tree import DraftTree

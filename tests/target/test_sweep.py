@@ -1,6 +1,6 @@
-"""The sweep over every decoder-only text causal LM transformers exports (drafttrain.target.sweep).
+"""The sweep over every decoder-only text causal LM transformers exports (drafttrain.sweep).
 
-Excluded, with the reason the sweep gives (:func:`drafttrain.target.sweep.excluded`): encoder-decoders' decoders
+Excluded, with the reason the sweep gives (:func:`drafttrain.sweep.excluded`): encoder-decoders' decoders
 (``is_encoder_decoder``), BERT-style encoders given a causal head (their model type has a masked-LM head), multimodal
 wrappers (``*ForConditionalGeneration``; their text models are swept by their own class) and the classes of
 ``EXCLUDED_BY_NAME`` (image / audio models, permutation LMs, assistant models that read a target's states).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from drafttrain.target import sweep
+from drafttrain import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 

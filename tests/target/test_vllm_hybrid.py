@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from drafttrain.target import Target, tiny
-from drafttrain.target.sweep import vary_weights
+from drafttrain.sweep import vary_weights
 
 SIZES = {
     "Qwen3NextForCausalLM": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
