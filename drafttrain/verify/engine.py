@@ -553,7 +553,7 @@ class SpecEngine:
         q = [1 + t.n for t in trees]
         if self.recurrent:
             for t in trees:
-                if t.n and not bool((t.parents.cpu() == torch.arange(-1, t.n - 1)).all()):
+                if t.n and not bool((t.parents.cpu() == torch.arange(-1, t.n - 1, device="cpu")).all()):
                     from drafttrain.target import families
 
                     raise ValueError(f"{families.recurrent_layers_text(self.target)}: the engine verifies draft "
