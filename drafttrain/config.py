@@ -34,7 +34,7 @@ class TargetConfig:
     # a packaged target by name (drafttrain.assets.PACKAGED_TARGETS: smollm2-135m-instruct |
     # qwen2.5-coder-0.5b-instruct), converted once from its GGUF; null = smollm2-135m-instruct
     packaged: str | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 where the host computes it natively, else fp32)
     attn_implementation: str = "sdpa"
     # linear layers on prepacked weights (drafttrain.target.fastlinear): auto = for float32 on CPU, drafttrain's
     # kernel (AVX2 or AVX-512VL build) where it builds, else oneDNN; on = the same but an error where neither applies;
@@ -70,12 +70,20 @@ class DataConfig:
     # self-distillation's time budget: minutes of generation at most, planned from the speed measured on the first
     # shards (a slow host keeps a prefix of the shards in a fixed order, recorded with the job); null = every shard
     self_distill_minutes: float | None = 11.0
+    # with self_distill: the share of conversations kept as they are (dataset rows), the rest self-distilled; the
+    # drafter's labels are the target's own on both (chosen per conversation id: data.pipeline.split_share)
+    dataset_share: float = 0.0
     heldout: int = 16  # sequences held out for eval/tau_sim
     cache_dir: str | None = None  # default: <cache_root>/data
     # where the target's features come from: auto (the dataset's stored `features` column if it has
     # one, else a live target forward per batch) | live | cache (a folder from scripts.cache_features)
     features: str = "auto"
-    feature_cache: str | None = None  # features=cache: the folder scripts.cache_features wrote
+    # features=cache: the folder scripts.cache_features wrote, or auto: the run labels its rows itself once (the
+    # target's teacher-forced features of the drafter's layers, cached under cache_dir/features, resumable)
+    feature_cache: str | None = None
+    feature_cache_dtype: str = "bfloat16"  # feature_cache=auto: storage dtype float16 | bfloat16
+    pack_tokens: int = 0  # feature_cache=auto: > 0 packs rows into forwards of this many tokens (no padding); 0 = padded batches
+    heldout_split: str = "random"  # random (seeded draw) | head (the first `heldout` rows: the same rows whatever max_conversations)
 
 
 @dataclass
@@ -220,6 +228,8 @@ class SpecEvalConfig(EvalPromptsConfig):
     # none when nothing does), eval/speedup_b<N> is then the planned run's
     tree: TreeConfig = field(default_factory=TreeConfig)
     chain: bool = False  # with a tree, also decode the chain (eval/tau_chain; ~1 min more on 2 CPU cores)
+    # also decode with the drafter alone (its chain, no SSSD candidates): eval/tau_alone, printed beside eval/tau
+    drafter_alone: bool = True
     # batch-1 latency: N of the prompts, spread evenly over the list (latency_subset: with 16 MT-bench prompts,
     # 2 per category, N = 8 is one per category), also go through the engine one sequence at a time, plain vs
     # speculative side by side (eval/speedup_b1); 0 = off (needs batch_size > 1: batch 1 is then the main run)

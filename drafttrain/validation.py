@@ -148,7 +148,18 @@ def _check_values(c: TrainConfig) -> None:
     if c.data.features not in ("auto", "live", "cache"):
         problems.append("data.features must be auto|live|cache")
     if c.data.features == "cache" and not c.data.feature_cache:
-        problems.append("data.features=cache needs data.feature_cache=<folder written by scripts.cache_features>")
+        problems.append("data.features=cache needs data.feature_cache=<folder written by scripts.cache_features> "
+                        "or data.feature_cache=auto (the run labels its rows itself)")
+    if c.data.heldout_split not in ("random", "head"):
+        problems.append(f"data.heldout_split must be random|head, got {c.data.heldout_split!r}")
+    if c.data.feature_cache_dtype not in ("float16", "bfloat16"):
+        problems.append(f"data.feature_cache_dtype must be float16|bfloat16, got {c.data.feature_cache_dtype!r}")
+    if not 0.0 <= c.data.dataset_share <= 1.0:
+        problems.append(f"data.dataset_share must be in [0, 1], got {c.data.dataset_share}")
+    if c.data.dataset_share > 0 and not c.data.self_distill:
+        problems.append("data.dataset_share mixes self-distilled and dataset rows: it needs data.self_distill=true")
+    if c.data.pack_tokens < 0:
+        problems.append(f"data.pack_tokens must be >= 0, got {c.data.pack_tokens}")
     if c.data.source == "generated" and not c.data.path:
         problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
@@ -175,8 +186,8 @@ def _check_target(t: TargetConfig, uses_engine: bool = False) -> list[str]:
     exactly (:func:`drafttrain.target.families.check_engine_support`: attention sinks, soft-capping, MLA attention) is
     refused here, before any model loads, naming ``target.path`` and the architecture."""
     problems = []
-    if t.dtype not in ("float32", "bfloat16", "float16"):
-        problems.append("target.dtype must be float32|bfloat16|float16")
+    if t.dtype not in ("float32", "bfloat16", "float16", "auto"):
+        problems.append("target.dtype must be float32|bfloat16|float16|auto")
     if t.fast_linear not in FAST_LINEAR_MODES:
         problems.append(f"target.fast_linear must be {'|'.join(FAST_LINEAR_MODES)}, got {t.fast_linear!r}")
     if t.random_init and t.family not in families.FAMILIES:

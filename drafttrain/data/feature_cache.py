@@ -112,20 +112,111 @@ def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk:
         attn[i, : len(r)] = 1
     tout = target.forward(ids.to(device), attention_mask=attn.to(device), with_logits=False, feature_layers=feature_layers)
     hidden, feats = tout.hidden, tout.features  # [b, s, d] final post-norm state, [b, s, n * d] stored
+    return [_split_features([r], hidden[i], feats[i], [0], target, dtype, top_k, chunk)[0] for i, r in enumerate(rows)]
+
+
+def pack_rows(lengths: list[int], order: list[int], pack_tokens: int) -> list[list[int]]:
+    """Rows (indices into ``lengths``, taken in ``order``) grouped into packs of at most ``pack_tokens`` tokens,
+    each pack filled in order until the next row would overflow it (a row longer than ``pack_tokens`` is a pack of
+    its own). Every index appears once; the packs keep ``order``."""
+    packs: list[list[int]] = []
+    used = 0
+    for j in order:
+        if packs and used + lengths[j] <= pack_tokens:
+            packs[-1].append(j)
+            used += lengths[j]
+        else:
+            packs.append([j])
+            used = lengths[j]
+    return packs
+
+
+def packed_inputs(rows: list[list[int]], dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows concatenated into one sequence: input_ids [1, T] int64, position_ids [1, T] (each row from 0) and the
+    additive attention mask [1, 1, T, T] of ``dtype`` (0 where token i may attend token j: same row and j <= i;
+    the dtype's most negative value elsewhere), T = sum of the row lengths. The block-diagonal causal mask of
+    packed training (each row sees only itself), so one forward equals a separate forward per row."""
+    ids = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in rows])[None]
+    pos = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    seg = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rows)])
+    T = ids.shape[1]
+    ar = torch.arange(T)
+    allowed = (seg[:, None] == seg[None, :]) & (ar[:, None] >= ar[None, :])
+    mask = torch.zeros((T, T), dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return ids.to(device), pos.to(device), mask[None, None].to(device)
+
+
+#: Relative tolerance of :func:`packing_exact`'s probe by the target's dtype (a packed forward differs from a
+#: separate one only by summation order).
+PACK_PROBE_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+@torch.no_grad()
+def packing_exact(target) -> tuple[bool, str]:
+    """(whether one packed forward of several rows equals a separate forward per row on ``target``, why not).
+
+    Read from the model, not from its name: a target with recurrent layers is not packable (a block mask
+    does not reset a recurrent state between rows: :attr:`drafttrain.target.Target.recurrent`); any other
+    target is probed once (rows of 7 and 5 tokens, packed with :func:`packed_inputs`, against a forward of
+    each alone; the final state compared at :data:`PACK_PROBE_RTOL`), so a layer that ignores the custom mask
+    (its own sliding window, attention sinks, a sparse indexer) is found by the mismatch. Memoised on the target.
+    """
+    memo = target.__dict__.get("_packing_exact")
+    if memo is not None:
+        return memo
+    if getattr(target, "recurrent", False):
+        memo = (False, f"{type(target.model).__name__} has recurrent layers (a block mask does not reset their state)")
+    else:
+        g = torch.Generator().manual_seed(0)
+        vocab = int(target.config.vocab_size)
+        rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 5)]
+        dt = target.model.get_input_embeddings().weight.dtype
+        try:
+            ids, pos, mask = packed_inputs(rows, dt, target.device)
+            packed = target.forward(ids, attention_mask=mask, position_ids=pos, with_logits=False).hidden[0].float()
+            alone = torch.cat([target.forward(torch.tensor([r], device=target.device), with_logits=False).hidden[0].float()
+                               for r in rows])  # fmt: skip
+            err = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-6))
+            tol = PACK_PROBE_RTOL.get(dt, 1e-2)
+            memo = (err <= tol, f"a packed forward differs from separate ones by {err:.2e} (relative; tolerance {tol:g})")
+        except Exception as e:  # noqa: BLE001 - any failure of the packed forward means: do not pack
+            memo = (False, f"a packed forward fails: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    target.__dict__["_packing_exact"] = memo
+    return memo
+
+
+def _split_features(rows: list[list[int]], hidden: torch.Tensor, feats: torch.Tensor, starts: list[int], target,
+                    dtype: str, top_k: int, chunk: int) -> list[dict]:
     out = []
-    for i, n in enumerate(lengths):
-        h = hidden[i, : max(n - 1, 0)]  # [n-1, d]: f_0..f_{n-2} (the LM head's input, for top-k)
-        row = {"features": _to_storage(feats[i, : max(n - 1, 0)].float().cpu(), dtype)}
+    for i, n in enumerate(len(r) for r in rows):
+        a = starts[i]
+        h = hidden[a : a + max(n - 1, 0)]  # [n-1, d]: f_0..f_{n-2} (the LM head's input, for top-k)
+        row = {"features": _to_storage(feats[a : a + max(n - 1, 0)].float().cpu(), dtype)}
         if top_k:
             vals, idx = [], []
-            for a in range(0, h.shape[0], chunk):  # [chunk, v] logits at a time
-                v, j = target.lm_head(h[a : a + chunk]).float().topk(top_k, dim=-1)
+            for b in range(0, h.shape[0], chunk):  # [chunk, v] logits at a time
+                v, j = target.lm_head(h[b : b + chunk]).float().topk(top_k, dim=-1)
                 vals.append(v.cpu())
                 idx.append(j.cpu())
             row["topk_logits"] = torch.cat(vals).to(torch.float16).numpy() if vals else np.zeros((0, top_k), np.float16)
             row["topk_ids"] = torch.cat(idx).to(torch.int32).numpy() if idx else np.zeros((0, top_k), np.int32)
         out.append(row)
     return out
+
+
+@torch.no_grad()
+def _packed_rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256,
+                          feature_layers=None) -> list[dict]:
+    """Features of ``feature_layers`` (and top-k logits) of rows packed into one forward (no padding):
+    :func:`packed_inputs`; equal to :func:`_rows_features` of the same rows up to summation order."""
+    dt = target.model.get_input_embeddings().weight.dtype
+    ids, pos, mask = packed_inputs(rows, dt, target.device)
+    tout = target.forward(ids, attention_mask=mask, position_ids=pos, with_logits=False, feature_layers=feature_layers)
+    starts, a = [], 0
+    for r in rows:
+        starts.append(a)
+        a += len(r)
+    return _split_features(rows, tout.hidden[0], tout.features[0], starts, target, dtype, top_k, chunk)
 
 
 @quiet
@@ -143,6 +234,7 @@ def build_feature_cache(
     target_fingerprint: str | None = None,
     feature_layers=None,
     lock_wait_s: float = 0.0,
+    pack_tokens: int = 0,
 ) -> dict:
     """Run the target once over ``ds`` and store its features in ``out_dir`` (resumable; one run per folder at a
     time: :func:`drafttrain.data.lock.folder_lock` is held for the whole call).
@@ -161,6 +253,10 @@ def build_feature_cache(
         feature_layers: the target layer ids to store (a drafter's declaration; default the final
             post-norm state), concatenated per position; recorded (resolved) in the metadata.
         lock_wait_s: seconds to wait while another run writes ``out_dir`` (0: refuse at once).
+        pack_tokens: > 0: rows are packed into forwards of at most this many tokens with a block-diagonal causal
+            mask (:func:`pack_rows`, :func:`packed_inputs`: no padding) where the target allows it
+            (:func:`packing_exact`; else the padded batches of ``batch_size`` rows, said once in the log);
+            0: padded batches of ``batch_size`` rows sorted by length.
 
     Returns:
         The metadata dict written to ``feature_cache.json`` (``bytes_estimated``, ``bytes_written``, ...).
@@ -187,6 +283,16 @@ def build_feature_cache(
            "target_fingerprint": target_fingerprint}
     if layers != (target.num_hidden_layers,):  # (the final state alone keeps the fingerprints of older caches)
         job["feature_layers"] = list(layers)
+    if pack_tokens > 0:
+        ok, why = packing_exact(target)
+        if not ok:
+            log.warning("feature cache: rows are not packed on this target (%s): padded batches of %d rows", why, batch_size)
+            pack_tokens = 0
+    if pack_tokens > 0:  # (packing changes the floats by summation order only; recorded, older caches keep theirs)
+        job["pack_tokens"] = int(pack_tokens)
+    job_dtype = getattr(target, "dtype_name", "float32")
+    if job_dtype != "float32":  # the target's own dtype (target.dtype=auto may load bf16); fp32 keeps old fingerprints
+        job["target_dtype"] = job_dtype
     job["fingerprint"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     estimate = estimate_bytes(lengths, d, top_k, shard_size, num_layers=len(layers))
     store = ShardStore(out_dir, job)
@@ -202,9 +308,13 @@ def build_feature_cache(
         idx = list(range(a, min(a + shard_size, len(ds))))
         rows: dict[int, dict] = {}
         by_len = sorted(idx, key=lambda j: (lengths[j], j))
-        for b in range(0, len(by_len), batch_size):
-            chunk = by_len[b : b + batch_size]
-            chunk_rows = _rows_features(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k, feature_layers=layers)
+        if pack_tokens > 0:
+            groups = pack_rows(lengths, by_len[::-1], pack_tokens)  # longest first: the short rows fill the gaps
+        else:
+            groups = [by_len[b : b + batch_size] for b in range(0, len(by_len), batch_size)]
+        for chunk in groups:
+            fn = _packed_rows_features if pack_tokens > 0 else _rows_features
+            chunk_rows = fn(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k, feature_layers=layers)
             for j, r in zip(chunk, chunk_rows):
                 rows[j] = r
             tokens += sum(lengths[j] for j in chunk)

@@ -68,6 +68,7 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
             failure's conversation id and exception in one line), or no training sequence is left.
     """
     from drafttrain.data.dataset import build_sft_dataset, split_heldout
+    from drafttrain.data.sources import LoadStats
     from drafttrain.data.selfdistill import all_failed_message, distill_key, load_generated, self_distill
     from drafttrain.target import resolve_feature_layers
 
@@ -84,13 +85,22 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
             stored_ok = tuple(stored) == layers if stored is not None else layers == (L,)
         else:
             convs = load_conversations(c)
+            n_input = len(convs)
+            raw_part = None
+            if c.data.self_distill and c.data.dataset_share > 0:  # a mix: these conversations stay as they are
+                convs, raw_convs = split_share(convs, c.data.dataset_share)
+                raw_stats = LoadStats(name="dataset rows")
+                raw_part = build_sft_dataset(raw_convs, target.tokenizer, c.data.max_length,
+                                             data_cache_dir(c) / "sft" / f"mix-{len(raw_convs)}-{c.data.max_length}",
+                                             stats=raw_stats)  # fmt: skip
+                stored_ok = False  # one features source for every row: live or the labelled cache
             if c.data.self_distill:
                 from drafttrain.fingerprint import target_fingerprint
 
                 name = target_fingerprint(c.target)  # the target's content (config + weights), not its name
                 gen = c.data.generation
                 key = distill_key(convs, name, gen.max_new_tokens, c.data.max_length, gen.max_prompt_length,
-                                  c.data.first_turn_only, key_layers, gen.backend)
+                                  c.data.first_turn_only, key_layers, gen.backend, target.dtype_name)
                 ds, report = self_distill(
                     target,
                     convs,
@@ -112,14 +122,21 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
                 failure = all_failed_message(report)  # every conversation failed: its cause, not "no training sequences"
                 if failure:
                     raise RuntimeError(failure)
+                if raw_part is not None:
+                    ds, mix = mix_rows(ds, raw_part, report, raw_stats, n_input)
+                    if reports is not None:
+                        reports["mix"] = mix
             else:
                 key = f"sft-{len(convs)}-{c.data.max_length}"
                 ds = build_sft_dataset(convs, target.tokenizer, c.data.max_length, data_cache_dir(c) / "sft" / key)
     if c.data.features == "cache":
         from drafttrain.data.feature_cache import attach_feature_cache
 
-        ds = attach_feature_cache(ds, c.data.feature_cache, target_cfg=c.target, feature_layers=layers,
-                                  num_hidden_layers=L)
+        folder = c.data.feature_cache
+        if folder == "auto":
+            with accelerator.main_process_first():
+                folder = label_rows(c, target, ds, layers, progress=c.trainer.progress and accelerator.is_main_process)
+        ds = attach_feature_cache(ds, folder, target_cfg=c.target, feature_layers=layers, num_hidden_layers=L)
     elif not stored_ok and "features" in ds.column_names:
         log.info("the dataset's stored features are not of layers %s (the drafter's): computing them live", list(layers))
     keep = [k for k in ("input_ids", "loss_mask", "features") if k in ds.column_names]
@@ -129,13 +146,78 @@ def prepare_data(c: TrainConfig, target, accelerator, feature_layers=None, repor
     if c.data.source == "generated" and c.data.max_length:
         ds = truncate_rows(ds, c.data.max_length)
     ds = ds.with_format("torch")
-    if c.data.heldout > 0 and len(ds) > c.data.heldout:
+    if c.data.heldout > 0 and len(ds) > c.data.heldout and c.data.heldout_split == "head":
+        train, held = ds.select(range(c.data.heldout, len(ds))), ds.select(range(c.data.heldout))
+    elif c.data.heldout > 0 and len(ds) > c.data.heldout:
         train, held = split_heldout(ds, c.data.heldout, c.seed)
     else:
         train, held = ds, None
     if len(train) == 0:
         raise RuntimeError("no training sequences: check data.source / data.max_conversations")
     return train, held
+
+
+def split_share(convs: list[dict], share: float) -> tuple[list[dict], list[dict]]:
+    """(conversations to self-distil, conversations kept as they are): a conversation is a dataset row when the
+    first 8 hex digits of sha256(its id), read as a fraction of 2^32, fall below ``share`` (``data.dataset_share``).
+    Decided per conversation, so growing ``max_conversations`` keeps every earlier conversation on its side."""
+    import hashlib
+
+    def raw(conv) -> bool:
+        return int(hashlib.sha256(str(conv["id"]).encode()).hexdigest()[:8], 16) / 2**32 < share
+
+    return [cv for cv in convs if not raw(cv)], [cv for cv in convs if raw(cv)]
+
+
+def mix_rows(distilled, dataset_rows, report: dict, raw_stats, n_input: int):
+    """The mixed training set: self-distilled rows then dataset rows (``input_ids``, ``loss_mask``), and its counts
+    ``{"input", "self_distilled", "dataset", "skipped"}`` with ``self_distilled + dataset + skipped == input``
+    (skipped: self-distillation's skipped, failed and budget-cut conversations and the dataset rows' skipped ones).
+
+    Raises:
+        RuntimeError: the counts do not add up (a conversation was lost).
+    """
+    import datasets
+
+    cols = ["input_ids", "loss_mask"]
+    feats = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                               "loss_mask": datasets.List(datasets.Value("int8"))})  # fmt: skip
+    a = distilled.with_format(None).select_columns(cols).cast(feats)
+    b = dataset_rows.with_format(None).select_columns(cols).cast(feats)
+    skipped = report["skipped"] + report["failed"] + report.get("budget_cut", 0) + sum(raw_stats.skipped.values())
+    mix = {"input": n_input, "self_distilled": len(a), "dataset": len(b), "skipped": skipped}
+    if mix["self_distilled"] + mix["dataset"] + mix["skipped"] != n_input:
+        raise RuntimeError(f"lost count: self_distilled + dataset + skipped != input in {mix}")
+    log.info("training rows: input %d = self-distilled %d + dataset rows %d + skipped %d", n_input, len(a), len(b), skipped)
+    return datasets.concatenate_datasets([a, b]), mix
+
+
+def label_rows(c: TrainConfig, target, ds, layers, progress: bool = True) -> Path:
+    """Label ``ds``'s rows with the frozen target once (``data.feature_cache=auto``): its teacher-forced hidden
+    states of the drafter's ``layers`` at every position, whatever the text's origin (self-distilled or dataset
+    rows: the drafter's labels are then the target's own distribution, read through its LM head from the
+    final state), stored in ``data.feature_cache_dtype`` under ``<data cache>/features/<key>``
+    (:func:`drafttrain.data.feature_cache.build_feature_cache`: shards, resumable, its size estimated before
+    it is written). The key: the rows' fingerprint, the target's content and loaded dtype, the layers,
+    the storage dtype and ``data.pack_tokens``. Returns the folder."""
+    import hashlib
+
+    from drafttrain.data.feature_cache import ROWS_FINGERPRINT, build_feature_cache, estimate_bytes
+    from drafttrain.fingerprint import dataset_fingerprint, target_fingerprint
+
+    fp = target_fingerprint(c.target)
+    rows_fp = dataset_fingerprint(ds, **ROWS_FINGERPRINT)
+    key = hashlib.sha256(json.dumps([rows_fp, fp, target.dtype_name, list(layers), c.data.feature_cache_dtype,
+                                     c.data.pack_tokens]).encode()).hexdigest()[:16]  # fmt: skip
+    folder = data_cache_dir(c) / "features" / key
+    lengths = [len(x) for x in ds.with_format(None)["input_ids"]]
+    est = estimate_bytes(lengths, target.config.hidden_size, 0, 64, num_layers=len(layers))
+    log.info("labelling %d rows (%d tokens) with the target (%s), layers %s: about %.1f GiB in %s", len(ds),
+             sum(lengths), target.dtype_name, list(layers), est / 2**30, folder)
+    build_feature_cache(target, ds, folder, dtype=c.data.feature_cache_dtype, batch_size=8, shard_size=64,
+                        target_name=c.target.name, target_fingerprint=fp, progress=progress, feature_layers=layers,
+                        pack_tokens=c.data.pack_tokens)
+    return folder
 
 
 class LocalProcess:

@@ -927,11 +927,13 @@ def load_generated(path: str | Path):
 def distill_key(
     conversations: list[dict], target_name: str, max_new_tokens: int, max_length: int, max_prompt_length: int | None = None,
     first_turn_only: bool = True, feature_layers: Sequence[int] | None = None, backend: str = "hf",
+    dtype: str = "float32",
 ) -> str:
     """Fingerprint of an in-training self-distillation job (inputs + generation settings + the stored
     feature layers; None = the final post-norm state, which keeps the keys of caches made before layers
     were declared; the generation backend, ``hf`` keeping the keys of caches made before there was a
-    choice: batched floats may differ between backends, hence possibly a token at a near tie)."""
+    choice: batched floats may differ between backends, hence possibly a token at a near tie; the target's
+    loaded dtype, ``float32`` keeping the keys of caches made before ``target.dtype=auto``)."""
     h = hashlib.sha256()
     for c in conversations:
         h.update(c["id"].encode())
@@ -941,6 +943,8 @@ def distill_key(
         h.update(f"|layers{[int(i) for i in feature_layers]}".encode())
     if backend != "hf":
         h.update(f"|backend={backend}".encode())
+    if dtype != "float32":
+        h.update(f"|dtype={dtype}".encode())
     return h.hexdigest()[:16]
 
 

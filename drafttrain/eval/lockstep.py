@@ -32,8 +32,13 @@ def speedup_line(final: dict[str, Any]) -> str:
     parts, dec = by_batch("eval/speedup_b"), by_batch("eval/speedup_decode_b")
     eq = "every output equal to plain greedy decoding" if final.get("eval/greedy_equal") else "OUTPUTS DIFFER from plain greedy"
     decode = f" (decoding steps alone, prompt forwards left out: {dec})" if dec else ""
-    return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step; speculative vs plain decoding, "
-            f"tokens/s in the same engine: {parts or 'not timed'}{decode}; {eq}")
+    what = final.get("eval/tree", "chain")
+    if final.get("eval/sssd"):
+        what += f" + SSSD ({final['eval/sssd']})"
+    alone = (f"; the drafter alone (its chain, no SSSD): tau {final['eval/tau_alone']:.3f}"
+             if "eval/tau_alone" in final else "")  # fmt: skip
+    return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step ({what}){alone}; speculative vs plain "
+            f"decoding, tokens/s in the same engine: {parts or 'not timed'}{decode}; {eq}")
 
 
 def latency_subset(items: list, k: int) -> list:
@@ -153,6 +158,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
         if bs > 1:
             r = evaluate_prompts_batched(target, drafter, prompts, se.max_new_tokens, batch_size=bs,
                                          progress=c.trainer.progress, also_chain=se.chain, plan=se.tree.plan,
+                                         also_alone=se.drafter_alone,
                                          interleave="step", **tree)  # fmt: skip
             if se.latency_prompts > 0:
                 lat = evaluate_prompts_batched(target, drafter, [prompts[i] for i in b1], se.max_new_tokens,
@@ -193,7 +199,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
             "eval/prompts_b1": ",".join(rows[i]["id"] for i in b1)} if lat is not None else {}),
         **({"eval/compile_seconds_b1": lat["compile_seconds"]} if lat is not None and se.compile_target else {}),
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
-                                       "tree_nodes_per_step") if k in r},  # fmt: skip
+                                       "tau_alone", "accept_hist_alone", "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),
         **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
            if bs > 1 and not chains_only and (se.tree.widths is not None or se.tree.budget is not None) else {}),

@@ -238,7 +238,7 @@ def run_interleaved(engines: dict, prompts: list[list[int]], unit: str = "run", 
 def evaluate_prompts_batched(
     target, drafter, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, mode: str = "unpadded",
     progress: bool = True, tree_widths: list[int] | None = None, tree_budget: int | None = None,
-    also_chain: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = DEFAULT_EXTRA_NODES,
+    also_chain: bool = False, also_alone: bool = False, plan: bool = False, full_tree: bool = True, sssd=None, sssd_nodes: int = DEFAULT_EXTRA_NODES,
     interleave: str = "run", compile_target: bool = False,
 ) -> dict:
     """The same evaluation as :func:`evaluate_prompts`, through the bundled batched verifier.
@@ -259,7 +259,9 @@ def evaluate_prompts_batched(
     (:func:`~drafttrain.verify.tree.parallelspec_tree`: candidates per depth, maximum nodes;
     ParallelSpec Appendix A.3); greedy acceptance keeps the output lossless.
     ``also_chain`` (with a tree) decodes the prompts a third time with the chain and adds its numbers as
-    ``tau_chain``, ``speedup_chain``, ``spec_tokens_per_s_chain``, ``accept_hist_chain``;
+    ``tau_chain``, ``speedup_chain``, ``spec_tokens_per_s_chain``, ``accept_hist_chain``; ``also_alone`` decodes
+    them with the drafter's own chain and no SSSD candidates (the drafter alone; the chain run itself when there
+    is no ``sssd``) and adds ``tau_alone``, ``accept_hist_alone``;
     ``greedy_equal`` then covers both runs. ``plan`` decodes them once more with the online planner
     (:mod:`drafttrain.verify.planner`: per step only the nodes that pay, none and no drafting when
     nothing does) and adds ``speedup_planned``, ``speedup_planned_decode``, ``spec_tokens_per_s_planned``,
@@ -314,6 +316,8 @@ def evaluate_prompts_batched(
                                                                    sssd_nodes=sssd_nodes))  # fmt: skip
     if tree and also_chain:
         engines["chain"] = engine(proposer_for(drafter, sssd=sssd, sssd_nodes=sssd_nodes))
+    if also_alone and (sssd is not None or not (tree and also_chain)):  # else the chain run is the drafter alone
+        engines["alone"] = engine(proposer_for(drafter))
     engines["plain"] = engine(PlainProposer())
     if plan:
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
@@ -337,9 +341,10 @@ def evaluate_prompts_batched(
     plain, planned = runs["plain"], runs.get("planned")
     spec = runs.get("tree", runs.get("chain") if full_tree else planned)
     chain = runs.get("chain") if tree and also_chain else None
+    alone = runs.get("alone", chain if also_alone and sssd is None else None)
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
-        outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned) if x is not None]
+        outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned, runs.get("alone")) if x is not None]
         if any(o != r.tokens for o in outs):
             single = plain_greedy(target, p, max_new_tokens)[0]
             if any(o != single for o in outs):
@@ -355,6 +360,9 @@ def evaluate_prompts_batched(
         ct = chain.stats
         extra = {"tau_chain": ct.tau, "speedup_chain": ct.tokens_per_s / max(pt.tokens_per_s, 1e-9),
                  "spec_tokens_per_s_chain": ct.tokens_per_s, "accept_hist_chain": dict(sorted(ct.accept_hist.items()))}  # fmt: skip
+    if alone is not None:
+        at = alone.stats
+        extra.update(tau_alone=at.tau, accept_hist_alone=dict(sorted(at.accept_hist.items())))
     if planned is not None:
         qt = planned.stats
         extra.update(speedup_planned=qt.tokens_per_s / max(pt.tokens_per_s, 1e-9), tau_planned=qt.tau,

@@ -38,6 +38,22 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> str:
+    """``target.dtype`` as loaded: ``auto`` -> ``"bfloat16"`` where ``device`` computes bf16 natively
+    (:func:`drafttrain.host.native_bf16`: x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``, a CUDA device
+    with bf16), else ``"float32"``; any other name is returned as it is.
+
+    Why: the target's forward is most of the cost of labelling and self-distillation, and a bf16 forward
+    on such a host runs several times an fp32 one (docs/benchmarks/labelling.md); greedy equality of the
+    engine holds within one dtype (the verifier and plain decoding run the same loaded weights)."""
+    if name != "auto":
+        return name
+    from drafttrain.host import native_bf16
+
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    return "bfloat16" if native_bf16("cuda" if dev.type == "cuda" else "cpu")[0] else "float32"
+
+
 def resolve_feature_layers(layers: Sequence[int] | None, num_hidden_layers: int) -> tuple[int, ...]:
     """Normalise target layer ids to [0, L] (module docstring: id i = HF ``output_hidden_states[i]``).
 
@@ -206,6 +222,12 @@ class Target:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype the target's weights were loaded in (``"float32"``, ``"bfloat16"``, ...): the resolved
+        ``target.dtype`` (``auto`` decided, :func:`resolve_dtype`)."""
+        return str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
 
     @property
     def eos_token_id(self) -> int | None:
@@ -660,7 +682,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    dtype = _DTYPES[cfg.dtype]
+    dtype = _DTYPES[resolve_dtype(cfg.dtype, device)]
     pack = fastlinear.resolve(cfg.fast_linear, device, dtype)  # a bad value fails before any model loads
     folder = resolve_target_dir(cfg)
     if cfg.path and (problem := folder_problem(folder, tokenizer=True)):

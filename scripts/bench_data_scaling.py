@@ -1,0 +1,254 @@
+"""The data-scaling curve: the main job's recipe on more and more unique training rows, everything else fixed.
+
+    for row in raw690 raw2700 raw6500; do
+        python -m scripts.bench_data_scaling phase=train row=$row
+        python -m scripts.bench_data_scaling phase=eval row=$row
+    done
+    python -m scripts.bench_data_scaling phase=report
+
+Every row trains ``+recipe=parallelspec`` (the main job's drafter, draft vocabulary and optimizer) for the main
+job's 800 steps of 8 sequences, seed 0, on ShareGPT conversations **as they are** (every assistant turn of a
+conversation's first 512 tokens, ``data.first_turn_only=false``), labelled once by the frozen target
+(``data.features=cache data.feature_cache=auto``: its teacher-forced hidden states of the drafter's layers; the
+drafter's labels are the target's argmax through its LM head, whatever the text), the target in bf16 where the
+host computes bf16 natively (``target.dtype=auto``). Only ``data.max_conversations`` changes between the ``raw*``
+rows. The held-out rows are the same 16 in every row (``data.heldout_split=head``: the first 16 conversations,
+never trained on), evaluated every 100 steps (τ_sim, acc_k); ``sd*`` rows are self-distilled first turns (the
+main job's data) under the same settings, for raw versus self-distilled at equal rows.
+
+``eval`` decodes 16 MT-bench questions (ids 81, 86, ..., 156: the main job's) and 16 GSM8K questions with the saved
+drafter through the batched verifier, 16 sequences at a time, 128 new tokens: the drafter alone as a chain
+(K + 1 = 5 depths) and as the main job's draft tree (widths [4, 2, 1, 1, 1], at most 8 nodes), no SSSD
+candidates, every output checked token for token against plain greedy decoding (τ only: no planned run, no
+timing claims; the host is busy with nothing else but the numbers are acceptance lengths). ``report`` writes
+``docs/benchmarks/data_scaling.{json,md}`` and ``data_scaling.png``. Each phase is one command; a killed
+``train`` resumes with ``overrides=[resume=true]`` (a checkpoint every 200 steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "seed=0",
+    "target.dtype=auto",
+    "data.heldout=16",
+    "data.heldout_split=head",
+    "data.max_length=512",
+    "trainer.max_steps=800",
+    "trainer.max_minutes=120",  # a safety cap only: every row is meant to finish its 800 steps
+    "trainer.save_every=200",
+    "trainer.eval_every=100",
+    "trainer.spec_eval.num_prompts=0",  # decoding: the eval phase, the same for every row
+    "trainer.progress=false",
+    "logging.wandb=false",
+]
+RAW = ["data=sharegpt", "data.first_turn_only=false", "data.self_distill=false", "data.features=cache",
+       "data.feature_cache=auto"]  # fmt: skip
+#: row name -> its overrides (after COMMON). raw: ShareGPT conversations as they are; sd: self-distilled first turns.
+ROWS = {
+    "raw690": [*RAW, "data.max_conversations=690"],
+    "raw2700": [*RAW, "data.max_conversations=2700"],
+    "raw6500": [*RAW, "data.max_conversations=6500"],
+    "sd840": ["data=selfdistill", "data.max_conversations=840", "data.self_distill_minutes=null"],
+}
+PROMPTS = {"mt_bench": dict(prompt_stride=5), "gsm8k": dict(prompt_stride=1)}
+START, END = "<!-- data_scaling table: start -->", "<!-- data_scaling table: end -->"
+
+
+def run_dir(out_root: Path, row: str) -> Path:
+    return out_root / row
+
+
+def train_command(row: str, out_root: Path, extra: list[str]) -> list[str]:
+    """The ``accelerate launch train.py`` argv of one row: the recipe, COMMON, the row's overrides, ``extra``."""
+    if row not in ROWS:
+        raise SystemExit(f"unknown row {row!r}; choose from {sorted(ROWS)}")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
+            "+recipe=parallelspec", *COMMON, *ROWS[row], f"output_dir={run_dir(out_root, row)}",
+            f"run_name=scaling-{row}", *extra]  # fmt: skip
+
+
+def cmd_train(row: str, out_root: Path, extra: list[str]) -> None:
+    cmd = train_command(row, out_root, extra)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"})
+    if proc.returncode != 0:
+        raise SystemExit(f"training {row} failed ({proc.returncode})")
+    out = run_dir(out_root, row)
+    launch = out / "bench_command.json"  # every launch of the row (a resumed one has several)
+    prev = json.loads(launch.read_text()) if launch.is_file() else {"launches": []}
+    prev["launches"].append({"argv": [str(a).replace(f"{REPO}/", "") for a in cmd[2:]], "wall_seconds": round(time.time() - t0, 1)})
+    launch.write_text(json.dumps(prev, indent=1))
+
+
+def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int) -> dict:
+    """The saved drafter on MT-bench and GSM8K (chain and tree, no SSSD, batch 16): ``<row>/eval_scaling.json``."""
+    import dataclasses
+
+    from drafttrain.eval import lockstep
+    from scripts.bench_recipes import load_run
+
+    out = run_dir(out_root, row)
+    c, target, drafter = load_run(out)
+    path = out / "eval_scaling.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}  # resumes per prompt set
+    for prompts, extra in PROMPTS.items():
+        if prompts in result:
+            continue
+        se = dataclasses.replace(c.trainer.spec_eval, prompts=prompts, num_prompts=num_prompts, prompt_offset=0,
+                                 max_new_tokens=max_new_tokens, batch_size=16, chain=True, latency_prompts=0, **extra,
+                                 drafter_alone=False,  # sssd none: the chain run is the drafter alone
+                                 tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8,
+                                                          plan=False),  # τ only: no planned (timed) run
+                                 sssd=dataclasses.replace(c.trainer.spec_eval.sssd, source="none"))  # fmt: skip
+        c2 = dataclasses.replace(c, output_dir=str(out / f"eval_scaling_{prompts}"),
+                                 trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
+        Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        r = lockstep.spec_eval(c2, target, drafter)
+        result[prompts] = {**r, "seconds": round(time.time() - t0, 1)}
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps({prompts: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/greedy_equal")}}, default=str))
+    return result
+
+
+def summarize(out_root: Path, row: str) -> dict | None:
+    out = run_dir(out_root, row)
+    if not (out / "final_metrics.json").is_file():
+        return None
+    final = json.loads((out / "final_metrics.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    ev = json.loads((out / "eval_scaling.json").read_text()) if (out / "eval_scaling.json").is_file() else {}
+    launch = out / "bench_command.json"
+
+    def dec(prompts: str) -> dict:
+        r = ev.get(prompts, {})
+        return {"chain_tau": r.get("eval/tau_chain"), "tree_tau": r.get("eval/tau"),
+                "greedy_equal": r.get("eval/greedy_equal"), "chain_accept_hist": r.get("eval/accept_hist_chain"),
+                "prompts": r.get("eval/prompts")}  # fmt: skip
+
+    last = train_rows[-1] if train_rows else {}
+    return {
+        "row": row,
+        "overrides": ROWS[row],
+        "launches": json.loads(launch.read_text())["launches"] if launch.is_file() else None,
+        "train_rows": final.get("train_rows"),
+        "samples": final.get("samples"),
+        "epochs": final["samples"] / final["train_rows"] if final.get("train_rows") else None,
+        "steps": final.get("step"),
+        "train_seconds": final.get("train_seconds"),
+        "train_tau_sim_last": last.get("train/tau_sim"),
+        "train_acc_0_last": last.get("train/acc_0"),
+        "heldout_tau_sim": final.get("eval/tau_sim"),
+        "heldout_acc": {k.split("/")[1]: v for k, v in final.items() if k.startswith("eval/acc_")},
+        "gap_tau_sim": (last.get("train/tau_sim") - final["eval/tau_sim"]) if last.get("train/tau_sim") and final.get("eval/tau_sim") else None,
+        "heldout_curve": [(r["step"], r["eval/tau_sim"], r.get("eval/acc_0")) for r in rows if "eval/tau_sim" in r],
+        "mt_bench": dec("mt_bench"),
+        "gsm8k": dec("gsm8k"),
+        "host": final.get("launch", {}).get("host"),
+    }
+
+
+def plot(rows: list[dict], dest: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw = [r for r in rows if r["row"].startswith("raw") and r["mt_bench"]["chain_tau"] is not None]
+    if not raw:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    xs = [r["train_rows"] for r in raw]
+    a.plot(xs, [r["mt_bench"]["chain_tau"] for r in raw], "o-", label="MT-bench chain τ (drafter alone)")
+    a.plot(xs, [r["gsm8k"]["chain_tau"] for r in raw], "s-", label="GSM8K chain τ (drafter alone)")
+    a.plot(xs, [r["mt_bench"]["tree_tau"] for r in raw], "^--", label="MT-bench tree τ (no SSSD)")
+    a.set_xscale("log")
+    a.set_xlabel("unique training rows (800 steps x 8)")
+    a.set_ylabel("acceptance length τ")
+    a.set_title("τ vs unique rows (raw ShareGPT, target-labelled)", fontsize=10)
+    a.legend(fontsize=8)
+    for r in raw:
+        c = r["heldout_curve"]
+        b.plot([s for s, _, _ in c], [t for _, t, _ in c], "o-", ms=3, label=f"{r['train_rows']} rows")
+    b.set_xlabel("step")
+    b.set_ylabel("held-out τ_sim (same 16 rows)")
+    b.set_title("held-out τ_sim during training", fontsize=10)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+    plt.close(fig)
+    return dest
+
+
+def cmd_report(out_root: Path, dest: Path) -> None:
+    rows = [s for r in ROWS if (s := summarize(out_root, r)) is not None]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    host = next((r["host"] for r in rows if r.get("host")), None)
+    (dest.with_suffix(".json")).write_text(json.dumps({"common_overrides": COMMON, "rows": rows, "host": host}, indent=1))
+    png = plot(rows, dest.with_suffix(".png"))
+
+    def f(x, fmt="{:.3f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    lines = [START, "",
+             "| row | unique train rows | epochs | held-out τ_sim | held-out acc_0 | train τ_sim (last window) | gap | "
+             "MT-bench chain τ | GSM8K chain τ | MT-bench tree τ | GSM8K tree τ | = greedy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        eq = all(r[p]["greedy_equal"] for p in ("mt_bench", "gsm8k") if r[p]["greedy_equal"] is not None)
+        lines.append(f"| {r['row']} | {r['train_rows']} | {f(r['epochs'], '{:.2f}')} | {f(r['heldout_tau_sim'])} | "
+                     f"{f(r['heldout_acc'].get('acc_0'))} | {f(r['train_tau_sim_last'])} | {f(r['gap_tau_sim'])} | "
+                     f"{f(r['mt_bench']['chain_tau'])} | {f(r['gsm8k']['chain_tau'])} | {f(r['mt_bench']['tree_tau'])} | "
+                     f"{f(r['gsm8k']['tree_tau'])} | {eq} |")  # fmt: skip
+    lines += ["", END]
+    md = dest.with_suffix(".md")
+    text = md.read_text() if md.is_file() else f"# Data scaling\n\n{START}\n{END}\n"
+    a, b = text.index(START), text.index(END) + len(END)
+    md.write_text(text[:a] + "\n".join(lines) + text[b:])
+    print("\n".join(lines))
+    if png:
+        print(f"plot: {png}")
+
+
+@dataclass
+class BenchDataScalingConfig:
+    """Schema of ``python -m scripts.bench_data_scaling`` (key=value overrides, validated before any work)."""
+
+    phase: str = "report"  # train | eval | report
+    row: str = "raw690"
+    out_root: str = "outputs/data_scaling"
+    dest: str = "docs/benchmarks/data_scaling"
+    overrides: list[str] = field(default_factory=list)  # extra Hydra overrides of the training run
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+
+
+def main(argv: list[str] | None = None) -> None:
+    from drafttrain.cliconfig import parse_cli
+
+    args = parse_cli(BenchDataScalingConfig, argv)
+    out_root = Path(args.out_root)
+    if args.phase == "train":
+        cmd_train(args.row, out_root, args.overrides)
+    elif args.phase == "eval":
+        cmd_eval(args.row, out_root, args.num_prompts, args.max_new_tokens)
+    elif args.phase == "report":
+        cmd_report(out_root, Path(args.dest))
+    else:
+        raise SystemExit(f"phase must be train|eval|report, got {args.phase!r}")
+
+
+if __name__ == "__main__":
+    from drafttrain.cliconfig import run_cli
+
+    run_cli(main)
