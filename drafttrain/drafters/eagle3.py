@@ -185,6 +185,8 @@ class Eagle3Drafter(FeatureLayerDrafter):
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
         "draft_layer": "llama",
+        "fc_norm": False,
+        "norm_output": False,
     }
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules, init_weights: bool = True):
@@ -220,6 +222,8 @@ class Eagle3Drafter(FeatureLayerDrafter):
             setattr(attn, proj, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
         norm_cls = type(layer.input_layernorm)
         layer.hidden_norm = norm_cls(d, eps=eps)
+        # EAGLE-3.1: one RMSNorm per target layer before fc (vLLM's fc_norm), None = EAGLE-3's raw states
+        self.fc_norm = nn.ModuleList([norm_cls(d, eps=eps) for _ in range(NUM_AUX)]) if self.config.get("fc_norm") else None
         self.layers = nn.ModuleList([layer])
         self.norm = norm_cls(d, eps=eps)
         self._init_draft_vocab(self.config["draft_vocab_size"])
@@ -271,7 +275,8 @@ class Eagle3Drafter(FeatureLayerDrafter):
                     m.bias.zero_()
         if self.config["draft_layer"] == "target":  # the target's class: also its non-Linear tensors (MoE, sinks)
             init_fresh_(self.layer, std)
-        for m in (self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm):
+        for m in (self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm,
+                  *(self.fc_norm or ())):  # fmt: skip
             m.weight.fill_(1.0)
         self.fc.weight[:, (NUM_AUX - 1) * d :] += torch.eye(d, dtype=self.fc.weight.dtype)
         if from_target:
@@ -339,7 +344,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
         if w == d:
             g = features.to(dtype)
         elif w == len(self.feature_layer_ids) * d:
-            g = self.fc(self.aux_features(features).to(dtype))
+            g = self.combine(self.aux_features(features).to(dtype))
         else:
             raise ValueError(f"EAGLE-3 features must be the target's layers {self.feature_layer_ids} "
                              f"[..., {len(self.feature_layer_ids) * d}] or the drafter's own [..., {d}], got width {w}")
@@ -359,6 +364,14 @@ class Eagle3Drafter(FeatureLayerDrafter):
         if self._aux_slots == list(range(NUM_AUX)):
             return features[..., : NUM_AUX * d]
         return torch.cat([features[..., j * d : (j + 1) * d] for j in self._aux_slots], dim=-1)
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """g = fc([low; mid; high]) of fc's input [..., 3d] -> [..., d]; with ``fc_norm`` (EAGLE-3.1) each of the
+        three d-wide states goes through its own RMSNorm first, as vLLM's ``combine_hidden_states``."""
+        if self.fc_norm is not None:
+            d = self.hidden_size
+            aux = torch.cat([norm(aux[..., j * d : (j + 1) * d]) for j, norm in enumerate(self.fc_norm)], dim=-1)
+        return self.fc(aux)
 
     def final_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's final post-norm state f of the target features: [..., F] -> [..., d]."""
@@ -383,16 +396,42 @@ class Eagle3Drafter(FeatureLayerDrafter):
         h = g + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def predict_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The feature the next drafting step reads: h itself (EAGLE-3 feeds back the pre-norm output)."""
-        return hidden
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE-3.1's ``norm_output``: the next drafting step reads norm(h), not h."""
+        return bool(self.config.get("norm_output", False))
 
-    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The drafter's own head: lm_head(norm(h)), [..., d] -> [..., N] float32 (draft vocabulary)."""
-        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype))).float()
+    def predict_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feature f the next drafting step reads (and :meth:`vocab_logits` takes): h itself (EAGLE-3 feeds
+        back the pre-norm output), or norm(h) with ``norm_output`` (EAGLE-3.1; vLLM's ``aux_output``)."""
+        return self.norm(hidden) if self.norm_output else hidden
+
+    # -- what the serving engines read (exporters serialise these, never a recipe's name) ---------
+    def serving_flags(self) -> dict[str, bool]:
+        """The network's variant flags in the speculators ``config.json`` keys vLLM's ``llama_eagle3`` reads:
+        ``norm_before_residual`` and ``norm_before_fc`` (never computed here: False), ``fc_norm`` and
+        ``norm_output`` (EAGLE-3.1's, from the drafter's config). An exporter writes them as they are; a
+        format whose engine lacks a flag that is True refuses the drafter naming it."""
+        return {"norm_before_residual": False, "norm_before_fc": False,
+                "fc_norm": bool(self.config.get("fc_norm", False)), "norm_output": bool(self.config.get("norm_output", False))}  # fmt: skip
+
+    def serving_tensor_names(self) -> list[str]:
+        """The state-dict names outside the decoder layer that the engines load, in order: ``fc.weight``, one
+        ``fc_norm.{i}.weight`` per target layer with ``fc_norm``, ``norm.weight``, ``lm_head.weight``
+        (the layer's own names: :data:`drafttrain.export.eagle3_common.LAYER_WEIGHTS`)."""
+        names = ["fc.weight"]
+        names += [n for n in self.state_dict() if n.startswith("fc_norm.")]
+        return names + ["norm.weight", "lm_head.weight"]
+
+    def vocab_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's own head on a predicted feature f (:meth:`predict_features`): lm_head(norm(h)) either
+        way (f = h: the norm here; f = norm(h) with ``norm_output``: already normed), [..., d] -> [..., N]
+        float32 (draft vocabulary)."""
+        x = features.to(self.lm_head.weight.dtype)
+        return self.lm_head(x if self.norm_output else self.norm(x)).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.vocab_logits(hidden)
+        return self.vocab_logits(self.predict_features(hidden))
 
     def draft_inputs(self) -> torch.Tensor:
         """No extra inputs after the items in a drafting forward ([0, 2d]): EAGLE-3 drafts autoregressively."""
@@ -411,8 +450,9 @@ class Eagle3Drafter(FeatureLayerDrafter):
                 tokens step k >= 1 reads (default: the ground truth x_{j+k+1}); e.g. the drafter's own drafts.
 
         Returns:
-            K tensors [b, t, d] (t = L - 1): h of step k at row j (row j = the chain from item j, depth k;
-            its head guesses y_{j+k} = x_{j+k+2}). Rows past a sequence's end are padding.
+            K tensors [b, t, d] (t = L - 1): the predicted feature f of step k at row j (h, or norm(h) with
+            ``norm_output``: :meth:`predict_features`; row j = the chain from item j, depth k; its head
+            :meth:`vocab_logits` guesses y_{j+k} = x_{j+k+2}). Rows past a sequence's end are padding.
         """
         from transformers import DynamicCache
 
@@ -431,7 +471,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
             pos, mask = L.ttt_step_layout(t, k, dtype=x.dtype, dense=self.attention == "dense", device=device)
             mask = mask.expand(b, -1, -1, -1) if mask is not None else ttt_block_mask(t, k, device)
             h = self.decode(x, mask, pos.expand(b, -1), cache=cache, use_cache=True)
-            out.append(h)
+            out.append(self.predict_features(h))  # what step k + 1 reads and the head takes (h, or norm(h))
         return out
 
     @torch.no_grad()

@@ -75,6 +75,8 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         "init_from_target_layer": True,
         "draft_vocab_size": 0,
         "draft_layer": "llama",
+        "fc_norm": False,
+        "norm_output": False,
     }
 
     layouts = ParallelSpecDrafter.layouts
@@ -113,7 +115,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
         """The K mask-slot inputs, all the same cat(e(mask_token_id), fc(mask_hidden)): [K, 2d]."""
         tok = torch.tensor([self.mask_token_id], device=self.mask_hidden.device)
         e = self.embed(tok).to(self.fc.weight.dtype)  # [1, d]
-        g = self.fc(self.mask_hidden[None].to(self.fc.weight.dtype))  # [1, d]: mask_hidden is fc's input itself
+        g = self.combine(self.mask_hidden[None].to(self.fc.weight.dtype))  # [1, d]: mask_hidden is fc's input itself
         return torch.cat([e, g], dim=-1).expand(self.num_mask_tokens, -1)
 
     # -- training -------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
             anchor = lay.slot_anchor[row, slots[:, 0]] if row.numel() else row
             sums.update(label_own_drafts(self, h, row, slots, anchor, labels, valid, final, scored, obj, generator))
         sel = valid & scored  # slots that enter the loss
-        logits = self.vocab_logits(h[sel])  # [m, N]
+        logits = self.vocab_logits(self.predict_features(h[sel]))  # [m, N]
         div = divergence(logits, self.target_logits(final[sel]), obj.divergence)
         draft = self.target_to_draft(labels)
         correct = torch.zeros_like(valid)
@@ -201,4 +203,4 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
                                        device=x.device)  # fmt: skip
         h = self.decode(x, mask, pos, cache=cache, use_cache=True)
         cache.crop(-self.num_mask_tokens)
-        return self.full_vocab_logits(self.vocab_logits(h[:, n - 1 :]))
+        return self.full_vocab_logits(self.vocab_logits(self.predict_features(h[:, n - 1 :])))

@@ -114,11 +114,12 @@ def layer_config(target_config) -> dict:
 
 
 def drafter_tensors(drafter, layer_prefix: str) -> dict[str, torch.Tensor]:
-    """The drafter's weights under the engines' names: fc, ``{layer_prefix}.*``, norm, lm_head, and the
+    """The drafter's weights under the engines' names: the tensors it declares (``serving_tensor_names``: fc,
+    its variant's norms, norm, lm_head), ``{layer_prefix}.*``, and the
     draft-vocabulary buffers d2t (offsets) / t2d (bool) when the vocabulary is restricted (with N = v,
     vLLM has no ``draft_id_to_target_id`` parameter and would refuse a d2t)."""
     sd = drafter.state_dict()
-    out = {"fc.weight": sd["fc.weight"], "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    out = {n: sd[n] for n in drafter.serving_tensor_names()}  # the drafter's own declaration
     out.update({f"{layer_prefix}.{n}": sd[f"layers.0.{n}"] for n in LAYER_WEIGHTS})
     if drafter.restricted_vocab:
         out["d2t"] = sd["d2t"].long()

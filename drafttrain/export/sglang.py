@@ -30,6 +30,9 @@ from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check
 
 WEIGHTS = "model.safetensors"
 ENGINE = "SGLang EAGLE-3 loader (LlamaForCausalLMEagle3)"
+#: The drafter variant flags (``serving_flags``) SGLang's layer computes when True: none (its layer has no
+#: norm before fc and feeds back the pre-norm state), so a drafter with any flag set is refused by name.
+SGLANG_FLAGS: tuple[str, ...] = ()
 
 
 def sglang_consumed_names(restricted: bool) -> set[str]:
@@ -47,6 +50,11 @@ def export(drafter, out_dir: Path, *, num_speculative_tokens: int | None = None,
         ExportError: see :func:`drafttrain.export.eagle3_common.check_drafter`.
     """
     check_drafter(drafter)
+    missing = [k for k, on in drafter.serving_flags().items() if on and k not in SGLANG_FLAGS]
+    if missing:
+        raise ExportError(f"SGLang's EAGLE-3 layer (LlamaForCausalLMEagle3) computes no {' / '.join(missing)} "
+                          f"(this drafter's variant); export it with format speculators for vLLM, or train with "
+                          + " ".join(f"drafter.{k}=false" for k in missing))  # fmt: skip
     tensors = drafter_tensors(drafter, "midlayer")
     tensors.pop("mask_hidden", None)  # SGLang drafts autoregressively (module docstring)
     check_consumed(set(tensors), sglang_consumed_names(drafter.restricted_vocab), ENGINE)

@@ -7,12 +7,13 @@ What vLLM 0.32 reads (``transformers_utils/configs/speculators/{base,algos}.py``
   ``parallel_drafting`` itself and reads ``mask_token_id``), ``transformer_layer_config`` (the draft
   layer's Llama config; vLLM builds the draft config from it), ``draft_vocab_size``,
   ``target_hidden_size``, ``norm_before_residual`` (absent = **true** in vLLM but false in the
-  speculators package: always written, false, as our network computes), ``norm_before_fc`` /
-  ``fc_norm`` / ``norm_output`` (false), ``eagle_aux_hidden_state_layer_ids`` (vLLM's convention, see
+  speculators package: always written, false, as our network computes), ``norm_before_fc`` (false),
+  ``fc_norm`` / ``norm_output`` (the drafter's own flags, EAGLE-3.1: ``Eagle3Drafter.serving_flags``),
+  ``eagle_aux_hidden_state_layer_ids`` (vLLM's convention, see
   :mod:`drafttrain.export.eagle3_common`), ``speculators_config`` (proposal method ``greedy`` with
   ``speculative_tokens`` = the default chain length; ``verifier.name_or_path`` = the target ``vllm serve
   DIR`` serves).
-- ``model.safetensors``: ``fc.weight``, ``layers.0.*`` (q/k/v 2d wide; ``hidden_norm``), ``norm.weight``,
+- ``model.safetensors``: ``fc.weight``, ``fc_norm.{i}.weight`` (with ``fc_norm``), ``layers.0.*`` (q/k/v 2d wide; ``hidden_norm``), ``norm.weight``,
   ``lm_head.weight`` [N, d], ``d2t`` (offsets; renamed ``draft_id_to_target_id``) and ``t2d`` (dropped)
   when N < v, ``mask_hidden`` [3d] for parallel drafting (the fc *input* of a mask slot: vLLM passes it
   through fc). No ``embed_tokens``: vLLM shares the target's, as we do. vLLM's EAGLE-3 loader raises on
@@ -33,12 +34,21 @@ ENGINE = "vLLM EAGLE-3 loader (llama_eagle3.py, speculators format)"
 SPECULATORS_VERSION = "0.9.0"  # the release whose config classes the tests validate against
 
 
-def vllm_consumed_names(restricted: bool, parallel: bool) -> set[str]:
+#: The variant flags vLLM 0.32's ``llama_eagle3`` computes when set (``fc_norm``: one RMSNorm per target layer
+#: before fc, weights ``fc_norm.{i}.weight``; ``norm_output``: the post-norm state fed back), and those it
+#: computes but drafttrain's network does not (refused on load).
+VLLM_FLAGS = ("fc_norm", "norm_output")
+UNCOMPUTED_FLAGS = ("norm_before_fc",)
+
+
+def vllm_consumed_names(restricted: bool, parallel: bool, fc_norm: int = 0) -> set[str]:
     """Tensor names vLLM's ``Eagle3LlamaForCausalLM.load_weights`` maps onto a parameter (or buffer) of a
     one-layer drafter without its own embedding: fc, layers.0.* (q/k/v and gate/up stacked into
-    qkv_proj / gate_up_proj), norm, lm_head; d2t (-> draft_id_to_target_id) and t2d (dropped) when the
-    draft vocabulary is restricted; mask_hidden with parallel drafting."""
+    qkv_proj / gate_up_proj), norm, lm_head; ``fc_norm.{i}.weight`` for i < ``fc_norm`` (config ``fc_norm``
+    true: one per target layer); d2t (-> draft_id_to_target_id) and t2d (dropped) when the draft vocabulary
+    is restricted; mask_hidden with parallel drafting."""
     names = {"fc.weight", "norm.weight", "lm_head.weight"} | {f"layers.0.{n}" for n in LAYER_WEIGHTS}
+    names |= {f"fc_norm.{i}.weight" for i in range(fc_norm)}
     if restricted:
         names |= {"d2t", "t2d"}
     if parallel:
@@ -57,10 +67,7 @@ def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_c
         "transformer_layer_config": layer_config(tcfg),
         "draft_vocab_size": int(drafter.d2t.numel()),
         "target_hidden_size": int(tcfg.hidden_size),
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **drafter.serving_flags(),  # the network's own variant flags (norm_before_residual always written)
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in drafter.aux_layer_ids],
         "speculators_config": {
             "algorithm": "peagle" if parallel else "eagle3",
@@ -94,7 +101,8 @@ def export(drafter, out_dir: Path, *, verifier: str | None = None, num_speculati
     check_drafter(drafter)
     parallel = drafter.name == "parallelspec_eagle3"
     tensors = drafter_tensors(drafter, "layers.0")
-    check_consumed(set(tensors), vllm_consumed_names(drafter.restricted_vocab, parallel), ENGINE)
+    fc_norm = len(drafter.aux_layer_ids) if drafter.serving_flags()["fc_norm"] else 0
+    check_consumed(set(tensors), vllm_consumed_names(drafter.restricted_vocab, parallel, fc_norm), ENGINE)
     n = int(num_speculative_tokens or drafter.draft_depth)
     cfg = config_dict(drafter, verifier=verifier or "", num_speculative_tokens=n, target_config=target_config)
     save_tensors(out_dir / WEIGHTS, tensors, {"format": "pt"})
@@ -110,13 +118,16 @@ def load(directory: Path, target):
     kind = cfg.get("speculators_model_type")
     if kind not in ("eagle3", "peagle"):
         raise ExportError(f"{directory}: speculators_model_type {kind!r}, expected eagle3 or peagle")
-    if cfg.get("norm_before_residual", True) or cfg.get("norm_before_fc") or cfg.get("fc_norm") or cfg.get("norm_output"):
-        raise ExportError(f"{directory}: a norm variant drafttrain's EAGLE-3 network does not compute")
+    if cfg.get("norm_before_residual", True) or any(cfg.get(k) for k in UNCOMPUTED_FLAGS):
+        raise ExportError(f"{directory}: a norm variant drafttrain's EAGLE-3 network does not compute "
+                          f"(norm_before_residual {cfg.get('norm_before_residual', True)}, "
+                          + ", ".join(f"{k} {bool(cfg.get(k))}" for k in UNCOMPUTED_FLAGS) + ")")  # fmt: skip
     w = load_tensors(directory / WEIGHTS)
     depth = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     # peagle: one pass drafts the last item's guess + K mask slots, so K = speculative tokens - 1 (K is a
     # decoding choice there: every mask slot shares one mask_hidden)
-    extra = {"mask_token_id": int(cfg["mask_token_id"]), "num_mask_tokens": depth - 1} if kind == "peagle" else None
+    extra = {"mask_token_id": int(cfg["mask_token_id"]), "num_mask_tokens": depth - 1} if kind == "peagle" else {}
+    extra.update({k: bool(cfg.get(k, False)) for k in VLLM_FLAGS})  # the variant the folder's network computes
     return build_drafter(directory, target, aux_ids=cfg["eagle_aux_hidden_state_layer_ids"],
                          draft_vocab_size=int(cfg["draft_vocab_size"]), depth=depth,
                          layer_prefix="layers.0", weights=w,

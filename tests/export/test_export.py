@@ -398,3 +398,105 @@ def test_vllm_runs_exported_drafters_losslessly(deep_target, tmp_path):
         assert "error" not in res, f"{method}: {res.get('error')}"
         assert res["outputs"] == plain["outputs"], method
         assert res["acceptance"]["num_drafts"] > 0 and len(res["acceptance"]["per_position"]) == 3, method
+
+
+# -- EAGLE-3.1 (fc_norm, norm_output): the drafter's own flags are its serving format -----------------
+@pytest.mark.parametrize("recipe", ["eagle3", "parallelspec_eagle3"])
+def test_eagle31_roundtrip_writes_its_flags_and_norms(deep_target, tmp_path, recipe):
+    """The speculators folder of an EAGLE-3.1 drafter carries fc_norm / norm_output as the drafter says, one
+    fc_norm.{i}.weight per target layer (what vLLM 0.32 consumes), and reads back into the same network."""
+    from drafttrain.export.speculators import vllm_consumed_names
+
+    drafter = _eagle3(deep_target, recipe, fc_norm=True, norm_output=True)
+    _, cfg = export_drafter(drafter, "speculators", tmp_path, verifier="/models/target", num_speculative_tokens=3,
+                            target_config=deep_target.config)  # fmt: skip
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["norm_before_residual"] is False
+    w = load_tensors(tmp_path / "model.safetensors")
+    assert set(w) == vllm_consumed_names(True, recipe == "parallelspec_eagle3", fc_norm=3)
+    back = load_exported(tmp_path, "speculators", deep_target)
+    assert back.serving_flags() == drafter.serving_flags()
+    assert_same_weights(back, drafter)
+    assert_same_logits(_chain(back, deep_target), _chain(drafter, deep_target))
+
+
+def test_eagle31_plain_eagle3_readback_would_differ(deep_target, tmp_path):
+    """Mutation: the same weights read as plain EAGLE-3 (flags dropped) give other chain logits, so the
+    round-trip comparison above can fail."""
+    drafter = _eagle3(deep_target, fc_norm=False, norm_output=True)
+    plain = _eagle3(deep_target, fc_norm=False, norm_output=False)
+    plain.load_state_dict(drafter.state_dict())
+    with pytest.raises(AssertionError):
+        assert_same_logits(_chain(plain, deep_target), _chain(drafter, deep_target))
+
+
+def test_eagle31_sglang_refuses_by_name(deep_target, tmp_path):
+    drafter = _eagle3(deep_target, fc_norm=True)
+    with pytest.raises(ExportError, match="computes no fc_norm"):
+        export_drafter(drafter, "sglang", tmp_path, target_config=deep_target.config)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(3600)
+def test_vllm_serves_eagle31_as_we_compute_it(tmp_path):
+    """vLLM 0.32 CPU loads an EAGLE-3.1 export (fc_norm + norm_output), its speculative greedy output equals its
+    plain output, and its per-position acceptance equals our engine's chain over the same prompts (greedy: the
+    same drafts are accepted when both compute the same network; one request at a time). Skipped without a
+    finished .venv-vllm."""
+    from drafttrain.generation.vllm_client import vllm_install_state, vllm_python
+    from drafttrain.verify import PlainProposer, SpecEngine, proposer_for
+    from scripts.serve_check import ours_per_position, run_vllm
+
+    state, why = vllm_install_state()
+    if state != "ready":
+        pytest.skip(why)
+    from drafttrain.config import TargetConfig
+    from drafttrain.target import load_target
+
+    # the deep target as initialised (not varied): its greedy continuations are predictable enough that a drafter
+    # started from its last layer drafts some tokens right, so equal acceptance means something
+    deep_target = load_target(TargetConfig(random_init=True, num_hidden_layers=8, num_attention_heads=2,
+                                           num_key_value_heads=1))  # fmt: skip
+    target_dir = tmp_path / "target"
+    deep_target.model.save_pretrained(target_dir)
+    deep_target.tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle3", {"draft_vocab_size": 0, "draft_depth": 3, "fc_norm": True, "norm_output": True,
+                                       "init_from_target_layer": True}, deep_target).eval()  # fmt: skip
+    export_drafter(drafter, "speculators", tmp_path / "e31", verifier=str(target_dir), num_speculative_tokens=3,
+                   target_config=deep_target.config)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 5, 13)]
+    # mutation: the same weights served as plain EAGLE-3 (flags off, no fc_norm tensors): vLLM must accept otherwise
+    import shutil
+
+    shutil.copytree(tmp_path / "e31", tmp_path / "as_e3")
+    cfg = json.loads((tmp_path / "as_e3" / "config.json").read_text())
+    (tmp_path / "as_e3" / "config.json").write_text(json.dumps({**cfg, "fc_norm": False, "norm_output": False}))
+    from drafttrain.export.common import save_tensors
+
+    w = load_tensors(tmp_path / "as_e3" / "model.safetensors")
+    save_tensors(tmp_path / "as_e3" / "model.safetensors", {k: v for k, v in w.items() if not k.startswith("fc_norm.")},
+                 {"format": "pt"})  # fmt: skip
+    runs = [{"speculative_config": None},
+            {"speculative_config": {"model": str(tmp_path / "e31"), "method": "eagle3", "num_speculative_tokens": 3}},
+            {"speculative_config": {"model": str(tmp_path / "as_e3"), "method": "eagle3", "num_speculative_tokens": 3}}]
+    job = {"model": str(target_dir), "prompts": prompts, "max_new_tokens": 24, "stop_token_ids": [],
+           "max_model_len": 256, "eager": True, "runs": runs, "max_num_seqs": 1}  # fmt: skip
+    plain, spec, mutant = run_vllm(vllm_python(), job, threads="0-1", memory_gb=1, timeout_s=1800,
+                                   log_path=tmp_path / "vllm.log")  # fmt: skip
+    assert "error" not in spec, spec.get("error")
+    assert spec["outputs"] == plain["outputs"]
+    ours = SpecEngine(deep_target, proposer_for(drafter), batch_size=1, max_new_tokens=24, stop_token_ids=[-1]).run(prompts)
+    ref = SpecEngine(deep_target, PlainProposer(), batch_size=1, max_new_tokens=24, stop_token_ids=[-1]).run(prompts)
+    assert [r.tokens for r in ref.results] == plain["outputs"]  # both engines decode the same target greedily
+    st = ours.stats
+    mine = ours_per_position(st.accept_hist, sum(st.accept_hist.values()), 3)
+    theirs = spec["acceptance"]["per_position"]
+    other = mutant["acceptance"]["per_position"]
+    print("EAGLE-3.1 per-position acceptance: ours", mine, "vLLM", theirs, "vLLM reading it as EAGLE-3", other)
+    assert mine[0] > 0.05  # the drafter drafts something right, so the comparison can fail
+    for a, b in zip(mine, theirs):
+        assert abs(a - b) <= 0.1, (mine, theirs)
+    assert max(abs(a - b) for a, b in zip(mine, other)) > 0.1, (mine, other)  # the flags change what vLLM computes
