@@ -1,6 +1,6 @@
 """The data-scaling curve: the main job's recipe on more and more unique training rows, everything else fixed.
 
-    for row in raw690 raw2700 raw6500; do
+    for row in raw690 raw2700 raw4500; do   # raw6500: ~5.8k rows, every sample of the 800 steps unique
         python -m scripts.bench_data_scaling phase=train row=$row
         python -m scripts.bench_data_scaling phase=eval row=$row
     done
@@ -56,6 +56,7 @@ RAW = ["data=sharegpt", "data.first_turn_only=false", "data.self_distill=false",
 ROWS = {
     "raw690": [*RAW, "data.max_conversations=690"],
     "raw2700": [*RAW, "data.max_conversations=2700"],
+    "raw4500": [*RAW, "data.max_conversations=4500"],
     "raw6500": [*RAW, "data.max_conversations=6500"],
     "sd840": ["data=selfdistill", "data.max_conversations=840", "data.self_distill_minutes=null"],
 }

@@ -49,7 +49,7 @@ def time_mode(target, rows: list[list[int]], mode: str, reps: int) -> float:
     """Tokens per second of one labelling mode over ``rows`` (best of ``reps``)."""
     import torch
 
-    from drafttrain.data.feature_cache import _packed_rows_features, _rows_features, pack_rows
+    from drafttrain.data.feature_cache import packed_rows_features, rows_features, pack_rows
 
     lengths = [len(r) for r in rows]
     best = 0.0
@@ -58,11 +58,11 @@ def time_mode(target, rows: list[list[int]], mode: str, reps: int) -> float:
         if mode == "padded":
             srt = sorted(range(len(rows)), key=lambda j: lengths[j])
             for k in range(0, len(rows), 8):
-                _rows_features(target, [rows[j] for j in srt[k : k + 8]], "bfloat16", 0, feature_layers=LAYERS)
+                rows_features(target, [rows[j] for j in srt[k : k + 8]], "bfloat16", 0, feature_layers=LAYERS)
         elif mode.startswith("packed"):
             order = sorted(range(len(rows)), key=lambda j: -lengths[j])
             for p in pack_rows(lengths, order, int(mode.split()[1])):
-                _packed_rows_features(target, [rows[j] for j in p], "bfloat16", 0, feature_layers=LAYERS)
+                packed_rows_features(target, [rows[j] for j in p], "bfloat16", 0, feature_layers=LAYERS)
         else:
             flat = [t for r in rows for t in r]
             with torch.no_grad():
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     from drafttrain.data.feature_cache import packing_exact
     from drafttrain.data.sources import load_conversations
     from drafttrain.host import describe, native_bf16
-    from drafttrain.target.model import load_target
+    from drafttrain.compose import build_run
 
     args = parse_cli(BenchLabellingConfig, argv)
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
               "by_dtype": {}}  # fmt: skip
     answers = {}
     for dt in dtypes:
-        target = load_target(TargetConfig(dtype=dt))
+        target = build_run(TargetConfig(), dtype=dt).target
         rows = rows_of(target.tokenizer, args.rows, args.max_length)
         result["tokens"] = sum(len(r) for r in rows)
         time_mode(target, rows[:4], "padded", 1)  # warm-up

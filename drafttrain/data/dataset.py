@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, Features, List, Value, load_from_disk
 
+from drafttrain.atomic import fsync_path, replace_dir
 from drafttrain.data import template
 from drafttrain.data.sources import LoadStats
 
@@ -125,24 +126,18 @@ def build_sft_dataset(
         return ds
 
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_path.parent, prefix=f".{cache_path.name}.tmp-"))
-    old = None
+    tmp = Path(tempfile.mkdtemp(dir=cache_path.parent, prefix=f".{cache_path.name}.tmp-"))  # unique per process
     try:
         ds.save_to_disk(str(tmp))
         (tmp / META_FILE).write_text(
             json.dumps({"fingerprint": fingerprint, "format_version": FORMAT_VERSION, "max_length": max_length,
                         "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "stats": local.as_dict()}, indent=1)
         )
-        if cache_path.exists():
-            old = Path(tempfile.mkdtemp(dir=cache_path.parent, prefix=f".{cache_path.name}.old-"))
-            old.rmdir()
-            cache_path.rename(old)
-        tmp.rename(cache_path)
+        fsync_path(tmp)
+        replace_dir(tmp, cache_path)  # drafttrain.atomic: the old folder whole until the rename
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     log.info("saved %d SFT rows to %s", len(ds), cache_path)
     return load_from_disk(str(cache_path))
 

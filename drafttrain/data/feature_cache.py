@@ -100,7 +100,7 @@ def _to_storage(h: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 @torch.no_grad()
-def _rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256, feature_layers=None) -> list[dict]:
+def rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256, feature_layers=None) -> list[dict]:
     """Features of ``feature_layers`` (and top-k logits) of right-padded rows in one target forward."""
     device = target.device
     lengths = [len(r) for r in rows]
@@ -205,10 +205,10 @@ def _split_features(rows: list[list[int]], hidden: torch.Tensor, feats: torch.Te
 
 
 @torch.no_grad()
-def _packed_rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256,
+def packed_rows_features(target, rows: list[list[int]], dtype: str, top_k: int, chunk: int = 256,
                           feature_layers=None) -> list[dict]:
     """Features of ``feature_layers`` (and top-k logits) of rows packed into one forward (no padding):
-    :func:`packed_inputs`; equal to :func:`_rows_features` of the same rows up to summation order."""
+    :func:`packed_inputs`; equal to :func:`rows_features` of the same rows up to summation order."""
     dt = target.model.get_input_embeddings().weight.dtype
     ids, pos, mask = packed_inputs(rows, dt, target.device)
     tout = target.forward(ids, attention_mask=mask, position_ids=pos, with_logits=False, feature_layers=feature_layers)
@@ -313,7 +313,7 @@ def build_feature_cache(
         else:
             groups = [by_len[b : b + batch_size] for b in range(0, len(by_len), batch_size)]
         for chunk in groups:
-            fn = _packed_rows_features if pack_tokens > 0 else _rows_features
+            fn = packed_rows_features if pack_tokens > 0 else rows_features
             chunk_rows = fn(target, [plain[j]["input_ids"] for j in chunk], dtype, top_k, feature_layers=layers)
             for j, r in zip(chunk, chunk_rows):
                 rows[j] = r

@@ -149,7 +149,7 @@ def test_cache_resumes_and_refuses_other_datasets(tiny_target, generated, cache1
     from drafttrain.data.shards import JobMismatchError
 
     ds = generated[1]
-    real, calls = feature_cache._rows_features, []
+    real, calls = feature_cache.rows_features, []
 
     def crash_after_two(*args, **kwargs):
         if len(calls) == 2:
@@ -157,13 +157,13 @@ def test_cache_resumes_and_refuses_other_datasets(tiny_target, generated, cache1
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(feature_cache, "_rows_features", crash_after_two)
+    monkeypatch.setattr(feature_cache, "rows_features", crash_after_two)
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         build_feature_cache(tiny_target, ds, out, top_k=4, batch_size=3, shard_size=3, progress=False)
     with pytest.raises(FeatureCacheError, match="no finished feature cache"):
         load_feature_cache(out)
-    monkeypatch.setattr(feature_cache, "_rows_features", real)
+    monkeypatch.setattr(feature_cache, "rows_features", real)
     build_feature_cache(tiny_target, ds, out, top_k=4, batch_size=3, shard_size=3, progress=False)
     assert load_feature_cache(out).to_list() == load_feature_cache(cache16[0]).to_list()
 

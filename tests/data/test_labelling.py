@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from drafttrain.data.feature_cache import (
-    _packed_rows_features,
-    _rows_features,
+    packed_rows_features,
+    rows_features,
     build_feature_cache,
     load_feature_cache,
     pack_rows,
@@ -61,7 +61,7 @@ def test_packed_labels_equal_a_separate_forward_per_row(tiny_target):
     """fp32: the packed forward's features and top-k logits equal each row's own forward (tight tolerance)."""
     rows = _rows(6, tiny_target.config.vocab_size)
     layers = (1, tiny_target.num_hidden_layers)
-    packed = _packed_rows_features(tiny_target, rows, "float16", 4, feature_layers=layers)
+    packed = packed_rows_features(tiny_target, rows, "float16", 4, feature_layers=layers)
     for r, p in zip(rows, packed):
         with torch.no_grad():
             out = tiny_target.forward(torch.tensor([r]), with_logits=True, feature_layers=layers)
@@ -74,7 +74,7 @@ def test_packed_labels_equal_a_separate_forward_per_row(tiny_target):
         torch.testing.assert_close(torch.from_numpy(p["topk_logits"].astype(np.float32)), top.values.half().float(),
                                    rtol=2e-3, atol=2e-3)  # fmt: skip
     # and the padded batch of the same rows agrees with both
-    padded = _rows_features(tiny_target, rows, "float16", 0, feature_layers=layers)
+    padded = rows_features(tiny_target, rows, "float16", 0, feature_layers=layers)
     for a, b in zip(padded, packed):
         np.testing.assert_allclose(a["features"].astype(np.float32), b["features"].astype(np.float32), rtol=2e-3, atol=2e-3)
 
@@ -138,7 +138,7 @@ def test_feature_cache_auto_labels_once_and_reuses(tiny_target, tmp_path, monkey
     def no_forward(*a, **k):
         raise AssertionError("the labelled rows were labelled again")
 
-    monkeypatch.setattr(fc, "_rows_features", no_forward)
+    monkeypatch.setattr(fc, "rows_features", no_forward)
     prepare_data(c, tiny_target, _Acc())  # a second run finds every shard done (nothing relabelled)
     folders = list((tmp_path / "features").iterdir())
     assert len(folders) == 1 and (folders[0] / "feature_cache.json").is_file()

@@ -135,14 +135,14 @@ _CHILD = textwrap.dedent("""
     target = load_target(TargetConfig(random_init=True))
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]})
     if started != "-":  # the writer: holds the folder until the test says go (so the other run overlaps it)
-        real = fc._rows_features
+        real = fc.rows_features
         def gated(*a, **k):
             Path(started).touch()
             t0 = time.time()
             while not Path(go).exists() and time.time() - t0 < 300:
                 time.sleep(0.05)
             return real(*a, **k)
-        fc._rows_features = gated
+        fc.rows_features = gated
     try:
         meta = fc.build_feature_cache(target, ds, out, shard_size=2, batch_size=2, progress=False)
         result.write_text(json.dumps({"wrote": meta["rows"]}))

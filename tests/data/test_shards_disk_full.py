@@ -91,8 +91,8 @@ def test_feature_cache_stops_on_a_full_disk_and_resumes(tiny_target, tmp_path, m
     ds = _ds(6)
     out = tmp_path / "cache"
     forwards = []
-    real_rows = fc._rows_features
-    monkeypatch.setattr(fc, "_rows_features", lambda t, rows, *a, **k: forwards.append(len(rows)) or real_rows(t, rows, *a, **k))
+    real_rows = fc.rows_features
+    monkeypatch.setattr(fc, "rows_features", lambda t, rows, *a, **k: forwards.append(len(rows)) or real_rows(t, rows, *a, **k))
     _fill_disk_on(monkeypatch, {2})
     with pytest.raises(DiskFullError, match=f"writing shard 1 .* in {out} failed"):
         fc.build_feature_cache(tiny_target, ds, out, batch_size=2, shard_size=2, progress=False)
@@ -100,7 +100,7 @@ def test_feature_cache_stops_on_a_full_disk_and_resumes(tiny_target, tmp_path, m
     assert sum(forwards) == 4  # shards 0 and 1 computed
     forwards.clear()
     monkeypatch.undo()
-    monkeypatch.setattr(fc, "_rows_features", lambda t, rows, *a, **k: forwards.append(len(rows)) or real_rows(t, rows, *a, **k))
+    monkeypatch.setattr(fc, "rows_features", lambda t, rows, *a, **k: forwards.append(len(rows)) or real_rows(t, rows, *a, **k))
     fc.build_feature_cache(tiny_target, ds, out, batch_size=2, shard_size=2, progress=False)
     assert sum(forwards) == 4  # shards 1 and 2 only: shard 0 was kept
     whole = tmp_path / "whole"

@@ -204,22 +204,18 @@ class Datastore:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-        old = None
         try:
             np.save(tmp / TOKENS_FILE, np.ascontiguousarray(self.tokens))
             np.save(tmp / SA_FILE, np.ascontiguousarray(self.suffix_array))
             meta = {**self.meta, "format_version": FORMAT_VERSION, "num_tokens": int(self.tokens.shape[0])}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-            if path.exists():
-                old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
-                old.rmdir()
-                path.rename(old)
-            tmp.rename(path)
+            from drafttrain.atomic import fsync_path, replace_dir
+
+            fsync_path(tmp)
+            replace_dir(tmp, path)  # the old datastore whole until the rename
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
         return path
 
     @classmethod
