@@ -185,7 +185,8 @@ def run_eval_rows(run: RunLog) -> list[dict[str, Any]]:
     return [{"recipe": run.recipe, "prompt_set": str(run.final.get("eval/prompts", "?")),
              "batch_size": int(run.final.get("eval/batch_size", 1)),
              "tau": float(run.final["eval/tau"]), "speedup": float(run.final.get("eval/speedup", math.nan)),
-             "tokens_per_s": float(run.final.get("eval/spec_tokens_per_s", math.nan)), "mode": "chain (training eval)",
+             "tokens_per_s": float(run.final.get("eval/spec_tokens_per_s", math.nan)),
+             "mode": f"{eval_tau_label(run.final)} (training eval)",
              "source": str(run.path / "final_metrics.json")}]  # fmt: skip
 
 
@@ -204,17 +205,27 @@ def plot_tau(run: RunLog):
     fig, (ax,) = _figure()
     for key, label, style in (("train/tau_sim", "τ_sim (training batches)", "-"),
                               ("eval/tau_sim", "τ_sim (held-out)", "o--"),
-                              ("eval/tau", "eval τ (greedy chain, real verification)", "s-")):  # fmt: skip
+                              ("eval/tau", f"eval τ ({eval_tau_label(run.final)})", "s-"),
+                              ("eval/tau_alone", "eval τ (the drafter alone: its chain, no SSSD)", "^-")):  # fmt: skip
         steps, values = run.series(key)
         if steps:
             ax.plot(steps, values, style, label=label, markersize=4)
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("tokens per target forward")
-    ax.set_title(f"acceptance length over training: {run.recipe}")
-    ax.legend(fontsize=8)
+    ax.set_title(f"acceptance length over training: {run.recipe}", fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def eval_tau_label(final: dict[str, Any]) -> str:
+    """What a run's ``eval/tau`` measured, from its own keys: the draft tree or chain it verified (``eval/tree``)
+    and the SSSD candidates merged into it (``eval/sssd``), e.g. ``"tree widths [4, 2, 1, 1, 1] budget 8 + SSSD"``;
+    ``"chain"`` when the run recorded neither."""
+    what = str(final.get("eval/tree", "chain"))
+    what = what if what.startswith(("chain", "tree")) else f"tree {what}"
+    return what + (" + SSSD" if final.get("eval/sssd") else "")
 
 
 def plot_position_acceptance(run: RunLog):
@@ -248,7 +259,9 @@ def plot_accept_hist(run: RunLog):
         items = accept_hist_items(rows[-1]["eval/accept_hist"])
         total = sum(n for _, n in items) or 1
         ax.bar([a for a, _ in items], [n / total for _, n in items])
-        ax.set_title(f"accepted drafts per step, {rows[-1].get('eval/prompts', '')} (step {rows[-1]['step']})")
+        prompts = str(rows[-1].get("eval/prompts", "")).split(" ")[0]  # the prompt set, not every id
+        ax.set_title(f"accepted drafts per step: {prompts}, step {rows[-1]['step']}\n"
+                     f"({eval_tau_label(run.final)})", fontsize=9)  # fmt: skip
     else:
         ax.text(0.5, 0.5, "no speculative evaluation logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("drafts accepted in a verification step (tokens emitted = this + 1)")
@@ -257,18 +270,39 @@ def plot_accept_hist(run: RunLog):
     return fig
 
 
-def plot_batch_sizes(rows: list[dict[str, Any]]):
-    """τ and speedup over plain decoding by batch size, one line per (recipe, prompt set, mode)."""
-    fig, (ax_tau, ax_speed) = _figure(ncols=2, width=5.0)
+#: At most this many series in the batch-size figure (and its legend): the first ones in the order rows are given.
+MAX_SERIES = 8
+
+
+def series_label(r: dict[str, Any]) -> str:
+    """A row's series name: recipe / prompt set / mode, the report file's name standing in for an unknown recipe."""
+    recipe = r.get("recipe") or "?"
+    if recipe == "?":
+        recipe = Path(str(r.get("source", "?"))).stem
+    prompt_set = str(r.get("prompt_set", "")).split(" ")[0]  # "mt_bench ids 81,86,..." -> "mt_bench"
+    return " / ".join(x for x in (recipe, prompt_set, r.get("mode", "")) if x and x != "?")
+
+
+def plot_batch_sizes(rows: list[dict[str, Any]], max_series: int = MAX_SERIES):
+    """τ and speedup over plain decoding by batch size, one line per (recipe, prompt set, mode): the first
+    ``max_series`` series in the order of ``rows`` (the rest are counted in the title), the legend below the axes."""
+    fig, (ax_tau, ax_speed) = _figure(ncols=2, width=5.0, height=4.2)
     if not rows:
         for ax in (ax_tau, ax_speed):
             ax.text(0.5, 0.5, "no evaluation report found\n(python -m scripts.evaluate writes one)",
                     ha="center", va="center", transform=ax.transAxes)  # fmt: skip
-    series: dict[str, list[dict[str, Any]]] = {}
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}  # one series per (label, report file): never joined
     for r in rows:
-        label = " / ".join(x for x in (r["recipe"], r["prompt_set"], r.get("mode", "")) if x)
-        series.setdefault(label, []).append(r)
-    for label, rs in sorted(series.items()):
+        by_key.setdefault((series_label(r), str(r.get("source", ""))), []).append(r)
+    counts: dict[str, int] = {}
+    for label, _ in by_key:
+        counts[label] = counts.get(label, 0) + 1
+    series = {(label if counts[label] == 1 else f"{label} ({Path(src).parent.name}/{Path(src).stem})"): rs
+              for (label, src), rs in by_key.items()}  # fmt: skip
+    left_out = max(len(series) - max_series, 0)
+    series = dict(list(series.items())[:max_series])
+    rows = [r for rs in series.values() for r in rs]
+    for label, rs in series.items():
         rs = sorted(rs, key=lambda r: r["batch_size"])
         bs = [r["batch_size"] for r in rs]
         ax_tau.plot(bs, [r["tau"] for r in rs], "o-", label=label)
@@ -281,11 +315,16 @@ def plot_batch_sizes(rows: list[dict[str, Any]]):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes, [str(b) for b in sizes])
             ax.minorticks_off()
-            ax.legend(fontsize=7)
     ax_speed.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax_tau.set_title("acceptance length by batch size")
-    ax_speed.set_title("wall-clock speedup by batch size")
-    fig.tight_layout()
+    more = f" ({left_out} more series not drawn)" if left_out else ""
+    ax_tau.set_title("acceptance length by batch size" + more, fontsize=10)
+    ax_speed.set_title("wall-clock speedup by batch size", fontsize=10)
+    if rows:
+        handles, labels = ax_tau.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+        fig.tight_layout(rect=(0, 0.045 * ((len(labels) + 1) // 2) + 0.03, 1, 1))
+    else:
+        fig.tight_layout()
     return fig
 
 
