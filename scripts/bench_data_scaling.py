@@ -4,6 +4,7 @@
         python -m scripts.bench_data_scaling phase=train row=$row
         python -m scripts.bench_data_scaling phase=eval row=$row
     done
+    python -m scripts.bench_data_scaling phase=lengths row=raw4500   # τ by prompt length, the largest row
     python -m scripts.bench_data_scaling phase=report
 
 Every row trains ``+recipe=parallelspec`` (the main job's drafter, draft vocabulary and optimizer) for the main
@@ -121,6 +122,75 @@ def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int) ->
     return result
 
 
+#: Prompt-length buckets of ``phase=lengths`` (prompt tokens, the chat template included), ShareGPT first turns
+#: from conversation LENGTH_POOL_START on (never in any row: the largest reads the first 6500).
+LENGTH_BUCKETS = {"le512": (1, 512), "512-2k": (513, 2048), "2k-4k": (2049, 4096)}
+LENGTH_POOL_START = 8000
+
+
+def length_prompts(tokenizer, out_root: Path, per_bucket: int) -> dict[str, Path]:
+    """``per_bucket`` ShareGPT first-turn prompts per :data:`LENGTH_BUCKETS` bucket, written as jsonl files
+    (``messages``) under ``out_root/prompts``; the same files on every call (the first that fit, in file order)."""
+    from drafttrain.data.sources import load_conversations
+    from drafttrain.data.template import prompt_ids
+
+    folder = out_root / "prompts"
+    paths = {b: folder / f"{b}.jsonl" for b in LENGTH_BUCKETS}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    picked: dict[str, list[dict]] = {b: [] for b in LENGTH_BUCKETS}
+    seen: set[str] = set()  # ShareGPT repeats some conversations: each prompt once
+    for conv in load_conversations("sharegpt", max_conversations=30000)[LENGTH_POOL_START:]:
+        msgs = conv["messages"]
+        first = [m for m in msgs if m["role"] == "system"] + [next(m for m in msgs if m["role"] == "user")]
+        if first[-1]["content"] in seen:
+            continue
+        seen.add(first[-1]["content"])
+        n = len(prompt_ids(tokenizer, first))
+        for b, (lo, hi) in LENGTH_BUCKETS.items():
+            if lo <= n <= hi and len(picked[b]) < per_bucket:
+                picked[b].append({"id": conv["id"], "messages": first, "prompt_tokens": n})
+        if all(len(v) == per_bucket for v in picked.values()):
+            break
+    folder.mkdir(parents=True, exist_ok=True)
+    for b, rows in picked.items():
+        paths[b].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def cmd_lengths(row: str, out_root: Path, per_bucket: int, max_new_tokens: int) -> dict:
+    """τ by prompt length: the saved drafter's chain (and tree) on :data:`LENGTH_BUCKETS` prompts, 8 at a time
+    (``<row>/eval_lengths.json``, resumable per bucket)."""
+    import dataclasses
+
+    from drafttrain.eval import lockstep
+    from scripts.bench_recipes import load_run
+
+    out = run_dir(out_root, row)
+    c, target, drafter = load_run(out)
+    paths = length_prompts(target.tokenizer, out_root, per_bucket)
+    path = out / "eval_lengths.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    for bucket, prompts in paths.items():
+        if bucket in result:
+            continue
+        se = dataclasses.replace(c.trainer.spec_eval, prompts=str(prompts), num_prompts=per_bucket, prompt_offset=0,
+                                 prompt_stride=1, max_new_tokens=max_new_tokens, batch_size=8, chain=True,
+                                 latency_prompts=0, drafter_alone=False,
+                                 tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8, plan=False),
+                                 sssd=dataclasses.replace(c.trainer.spec_eval.sssd, source="none"))  # fmt: skip
+        c2 = dataclasses.replace(c, output_dir=str(out / f"eval_lengths_{bucket}"),
+                                 trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
+        Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        r = lockstep.spec_eval(c2, target, drafter)
+        lengths = [json.loads(line)["prompt_tokens"] for line in prompts.read_text().splitlines()]
+        result[bucket] = {**r, "seconds": round(time.time() - t0, 1), "prompt_tokens": lengths}
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps({bucket: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/greedy_equal")}}, default=str))
+    return result
+
+
 def summarize(out_root: Path, row: str) -> dict | None:
     out = run_dir(out_root, row)
     if not (out / "final_metrics.json").is_file():
@@ -138,7 +208,12 @@ def summarize(out_root: Path, row: str) -> dict | None:
                 "prompts": r.get("eval/prompts")}  # fmt: skip
 
     last = train_rows[-1] if train_rows else {}
+    lens = json.loads((out / "eval_lengths.json").read_text()) if (out / "eval_lengths.json").is_file() else {}
     return {
+        "by_prompt_length": {b: {"chain_tau": r.get("eval/tau_chain"), "tree_tau": r.get("eval/tau"),
+                                 "greedy_equal": r.get("eval/greedy_equal"), "prompts": len(r.get("prompt_tokens", [])),
+                                 "prompt_tokens_median": sorted(r["prompt_tokens"])[len(r["prompt_tokens"]) // 2]
+                                 if r.get("prompt_tokens") else None} for b, r in lens.items()},  # fmt: skip
         "row": row,
         "overrides": ROWS[row],
         "launches": json.loads(launch.read_text())["launches"] if launch.is_file() else None,
@@ -211,6 +286,14 @@ def cmd_report(out_root: Path, dest: Path) -> None:
                      f"{f(r['heldout_acc'].get('acc_0'))} | {f(r['train_tau_sim_last'])} | {f(r['gap_tau_sim'])} | "
                      f"{f(r['mt_bench']['chain_tau'])} | {f(r['gsm8k']['chain_tau'])} | {f(r['mt_bench']['tree_tau'])} | "
                      f"{f(r['gsm8k']['tree_tau'])} | {eq} |")  # fmt: skip
+    for r in rows:
+        if r["by_prompt_length"]:
+            lines += ["", f"τ by prompt length, row {r['row']} (8 ShareGPT first turns per bucket from conversation "
+                      f"{LENGTH_POOL_START} on, 8 at a time, 64 new tokens, the drafter alone and the tree, no SSSD):", "",
+                      "| prompt tokens | prompts (median tokens) | chain τ | tree τ | = greedy |", "|---|---|---|---|---|"]  # fmt: skip
+            for b, x in r["by_prompt_length"].items():
+                lines.append(f"| {b} | {x['prompts']} ({x['prompt_tokens_median']}) | {f(x['chain_tau'])} | "
+                             f"{f(x['tree_tau'])} | {x['greedy_equal']} |")  # fmt: skip
     lines += ["", END]
     md = dest.with_suffix(".md")
     text = md.read_text() if md.is_file() else f"# Data scaling\n\n{START}\n{END}\n"
@@ -225,13 +308,15 @@ def cmd_report(out_root: Path, dest: Path) -> None:
 class BenchDataScalingConfig:
     """Schema of ``python -m scripts.bench_data_scaling`` (key=value overrides, validated before any work)."""
 
-    phase: str = "report"  # train | eval | report
+    phase: str = "report"  # train | eval | lengths | report
     row: str = "raw690"
     out_root: str = "outputs/data_scaling"
     dest: str = "docs/benchmarks/data_scaling"
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides of the training run
     num_prompts: int = 16
     max_new_tokens: int = 128
+    per_bucket: int = 8  # phase=lengths: prompts per prompt-length bucket
+    length_new_tokens: int = 64  # phase=lengths: new tokens per prompt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,10 +328,12 @@ def main(argv: list[str] | None = None) -> None:
         cmd_train(args.row, out_root, args.overrides)
     elif args.phase == "eval":
         cmd_eval(args.row, out_root, args.num_prompts, args.max_new_tokens)
+    elif args.phase == "lengths":
+        cmd_lengths(args.row, out_root, args.per_bucket, args.length_new_tokens)
     elif args.phase == "report":
         cmd_report(out_root, Path(args.dest))
     else:
-        raise SystemExit(f"phase must be train|eval|report, got {args.phase!r}")
+        raise SystemExit(f"phase must be train|eval|lengths|report, got {args.phase!r}")
 
 
 if __name__ == "__main__":
