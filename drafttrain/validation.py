@@ -150,6 +150,9 @@ def _check_values(c: TrainConfig) -> None:
     if c.data.features == "cache" and not c.data.feature_cache:
         problems.append("data.features=cache needs data.feature_cache=<folder written by scripts.cache_features> "
                         "or data.feature_cache=auto (the run labels its rows itself)")
+    if c.data.feature_cache == "auto" and c.data.features != "cache":
+        problems.append(f"data.feature_cache=auto labels the rows into a cache that only data.features=cache reads "
+                        f"(data.features={c.data.features}): add data.features=cache")
     if c.data.heldout_split not in ("random", "head"):
         problems.append(f"data.heldout_split must be random|head, got {c.data.heldout_split!r}")
     if c.data.feature_cache_dtype not in ("float16", "bfloat16"):

@@ -207,3 +207,15 @@ def test_target_dtype_auto_follows_the_host(monkeypatch):
     assert validate({"target": {"dtype": "auto"}}).target.dtype == "auto"
     with pytest.raises(Exception, match="target.dtype must be"):
         validate({"target": {"dtype": "fp8"}})
+
+
+def test_config_errors_name_the_key():
+    from drafttrain.validation import validate
+
+    for data, msg in (({"feature_cache": "auto"}, "add data.features=cache"),
+                      ({"heldout_split": "tail"}, "data.heldout_split must be"),
+                      ({"dataset_share": 1.5}, "data.dataset_share must be"),
+                      ({"dataset_share": 0.5, "self_distill": False}, "needs data.self_distill=true"),
+                      ({"pack_tokens": -1}, "data.pack_tokens must be")):  # fmt: skip
+        with pytest.raises(Exception, match=msg):
+            validate({"data": data})
