@@ -91,7 +91,8 @@ def fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path, metrics_lines: int = 0) -> Path:
+def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out_dir: Path, metrics_lines: int = 0,
+                    strategy_state: dict | None = None) -> Path:  # fmt: skip
     """accelerate state (drafter, optimizer, scheduler, RNG, TrainState) + drafter safetensors + config + git SHA.
 
     Written into ``checkpoints/.tmp_step_N`` by every rank, then (after a barrier across ranks, so
@@ -99,7 +100,9 @@ def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out
     ``step_N``. A run killed at any point leaves either a complete checkpoint or a temporary folder
     that the next save (or resume) removes; :func:`latest_checkpoint` only trusts COMPLETE ones.
     ``metrics_lines`` (rows of ``metrics.jsonl`` so far) goes into ``meta.json``: a resume cuts the
-    file back to it, so every step is logged once. Old checkpoints beyond ``keep_checkpoints`` are removed.
+    file back to it, so every step is logged once. ``strategy_state`` (the training strategy's own state,
+    ``TrainingStrategy.state_dict``) goes there too when not empty. Old checkpoints beyond ``keep_checkpoints``
+    are removed.
     """
     from drafttrain.train.distributed import full_drafter
 
@@ -124,7 +127,8 @@ def save_checkpoint(accelerator, drafter, c: TrainConfig, state: TrainState, out
             from drafttrain.fingerprint import target_fingerprint
 
             meta = {"git_sha": git_sha() or "unknown", **state.state_dict(), "metrics_lines": metrics_lines,
-                    "target_fingerprint": target_fingerprint(c.target)}
+                    "target_fingerprint": target_fingerprint(c.target),
+                    **({"strategy_state": strategy_state} if strategy_state else {})}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         fault_point("checkpoint", state.step)
         accelerator.wait_for_everyone()  # every rank's part is written before the marker

@@ -59,7 +59,20 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    return validate(cfg)
+    return validate_run(cfg)
+
+
+def validate_run(cfg) -> TrainConfig:
+    """:func:`drafttrain.validation.validate` plus what the chosen strategy declares it needs of the chosen drafter
+    (:func:`drafttrain.train.strategies.strategy_problems`): every problem in one ConfigError, before any model loads."""
+    from drafttrain.cliconfig import ConfigError
+    from drafttrain.train.strategies import strategy_problems
+
+    c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    problems = strategy_problems(c)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return c
 
 
 
@@ -209,7 +222,7 @@ def run(cfg) -> dict[str, Any]:
     Raises:
         ConfigError: unknown key / bad value (before anything is loaded).
     """
-    c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
+    c = validate_run(cfg)
     from drafttrain.validation import smoke_size_hint
 
     if hint := smoke_size_hint(c):  # a small local model at the main job's sizes: say how to shrink them
@@ -350,6 +363,7 @@ def _resume(r: _Run, resume_from: Path | None) -> int | None:
         accelerator.load_state(str(resume_from))
         meta = json.loads((resume_from / "meta.json").read_text())
         metrics_lines = meta.get("metrics_lines")
+        r.strategy.load_state_dict(meta.get("strategy_state", {}))  # the strategy's own state (none for the built-in ones)
         set_schedule_lr(r.opt, r.base_lrs, r.state.step, c, r.state.train_seconds)
         log.info("resumed from %s at step %d (samples %d)", resume_from, r.state.step, r.state.samples)
     elif c.resume:
@@ -484,7 +498,7 @@ def _train_steps(r: _Run) -> bool:
             accelerator.wait_for_everyone()
             seg_start, base_seconds = time.time(), state.train_seconds  # eval time is not training time
         if c.trainer.save_every and state.step % c.trainer.save_every == 0:
-            save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines)
+            save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines, r.strategy.state_dict())
     bar.close()
     return stopped_early
 
@@ -517,7 +531,7 @@ def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
             "generated_tokens_per_s": round(budget["tokens_per_s"], 1), "budget_minutes": c.data.self_distill_minutes}
     if held_ds is not None:
         final.update(finalize(reduce_sums(accelerator, heldout_sums(drafter, held_ds, target, c, accelerator, layers)), "eval"))
-    save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines)
+    save_checkpoint(accelerator, drafter, c, state, r.out_dir, r.mlog.lines, r.strategy.state_dict())
     final["peak_mem_mb_per_rank"] = [round(x, 1) for x in per_rank(accelerator, peak_memory_mb(accelerator.device))]
     final["launch"] = r.launch
     model = full_drafter(accelerator, drafter)  # collective under ZeRO-3

@@ -245,3 +245,61 @@ def test_on_policy_with_the_cut_is_the_offline_cut_on_the_targets_greedy_rows(va
     assert torch.allclose(pol_cut.loss, off_cut.loss, rtol=1e-4, atol=1e-5)
     off, pol = loss(), loss(**policy)
     assert not torch.allclose(pol.loss, off.loss, rtol=1e-3)  # an untrained drafter misses: the labels after differ
+
+
+def test_what_a_strategy_needs_is_its_declaration():
+    """Validation reads the strategies' declarations (``requires``), not their names: a strategy registered
+    elsewhere that needs an objective no drafter of the run has is refused the same way, before any model loads."""
+    from drafttrain.cliconfig import ConfigError
+    from drafttrain.train import compose_config
+    from drafttrain.train.strategies import STRATEGIES, OfflineStrategy, register_strategy
+
+    class NeedsCut(OfflineStrategy):
+        name = "test_needs_on_policy"
+        requires = {"on_policy": "cannot be trained this way"}
+
+    register_strategy(NeedsCut)
+    try:
+        with pytest.raises(ConfigError, match=r"trainer.strategy=test_needs_on_policy: drafter 'medusa' cannot be trained this way"):
+            compose_config(["+recipe=medusa", "target=tiny", "trainer.strategy=test_needs_on_policy"])
+        c = compose_config(["+recipe=eagle3", "target=tiny", "trainer.strategy=test_needs_on_policy"])  # eagle3 has it
+        assert c.trainer.strategy == "test_needs_on_policy"
+    finally:
+        STRATEGIES.pop("test_needs_on_policy", None)
+        from drafttrain.config import TRAINING_STRATEGIES
+
+        TRAINING_STRATEGIES.discard("test_needs_on_policy")
+
+
+class CountingRows(TrainingStrategy):
+    """A test strategy with state of its own: micro-batches seen, kept across a resume through the checkpoint."""
+
+    name = "test_counting_rows"
+    restored: list[dict] = []
+
+    def __init__(self, c, target, feature_layers):
+        super().__init__(c, target, feature_layers)
+        self.seen = 0
+
+    def loss(self, drafter, batch, generator, step, micro):
+        self.seen += 1
+        return drafter(batch, generator)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        CountingRows.restored.append(dict(state))
+        self.seen = int(state.get("seen", 0))
+
+
+def test_a_strategys_own_state_survives_a_resume(tmp_path):
+    register_strategy(CountingRows)
+    CountingRows.restored.clear()
+    base = ["+recipe=parallelspec", "trainer.strategy=test_counting_rows", "trainer.spec_eval.num_prompts=0",
+            "trainer.save_every=2", "trainer.export=false"]  # fmt: skip
+    _run(tmp_path, base + ["trainer.max_steps=2"])
+    meta = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_0000002/meta.json")).read_text())
+    assert meta["strategy_state"]["seen"] >= 2  # one loss per micro-batch, 2 steps
+    _run(tmp_path, base + ["trainer.max_steps=3", "resume=true"])
+    assert CountingRows.restored == [meta["strategy_state"]]

@@ -54,6 +54,19 @@ for _cls in (OfflineStrategy, OnPolicyStrategy, MixedStrategy):
     register_strategy(_cls)
 
 
+def strategy_problems(c) -> list[str]:
+    """What the chosen strategy needs that the chosen drafter lacks, read from the declarations
+    (``TrainingStrategy.requires`` against ``Drafter.objectives``), one message per need naming both and the
+    drafter's reason; checked with the config, before any model loads (:func:`drafttrain.train.loop.validate_run`)."""
+    from drafttrain.drafters import DRAFTERS
+
+    cls, drafter = STRATEGIES.get(c.trainer.strategy), DRAFTERS.get(c.drafter.name)
+    if cls is None or drafter is None:
+        return []  # an unknown name: validation already says so
+    return [f"trainer.strategy={cls.name}: drafter '{c.drafter.name}' {cannot}: {drafter.objective_refusal}"
+            for need, cannot in cls.requires.items() if need not in drafter.objectives]
+
+
 def build_strategy(c, target, feature_layers) -> TrainingStrategy:
     """The strategy ``c.trainer.strategy`` of a validated :class:`~drafttrain.config.TrainConfig`.
 
@@ -67,4 +80,4 @@ def build_strategy(c, target, feature_layers) -> TrainingStrategy:
 
 
 __all__ = ["STRATEGIES", "MixedStrategy", "OfflineStrategy", "OnPolicyStrategy", "TrainingStrategy",
-           "build_strategy", "label_drafts", "register_strategy"]  # fmt: skip
+           "build_strategy", "label_drafts", "register_strategy", "strategy_problems"]  # fmt: skip

@@ -22,6 +22,12 @@ class TrainingStrategy:
     """
 
     name: ClassVar[str] = "base"
+    #: What the strategy needs of the drafter, read by :func:`drafttrain.train.strategies.strategy_problems`
+    #: before any model loads: drafter objective (``Drafter.objectives``) -> what a drafter without it cannot do
+    #: (the refusal's words, followed by the drafter's ``objective_refusal``).
+    requires: ClassVar[dict[str, str]] = {}
+    #: The config section the strategy reads besides ``loss.*`` (for messages and docs), or None.
+    config_section: ClassVar[str | None] = None
 
     def __init__(self, c, target, feature_layers):
         self.c, self.target, self.feature_layers = c, target, feature_layers
@@ -50,3 +56,12 @@ class TrainingStrategy:
     def window_metrics(self) -> dict[str, float]:
         """The strategy's own figures since the last call (logged as ``train/*``), then reset."""
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state that a resumed run must find again (JSON-serialisable), saved in every
+        checkpoint (``strategy_state`` in its ``trainer_state.json``); none by default: the built-in strategies'
+        choices are pure functions of the seed and the step."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, when a run resumes from a checkpoint."""

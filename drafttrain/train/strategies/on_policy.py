@@ -127,6 +127,8 @@ class OnPolicyStrategy(TrainingStrategy):
     """Every micro-batch on-policy: the drafter's own drafts, labelled by the target (module docstring)."""
 
     name = "on_policy"
+    requires = {"on_policy": "cannot train on its own drafts"}
+    config_section = "trainer.on_policy"
 
     def __init__(self, c, target, feature_layers):
         super().__init__(c, target, feature_layers)
