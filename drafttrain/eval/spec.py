@@ -316,8 +316,13 @@ def evaluate_prompts_batched(
                                                                    sssd_nodes=sssd_nodes))  # fmt: skip
     if tree and also_chain:
         engines["chain"] = engine(proposer_for(drafter, sssd=sssd, sssd_nodes=sssd_nodes))
-    if also_alone and (sssd is not None or not (tree and also_chain)):  # else the chain run is the drafter alone
-        engines["alone"] = engine(proposer_for(drafter))
+    alone_key = None  # the run that decodes with the drafter alone (its chain, no SSSD)
+    if also_alone:
+        if sssd is None and ((not tree and full_tree) or (tree and also_chain)):
+            alone_key = "chain"  # a run already is
+        else:
+            engines["alone"] = engine(proposer_for(drafter))
+            alone_key = "alone"
     engines["plain"] = engine(PlainProposer())
     if plan:
         planned_prop = proposer_for(drafter, widths=tree_widths, budget=tree_budget, plan=True, sssd=sssd,
@@ -341,7 +346,7 @@ def evaluate_prompts_batched(
     plain, planned = runs["plain"], runs.get("planned")
     spec = runs.get("tree", runs.get("chain") if full_tree else planned)
     chain = runs.get("chain") if tree and also_chain else None
-    alone = runs.get("alone", chain if also_alone and sssd is None else None)
+    alone = runs.get(alone_key) if alone_key else None
     mismatches, outputs = [], []
     for i, (p, s, r) in enumerate(zip(prompts, spec.results, plain.results)):
         outs = [s.tokens] + [x.results[i].tokens for x in (chain, planned, runs.get("alone")) if x is not None]

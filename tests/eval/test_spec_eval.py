@@ -234,3 +234,18 @@ def test_latency_subset_spreads_over_the_prompt_list():
     assert latency_subset(["a", "b", "c"], 2) == ["a", "b"]
     with pytest.raises(ValueError, match="k must be >= 0"):
         latency_subset(items, -1)
+
+
+def test_drafter_alone_is_the_chain_without_sssd(varied_target, random_drafter, prompts):
+    """also_alone: the drafter alone (its chain, no SSSD) decodes the prompts like the one-sequence chain
+    reference, whether the main run is a tree (its own run) or already that chain (no extra run)."""
+    from drafttrain.eval.spec import evaluate_prompts_batched
+
+    ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
+    tree = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+                                    tree_widths=[3, 1, 1, 1], tree_budget=6, also_alone=True)  # fmt: skip
+    assert tree["tau_alone"] == pytest.approx(ref["tau"]) and tree["accept_hist_alone"] == ref["accept_hist"]
+    assert tree["greedy_equal"] is True
+    chain = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+                                     also_alone=True)  # fmt: skip
+    assert chain["tau_alone"] == chain["tau"] == pytest.approx(ref["tau"])
