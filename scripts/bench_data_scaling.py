@@ -49,6 +49,7 @@ COMMON = [
     "trainer.eval_every=100",
     "trainer.spec_eval.num_prompts=0",  # decoding: the eval phase, the same for every row
     "trainer.progress=false",
+    "trainer.export=false",  # no serving folder per row (the export's cost measurements are minutes on 2 cores)
     "logging.wandb=false",
 ]
 RAW = ["data=sharegpt", "data.first_turn_only=false", "data.self_distill=false", "data.features=cache",
@@ -91,16 +92,36 @@ def cmd_train(row: str, out_root: Path, extra: list[str]) -> None:
     launch.write_text(json.dumps(prev, indent=1))
 
 
-def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int) -> dict:
-    """The saved drafter on MT-bench and GSM8K (chain and tree, no SSSD, batch 16): ``<row>/eval_scaling.json``."""
+def load_for_eval(out: Path, dtype: str):
+    """(config, target, drafter) of a finished row with the target loaded in ``dtype`` (``float32``: the dtype whose
+    engine output equals plain greedy decoding token for token; a bf16 target's batched verification rounds
+    differently from its plain steps: docs/benchmarks/data_scaling.md)."""
+    import dataclasses
+
+    import torch
+
+    from drafttrain.compose import build_run
+    from drafttrain.config import upgrade_saved
+    from drafttrain.validation import validate
+
+    c = validate(upgrade_saved(json.loads((out / "config.json").read_text())))
+    c = dataclasses.replace(c, target=dataclasses.replace(c.target, dtype=dtype))
+    if c.trainer.num_threads:
+        torch.set_num_threads(c.trainer.num_threads)
+    built = build_run(c, drafter=out / "drafter", pack=False)
+    return c, built.target, built.drafter
+
+
+def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int, dtype: str = "float32") -> dict:
+    """The saved drafter on MT-bench and GSM8K (chain and tree, no SSSD, batch 16), the target in ``dtype``:
+    ``<row>/eval_scaling.json`` (``eval_scaling_<dtype>.json`` for another dtype than float32)."""
     import dataclasses
 
     from drafttrain.eval import lockstep
-    from scripts.bench_recipes import load_run
 
     out = run_dir(out_root, row)
-    c, target, drafter = load_run(out)
-    path = out / "eval_scaling.json"
+    c, target, drafter = load_for_eval(out, dtype)
+    path = out / ("eval_scaling.json" if dtype == "float32" else f"eval_scaling_{dtype}.json")
     result = json.loads(path.read_text()) if path.is_file() else {}  # resumes per prompt set
     for prompts, extra in PROMPTS.items():
         if prompts in result:
@@ -111,7 +132,7 @@ def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int) ->
                                  tree=dataclasses.replace(c.trainer.spec_eval.tree, widths=[4, 2, 1, 1, 1], budget=8,
                                                           plan=False),  # τ only: no planned (timed) run
                                  sssd=dataclasses.replace(c.trainer.spec_eval.sssd, source="none"))  # fmt: skip
-        c2 = dataclasses.replace(c, output_dir=str(out / f"eval_scaling_{prompts}"),
+        c2 = dataclasses.replace(c, output_dir=str(out / f"eval_scaling_{dtype}_{prompts}"),
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
         Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.time()
@@ -164,10 +185,9 @@ def cmd_lengths(row: str, out_root: Path, per_bucket: int, max_new_tokens: int) 
     import dataclasses
 
     from drafttrain.eval import lockstep
-    from scripts.bench_recipes import load_run
 
     out = run_dir(out_root, row)
-    c, target, drafter = load_run(out)
+    c, target, drafter = load_for_eval(out, "float32")
     paths = length_prompts(target.tokenizer, out_root, per_bucket)
     path = out / "eval_lengths.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
@@ -315,6 +335,7 @@ class BenchDataScalingConfig:
     overrides: list[str] = field(default_factory=list)  # extra Hydra overrides of the training run
     num_prompts: int = 16
     max_new_tokens: int = 128
+    eval_dtype: str = "float32"  # phase=eval: the target's dtype while decoding (float32: greedy-equal; bfloat16 is not)
     per_bucket: int = 8  # phase=lengths: prompts per prompt-length bucket
     length_new_tokens: int = 64  # phase=lengths: new tokens per prompt
 
@@ -327,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.phase == "train":
         cmd_train(args.row, out_root, args.overrides)
     elif args.phase == "eval":
-        cmd_eval(args.row, out_root, args.num_prompts, args.max_new_tokens)
+        cmd_eval(args.row, out_root, args.num_prompts, args.max_new_tokens, args.eval_dtype)
     elif args.phase == "lengths":
         cmd_lengths(args.row, out_root, args.per_bucket, args.length_new_tokens)
     elif args.phase == "report":

@@ -31,6 +31,10 @@ def speedup_line(final: dict[str, Any]) -> str:
 
     parts, dec = by_batch("eval/speedup_b"), by_batch("eval/speedup_decode_b")
     eq = "every output equal to plain greedy decoding" if final.get("eval/greedy_equal") else "OUTPUTS DIFFER from plain greedy"
+    dtype = final.get("eval/target_dtype", "float32")
+    if not final.get("eval/greedy_equal") and dtype != "float32":  # measured: rounding, not the acceptance rule
+        eq += (f" (the target runs in {dtype}: its batched verification rounds differently from its plain steps, "
+               f"so greedy outputs part at near ties; check losslessness with target.dtype=float32)")
     decode = f" (decoding steps alone, prompt forwards left out: {dec})" if dec else ""
     what = final.get("eval/tree", "chain")
     if final.get("eval/sssd"):
@@ -190,6 +194,7 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
         "eval/plain_tokens_per_s": r["plain_tokens_per_s"],
         "eval/accept_hist": r["accept_hist"],
         "eval/batch_size": bs,
+        "eval/target_dtype": target.dtype_name if hasattr(target, "dtype_name") else "float32",
         **({"eval/speedup_full_tree": r["speedup"], "eval/tau_planned": r["tau_planned"]} if planned else {}),
         # what the planner did (steps skipped, nodes verified, calibration): the speedup depends on its path
         **({f"eval/planner_b{bs}": r["planner"]} if planned else {}),
