@@ -36,9 +36,10 @@ def speedup_line(final: dict[str, Any]) -> str:
         eq += (f" (the target runs in {dtype}: its batched verification rounds differently from its plain steps, "
                f"so greedy outputs part at near ties; check losslessness with target.dtype=float32)")
     decode = f" (decoding steps alone, prompt forwards left out: {dec})" if dec else ""
-    what = final.get("eval/tree", "chain")
+    what = str(final.get("eval/tree", "chain"))
+    what = f"tree {what}" if what.startswith("widths") else what
     if final.get("eval/sssd"):
-        what += f" + SSSD ({final['eval/sssd']})"
+        what += f" + SSSD candidates: {final['eval/sssd']}"
     alone = (f"; the drafter alone (its chain, no SSSD): tau {final['eval/tau_alone']:.3f}"
              if "eval/tau_alone" in final else "")  # fmt: skip
     return (f"eval: tau {final['eval/tau']:.3f} tokens per verification step ({what}){alone}; speculative vs plain "
