@@ -505,7 +505,8 @@ UNIT, UNIT_OPEN_LOW, UNIT_OPEN_HIGH = Range(0, 1), Range(0, 1, False, True), Ran
 NUMERIC_RANGES: dict[str, dict[str, Range]] = {
     "TargetConfig": dict(hidden_size=GE1, intermediate_size=GE1, num_hidden_layers=GE1, num_attention_heads=GE1,
                          num_key_value_heads=GE1, seed=GE0),
-    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), heldout=GE0, self_distill_minutes=GT0),
+    "DataConfig": dict(max_conversations=GE1, max_length=Range(2), heldout=GE0, self_distill_minutes=GT0, dataset_share=UNIT,
+                       pack_tokens=GE0),
     "DistillConfig": dict(max_new_tokens=GE1, max_prompt_length=GE1, batch_size=GE1),
     "DrafterConfig": dict(num_mask_tokens=GE0, num_heads=GE1, draft_depth=GE1, loss_decay=GT0, anchor_ratio=UNIT_OPEN_LOW,
                           draft_vocab_size=GE0, kd_weight=UNIT, reg_weight=GE0, cls_weight=GE0, feature_noise=GE0,

@@ -157,12 +157,8 @@ def _check_values(c: TrainConfig) -> None:
         problems.append(f"data.heldout_split must be random|head, got {c.data.heldout_split!r}")
     if c.data.feature_cache_dtype not in ("float16", "bfloat16"):
         problems.append(f"data.feature_cache_dtype must be float16|bfloat16, got {c.data.feature_cache_dtype!r}")
-    if not 0.0 <= c.data.dataset_share <= 1.0:
-        problems.append(f"data.dataset_share must be in [0, 1], got {c.data.dataset_share}")
     if c.data.dataset_share > 0 and not c.data.self_distill:
         problems.append("data.dataset_share mixes self-distilled and dataset rows: it needs data.self_distill=true")
-    if c.data.pack_tokens < 0:
-        problems.append(f"data.pack_tokens must be >= 0, got {c.data.pack_tokens}")
     if c.data.source == "generated" and not c.data.path:
         problems.append("data.source=generated needs data.path=<folder written by scripts.generate_data>")
     if problems:
