@@ -54,13 +54,28 @@ COMMON = [
 ]
 RAW = ["data=sharegpt", "data.first_turn_only=false", "data.self_distill=false", "data.features=cache",
        "data.feature_cache=auto"]  # fmt: skip
-#: row name -> its overrides (after COMMON). raw: ShareGPT conversations as they are; sd: self-distilled first turns.
-ROWS = {
-    "raw690": [*RAW, "data.max_conversations=690"],
-    "raw2700": [*RAW, "data.max_conversations=2700"],
-    "raw4500": [*RAW, "data.max_conversations=4500"],
-    "raw6500": [*RAW, "data.max_conversations=6500"],
-    "sd840": ["data=selfdistill", "data.max_conversations=840", "data.self_distill_minutes=null"],
+#: every ShareGPT conversation the package holds but those whose first turn is a ``phase=lengths`` prompt (written by
+#: :func:`every_conversation` under out_root before the row trains: the τ-by-length prompts are never trained on)
+EVERY = [*RAW, "data.source={out_root}/sharegpt_every.jsonl", "data.max_conversations=100000"]
+#: part (b): the same row trained for as long as two training hours allow on a 2-core host (the held-out curve read
+#: every 100 steps says whether it still rises); a fixed step count keeps the LR schedule the same on every host
+LONG = ["trainer.max_steps=3000", "trainer.max_minutes=125", "trainer.save_every=250"]
+#: row name -> (recipe, its overrides after COMMON; a later key=value replaces COMMON's). raw: ShareGPT conversations
+#: as they are; sd: self-distilled first turns; ``-long``: part (b); ``e3-``: the eagle3 recipe on the same rows.
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "raw690": ("parallelspec", [*RAW, "data.max_conversations=690"]),
+    "raw2700": ("parallelspec", [*RAW, "data.max_conversations=2700"]),
+    "raw4500": ("parallelspec", [*RAW, "data.max_conversations=4500"]),
+    "raw6500": ("parallelspec", [*RAW, "data.max_conversations=6500"]),
+    "raw10k": ("parallelspec", [*RAW, "data.max_conversations=10000"]),
+    "every": ("parallelspec", EVERY),
+    "every-long": ("parallelspec", [*EVERY, *LONG]),
+    "raw4500-long": ("parallelspec", [*RAW, "data.max_conversations=4500", *LONG]),
+    "sd840": ("parallelspec", ["data=selfdistill", "data.max_conversations=840", "data.self_distill_minutes=null"]),
+    "sd2700": ("parallelspec", ["data=selfdistill", "data.max_conversations=2700", "data.self_distill_minutes=null"]),
+    "e3-raw690": ("eagle3", [*RAW, "data.max_conversations=690"]),
+    "e3-raw4500": ("eagle3", [*RAW, "data.max_conversations=4500"]),
+    "e3-every": ("eagle3", EVERY),
 }
 PROMPTS = {"mt_bench": dict(prompt_stride=5), "gsm8k": dict(prompt_stride=1)}
 START, END = "<!-- data_scaling table: start -->", "<!-- data_scaling table: end -->"
@@ -70,16 +85,59 @@ def run_dir(out_root: Path, row: str) -> Path:
     return out_root / row
 
 
+def merge_overrides(*groups: list[str]) -> list[str]:
+    """``key=value`` overrides in order, a later value of a key replacing an earlier one in place (Hydra refuses
+    the same key twice; it applies config-group picks such as ``data=sharegpt`` before values wherever they stand)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for o in group:
+            k, _, v = o.partition("=")
+            out[k] = v
+    return [f"{k}={v}" for k, v in out.items()]
+
+
 def train_command(row: str, out_root: Path, extra: list[str]) -> list[str]:
-    """The ``accelerate launch train.py`` argv of one row: the recipe, COMMON, the row's overrides, ``extra``."""
+    """The ``accelerate launch train.py`` argv of one row: its recipe, COMMON, the row's overrides, ``extra``."""
     if row not in ROWS:
         raise SystemExit(f"unknown row {row!r}; choose from {sorted(ROWS)}")
+    recipe, overrides = ROWS[row]
+    overrides = [o.replace("{out_root}", str(out_root)) for o in overrides]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/cpu.yaml", "train.py",
-            "+recipe=parallelspec", *COMMON, *ROWS[row], f"output_dir={run_dir(out_root, row)}",
-            f"run_name=scaling-{row}", *extra]  # fmt: skip
+            f"+recipe={recipe}", *merge_overrides(COMMON, overrides, [f"output_dir={run_dir(out_root, row)}",
+                                                                      f"run_name=scaling-{row}"], extra)]  # fmt: skip
+
+
+def every_conversation(out_root: Path, per_bucket: int = 8) -> Path:
+    """``out_root/sharegpt_every.jsonl``: every ShareGPT conversation the package holds, in its order, but those whose
+    first user turn is one of ``phase=lengths``' prompts (:func:`length_prompts`), so the largest row never trains on
+    the prompts it is measured on. Written once (atomically); the same file on every call."""
+    from transformers import AutoTokenizer
+
+    from drafttrain.atomic import atomic_write_text
+    from drafttrain.config import TargetConfig
+    from drafttrain.data.sources import load_conversations
+    from drafttrain.target import resolve_target_dir
+
+    path = out_root / "sharegpt_every.jsonl"
+    if path.is_file():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_target_dir(TargetConfig())))
+    held = {json.loads(line)["messages"][-1]["content"] for p in length_prompts(tokenizer, out_root, per_bucket).values()
+            for line in p.read_text().splitlines()}  # fmt: skip
+    kept = []
+    for conv in load_conversations("sharegpt", max_conversations=100_000):
+        first = next((m["content"] for m in conv["messages"] if m["role"] == "user"), None)
+        if first not in held:
+            kept.append(json.dumps({"id": conv["id"], "messages": conv["messages"]}))
+    out_root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(kept) + "\n")
+    print(f"{path}: {len(kept)} conversations (those of the {len(held)} prompt-length prompts left out)")
+    return path
 
 
 def cmd_train(row: str, out_root: Path, extra: list[str]) -> None:
+    if ROWS.get(row, ("", []))[1][:len(EVERY)] == EVERY:
+        every_conversation(out_root)
     cmd = train_command(row, out_root, extra)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -235,7 +293,8 @@ def summarize(out_root: Path, row: str) -> dict | None:
                                  "prompt_tokens_median": sorted(r["prompt_tokens"])[len(r["prompt_tokens"]) // 2]
                                  if r.get("prompt_tokens") else None} for b, r in lens.items()},  # fmt: skip
         "row": row,
-        "overrides": ROWS[row],
+        "recipe": ROWS[row][0],
+        "overrides": ROWS[row][1],
         "launches": json.loads(launch.read_text())["launches"] if launch.is_file() else None,
         "train_rows": final.get("train_rows"),
         "samples": final.get("samples"),
@@ -255,39 +314,63 @@ def summarize(out_root: Path, row: str) -> dict | None:
 
 
 def plot(rows: list[dict], dest: Path) -> Path | None:
+    """Left: decoded τ against unique training rows, one line per recipe at the main job's 800 steps, the longer
+    runs (part (b)) as stars at their rows; right: each row's held-out τ_sim against the training step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    raw = [r for r in rows if r["row"].startswith("raw") and r["mt_bench"]["chain_tau"] is not None]
+    raw = [r for r in rows if r["row"] != "sd840" and not r["row"].startswith("sd") and r["mt_bench"]["chain_tau"] is not None]
     if not raw:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    xs = [r["train_rows"] for r in raw]
-    a.plot(xs, [r["mt_bench"]["chain_tau"] for r in raw], "o-", label="MT-bench chain τ (drafter alone)")
-    a.plot(xs, [r["gsm8k"]["chain_tau"] for r in raw], "s-", label="GSM8K chain τ (drafter alone)")
-    a.plot(xs, [r["mt_bench"]["tree_tau"] for r in raw], "^--", label="MT-bench tree τ (no SSSD)")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for recipe in sorted({r.get("recipe", "parallelspec") for r in raw}):
+        short = sorted((r for r in raw if r.get("recipe", "parallelspec") == recipe and r["steps"] == 800),
+                       key=lambda r: r["train_rows"])  # fmt: skip
+        if short:
+            xs = [r["train_rows"] for r in short]
+            a.plot(xs, [r["mt_bench"]["chain_tau"] for r in short], "o-", label=f"{recipe}: MT-bench chain")
+            a.plot(xs, [r["gsm8k"]["chain_tau"] for r in short], "s:", label=f"{recipe}: GSM8K chain")
+            a.plot(xs, [r["mt_bench"]["tree_tau"] for r in short], "^--", label=f"{recipe}: MT-bench tree")
+        for r in (r for r in raw if r.get("recipe", "parallelspec") == recipe and r["steps"] != 800):
+            a.plot([r["train_rows"]], [r["mt_bench"]["chain_tau"]], "*", ms=12, label=f"{recipe}: MT-bench chain, {r['steps']} steps")
+            a.plot([r["train_rows"]], [r["mt_bench"]["tree_tau"]], "P", ms=9, label=f"{recipe}: MT-bench tree, {r['steps']} steps")
     a.set_xscale("log")
-    a.set_xlabel("unique training rows (800 steps x 8)")
-    a.set_ylabel("acceptance length τ")
-    a.set_title("τ vs unique rows (raw ShareGPT, target-labelled)", fontsize=10)
-    a.legend(fontsize=8)
-    for r in raw:
+    a.set_xlabel("unique training rows (800 steps x 8 unless marked)")
+    a.set_ylabel("acceptance length τ (drafter alone, no SSSD)")
+    a.set_title("τ against unique rows (ShareGPT, target-labelled)", fontsize=10)
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    for r in raw[:8]:
         c = r["heldout_curve"]
-        b.plot([s for s, _, _ in c], [t for _, t, _ in c], "o-", ms=3, label=f"{r['train_rows']} rows")
+        b.plot([s for s, _, _ in c], [t for _, t, _ in c], "-", marker="o", ms=2, label=f"{r['row']} ({r['train_rows']} rows)")
     b.set_xlabel("step")
-    b.set_ylabel("held-out τ_sim (same 16 rows)")
+    b.set_ylabel("held-out τ_sim (the same 16 rows)")
     b.set_title("held-out τ_sim during training", fontsize=10)
-    b.legend(fontsize=8)
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)
     plt.close(fig)
     return dest
 
 
+def collect(out_root: Path, dest: Path) -> list[dict]:
+    """Every row of :data:`ROWS` in order: its summary from its run folder where it is on this machine, else the
+    row as ``dest``'s JSON last recorded it (a page keeps the rows measured in earlier sessions)."""
+    previous = {}
+    if dest.with_suffix(".json").is_file():
+        previous = {r["row"]: r for r in json.loads(dest.with_suffix(".json").read_text()).get("rows", [])}
+    rows = []
+    for name in ROWS:
+        r = summarize(out_root, name) or previous.get(name)
+        if r is not None:
+            r.setdefault("recipe", ROWS[name][0])
+            rows.append(r)
+    return rows
+
+
 def cmd_report(out_root: Path, dest: Path) -> None:
-    rows = [s for r in ROWS if (s := summarize(out_root, r)) is not None]
+    rows = collect(out_root, dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     host = next((r["host"] for r in rows if r.get("host")), None)
     (dest.with_suffix(".json")).write_text(json.dumps({"common_overrides": COMMON, "rows": rows, "host": host}, indent=1))
@@ -298,14 +381,14 @@ def cmd_report(out_root: Path, dest: Path) -> None:
 
     lines = [START, "",
              "| row | unique train rows | epochs | held-out τ_sim | held-out acc_0 | train τ_sim (last window) | gap | "
-             "MT-bench chain τ | GSM8K chain τ | MT-bench tree τ | GSM8K tree τ | = greedy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "MT-bench chain τ | GSM8K chain τ | MT-bench tree τ | GSM8K tree τ | = greedy | recipe | steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         eq = all(r[p]["greedy_equal"] for p in ("mt_bench", "gsm8k") if r[p]["greedy_equal"] is not None)
         lines.append(f"| {r['row']} | {r['train_rows']} | {f(r['epochs'], '{:.2f}')} | {f(r['heldout_tau_sim'])} | "
                      f"{f(r['heldout_acc'].get('acc_0'))} | {f(r['train_tau_sim_last'])} | {f(r['gap_tau_sim'])} | "
                      f"{f(r['mt_bench']['chain_tau'])} | {f(r['gsm8k']['chain_tau'])} | {f(r['mt_bench']['tree_tau'])} | "
-                     f"{f(r['gsm8k']['tree_tau'])} | {eq} |")  # fmt: skip
+                     f"{f(r['gsm8k']['tree_tau'])} | {eq} | {r['recipe']} | {r['steps']} |")  # fmt: skip
     for r in rows:
         if r["by_prompt_length"]:
             lines += ["", f"τ by prompt length, row {r['row']} (8 ShareGPT first turns per bucket from conversation "

@@ -46,3 +46,34 @@ def test_report_puts_each_rows_numbers_in_its_columns(tmp_path):
     data = json.loads(dest.with_suffix(".json").read_text())
     assert [r["row"] for r in data["rows"]] == ["raw690", "raw2700"]
     assert dest.with_suffix(".png").is_file()
+
+
+def test_a_rows_value_replaces_commons_in_place(tmp_path):
+    """Part (b) and the every-conversation rows override COMMON's keys once each (Hydra refuses a key twice)."""
+    cmd = bds.train_command("every-long", tmp_path, ["trainer.max_steps=10"])
+    keys = [a.split("=", 1)[0] for a in cmd if "=" in a and not a.startswith("--")]
+    assert len(keys) == len(set(keys))
+    assert "trainer.max_steps=10" in cmd and "trainer.max_minutes=125" in cmd
+    assert f"data.source={tmp_path}/sharegpt_every.jsonl" in cmd and "+recipe=parallelspec" in cmd
+    assert "+recipe=eagle3" in bds.train_command("e3-raw690", tmp_path, [])
+    long, short = bds.train_command("raw4500-long", tmp_path, []), bds.train_command("raw4500", tmp_path, [])
+    assert {a for a in long} - {a for a in short} == {"trainer.max_steps=3000", "trainer.max_minutes=125",
+                                                      "trainer.save_every=250", f"output_dir={tmp_path}/raw4500-long",
+                                                      "run_name=scaling-raw4500-long"}  # fmt: skip
+
+
+def test_report_keeps_the_rows_an_earlier_session_measured(tmp_path):
+    """A row whose run folder is not on this machine keeps what the page's JSON recorded; one on disk is re-read."""
+    _fake_row(tmp_path, "raw690", 600, 1.30, 1.25, 1.40)
+    dest = tmp_path / "page" / "data_scaling"
+    bds.cmd_report(tmp_path, dest)
+    data = json.loads(dest.with_suffix(".json").read_text())
+    old = dict(data["rows"][0], row="raw4500", train_rows=4006, heldout_tau_sim=1.35)
+    data["rows"].append(old)
+    dest.with_suffix(".json").write_text(json.dumps(data))
+    _fake_row(tmp_path, "every", 17000, 1.45, 1.41, 1.66)
+    bds.cmd_report(tmp_path, dest)
+    rows = json.loads(dest.with_suffix(".json").read_text())["rows"]
+    assert [(r["row"], r["train_rows"]) for r in rows] == [("raw690", 600), ("raw4500", 4006), ("every", 17000)]
+    text = dest.with_suffix(".md").read_text()
+    assert "| raw4500 | 4006 |" in text and "| every | 17000 |" in text
