@@ -220,7 +220,7 @@ class SpecEvalConfig(EvalPromptsConfig):
     """
 
     every: int = 0  # also run it every N steps (0 = only at the end)
-    # sequences decoded together by the bundled batched verifier (1 = one sequence at a time, eval/spec.py,
+    # sequences decoded together by the bundled batched verifier (1 = one sequence at a time: the drafter's chain,
     # which also gives batch-1 latency speedup; N > 1: plain and speculative runs of the engine at batch N)
     batch_size: int = 16
     # the drafter's tree (needs batch_size > 1; null widths+budget = a chain); tree.plan: decode once more with

@@ -146,7 +146,7 @@ def check_engine(target) -> list[str]:
     Raises:
         UnsupportedTarget: the engine's cache or decoding differs from the model's own forward (or raises).
     """
-    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.compose import Run
 
     cls = type(target.model).__name__
     try:
@@ -160,7 +160,7 @@ def check_engine(target) -> list[str]:
                          chain=recurrent)  # fmt: skip
     part = "the engine (prefill, 2 decoding steps, a verification with a rejected draft, 1 more step, batch 2)"
     try:
-        run = SpecEngine(target, proposer, batch_size=2, max_new_tokens=NEW_TOKENS, stop_token_ids=[]).run(prompts)
+        run = Run(target).engine(proposer, batch_size=2, max_new_tokens=NEW_TOKENS, stop_token_ids=[]).run(prompts)
     except UnsupportedTarget as e:
         raise UnsupportedTarget(f"{e}; {ENGINE_FALLBACK}") from None
     except Exception as e:  # noqa: BLE001 - one line naming the part

@@ -120,7 +120,7 @@ def _train_and_decode(target, name: str, config: dict, prompts: list[list[int]],
     logits allowed, :func:`drafttrain.preflight._matches`). Returns whether every output is equal."""
     from drafttrain.drafters import build_drafter
     from drafttrain.preflight import _matches, _own_greedy
-    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.compose import Run
     from drafttrain.verify.proposers import proposer_for
 
     refs = [_own_greedy(target.model, p, new) for p in prompts]
@@ -147,7 +147,7 @@ def _train_and_decode(target, name: str, config: dict, prompts: list[list[int]],
         opt.step()
     drafter.eval()
     widths = None if target.recurrent else [2, 1]  # a recurrent target verifies chains
-    run = SpecEngine(target, proposer_for(drafter, widths=widths), batch_size=2, max_new_tokens=new,
+    run = Run(target).engine(proposer_for(drafter, widths=widths), batch_size=2, max_new_tokens=new,
                      stop_token_ids=[]).run(prompts)  # fmt: skip
     return all(_matches(res.tokens, want, logits, len(p))[0] for p, (want, logits), res in zip(prompts, refs, run.results))
 

@@ -108,11 +108,12 @@ class _EngineVariant:
     """The verifier's forward at batch 1: ``SpecEngine.forward_trees`` of the root + a chain, the prompt prefilled."""
 
     def __init__(self, name: str, target, prompt: torch.Tensor):
-        from drafttrain.verify import PlainProposer, SpecEngine
+        from drafttrain.compose import Run
+        from drafttrain.verify import PlainProposer
 
         self.name, self.error, self.compile_s = name, None, {}
         compiled = name == "engine_compiled"
-        self.engine = SpecEngine(target, PlainProposer(), batch_size=1, max_new_tokens=1_000_000, stop_token_ids=-1,
+        self.engine = Run(target).engine(PlainProposer(), batch_size=1, max_new_tokens=1_000_000, stop_token_ids=-1,
                                  initial_capacity=prompt.shape[1] + 160, compile_target=compiled)  # fmt: skip
         self.warm_up_s = self.engine.warm_up_compiled() if compiled else 0.0
         with torch.no_grad():

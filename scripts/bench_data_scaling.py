@@ -175,7 +175,7 @@ def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int, dt
     ``<row>/eval_scaling.json`` (``eval_scaling_<dtype>.json`` for another dtype than float32)."""
     import dataclasses
 
-    from drafttrain.eval import lockstep
+    from drafttrain.eval import in_training
 
     out = run_dir(out_root, row)
     c, target, drafter = load_for_eval(out, dtype)
@@ -194,7 +194,7 @@ def cmd_eval(row: str, out_root: Path, num_prompts: int, max_new_tokens: int, dt
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
         Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        r = lockstep.spec_eval(c2, target, drafter)
+        r = in_training.spec_eval(c2, target, drafter)
         result[prompts] = {**r, "seconds": round(time.time() - t0, 1)}
         path.write_text(json.dumps(result, indent=1, default=str))
         print(json.dumps({prompts: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/greedy_equal")}}, default=str))
@@ -242,7 +242,7 @@ def cmd_lengths(row: str, out_root: Path, per_bucket: int, max_new_tokens: int) 
     (``<row>/eval_lengths.json``, resumable per bucket)."""
     import dataclasses
 
-    from drafttrain.eval import lockstep
+    from drafttrain.eval import in_training
 
     out = run_dir(out_root, row)
     c, target, drafter = load_for_eval(out, "float32")
@@ -261,7 +261,7 @@ def cmd_lengths(row: str, out_root: Path, per_bucket: int, max_new_tokens: int) 
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
         Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        r = lockstep.spec_eval(c2, target, drafter)
+        r = in_training.spec_eval(c2, target, drafter)
         lengths = [json.loads(line)["prompt_tokens"] for line in prompts.read_text().splitlines()]
         result[bucket] = {**r, "seconds": round(time.time() - t0, 1), "prompt_tokens": lengths}
         path.write_text(json.dumps(result, indent=1, default=str))

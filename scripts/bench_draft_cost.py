@@ -47,7 +47,8 @@ def bench(cfg: BenchDraftCostConfig) -> dict:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
     from drafttrain.compose import build_run
-    from drafttrain.verify import ParallelSpecProposer, SpecEngine
+    from drafttrain.compose import Run
+    from drafttrain.verify import ParallelSpecProposer
     from scripts.common import load_drafter
 
     torch.set_num_threads(cfg.threads)
@@ -63,7 +64,7 @@ def bench(cfg: BenchDraftCostConfig) -> dict:
         engines = {}
         for name, (dr, fast) in variants.items():
             prop = ParallelSpecProposer(dr, widths=cfg.tree_widths, budget=cfg.tree_budget, fast_greedy=fast)
-            eng = SpecEngine(target, prop, batch_size=b, max_new_tokens=cfg.steps * 8 + 16, stop_token_ids=-1)
+            eng = Run(target).engine(prop, batch_size=b, max_new_tokens=cfg.steps * 8 + 16, stop_token_ids=-1)
             eng.submit(ps)
             eng.admit()
             engines[name] = eng

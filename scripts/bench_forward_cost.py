@@ -164,11 +164,12 @@ class LinearSwitch:
 
 def prefilled_engine(target, batch: int, context: int, seed: int):
     """A plain engine with ``batch`` rows of ``context`` committed (random) tokens, prefilled."""
-    from drafttrain.verify import PlainProposer, SpecEngine
+    from drafttrain.compose import Run
+    from drafttrain.verify import PlainProposer
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, target.config.vocab_size - 1, (context,), generator=g).tolist() for _ in range(batch)]
-    eng = SpecEngine(target, PlainProposer(), batch_size=batch, max_new_tokens=10_000, stop_token_ids=-1,
+    eng = Run(target).engine(PlainProposer(), batch_size=batch, max_new_tokens=10_000, stop_token_ids=-1,
                      initial_capacity=context + 80)  # fmt: skip
     eng.submit(prompts)
     eng.admit()

@@ -2,8 +2,8 @@
 
     python -m scripts.bench_hybrid run=outputs/parallelspec-smollm2-135m-instruct
 
-The run's own final evaluation (``drafttrain.eval.lockstep.spec_eval``: its MT-bench prompts, tree, batch 16 with
-the online planner, batch 1 on ``latency_prompts`` prompts spread over the list, ``drafttrain.eval.lockstep.latency_subset``) once per ``trainer.spec_eval.sssd.source``
+The run's own final evaluation (``drafttrain.eval.in_training.spec_eval``: its MT-bench prompts, tree, batch 16 with
+the online planner, batch 1 on ``latency_prompts`` prompts spread over the list, ``drafttrain.eval.in_training.latency_subset``) once per ``trainer.spec_eval.sssd.source``
 in ``sources``: ``none`` (the drafter's tree), ``input`` (+ SSSD n-gram candidates from the prompt and the
 output so far, SSSD §3.1.1), ``data`` (+ a datastore over the run's training answers, i.e. the target's
 self-distilled outputs, §3.1.2). Each evaluation times plain decoding beside it in the same engine, so
@@ -38,7 +38,7 @@ def bench(cfg: BenchHybridConfig) -> dict:
     from drafttrain.config import ConfigError, to_dict
     from drafttrain.validation import validate
     from drafttrain.compose import build_run
-    from drafttrain.eval.lockstep import spec_eval
+    from drafttrain.eval.in_training import spec_eval
     from scripts.common import load_run_config, run_train_data
 
     bad = sorted(set(cfg.sources) - {"none", "input", "data"})

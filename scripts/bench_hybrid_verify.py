@@ -101,7 +101,7 @@ def _step_time(engine, script, chains) -> float:
 
 def bench(c: BenchHybridVerifyConfig) -> dict:
     from drafttrain.target.families import recurrent_layers_text  # noqa: F401  (the target's kinds are read below)
-    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.compose import Run
 
     torch.set_num_threads(c.threads)
     rows = []
@@ -113,10 +113,10 @@ def bench(c: BenchHybridVerifyConfig) -> dict:
             prompts = [torch.randint(3, c.vocab_size - 1, (c.context,), generator=g).tolist() for _ in range(b)]
             # the target's own continuation (plain engine) gives the right drafts
             n_new = 4 + c.rounds * (c.draft_tokens + 2) * (c.draft_tokens + 2)
-            plain = SpecEngine(target, _Script(), batch_size=b, max_new_tokens=n_new, stop_token_ids=[]).run(prompts)
+            plain = Run(target).engine(_Script(), batch_size=b, max_new_tokens=n_new, stop_token_ids=[]).run(prompts)
             refs = [r.tokens for r in plain.results]
             script = _Script()
-            eng = SpecEngine(target, script, batch_size=b, max_new_tokens=n_new, stop_token_ids=[])
+            eng = Run(target).engine(script, batch_size=b, max_new_tokens=n_new, stop_token_ids=[])
             eng.submit(prompts)
             eng.admit()
             variants = ["plain", "all_accepted"] + [f"accepted_{n}" for n in range(c.draft_tokens)]

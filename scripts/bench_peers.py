@@ -71,7 +71,8 @@ def bench(cfg: BenchPeersConfig) -> dict:
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import end_of_turn_ids, prompt_ids
     from drafttrain.compose import build_run
-    from drafttrain.verify import PlainProposer, SpecEngine
+    from drafttrain.compose import Run
+    from drafttrain.verify import PlainProposer
     from drafttrain.verify.proposers import proposer_for
     from scripts.bench_forward_cost import LinearSwitch
     from scripts.common import load_drafter
@@ -135,7 +136,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
         return out[0, len(p):].tolist()
 
     def engine(p: list[int], prop, compiled: bool = False) -> tuple[list[int], object]:
-        run = SpecEngine(ctarget if compiled else target, prop, batch_size=1, max_new_tokens=cfg.max_new_tokens,
+        run = Run(ctarget if compiled else target).engine(prop, batch_size=1, max_new_tokens=cfg.max_new_tokens,
                          stop_token_ids=stops, compile_target=compiled).run([p])  # fmt: skip
         return run.results[0].tokens, run.stats
 
@@ -155,7 +156,7 @@ def bench(cfg: BenchPeersConfig) -> dict:
     totals = {m: {"seconds": 0.0, "tokens": 0, "equal": 0, "steps": 0, "emitted": 0} for m in methods}
     compile_seconds = {}
     for m in compiled:  # one set of graphs per set of target layers the proposers read
-        warm = SpecEngine(ctarget, props.get(m) or PlainProposer(), batch_size=1, stop_token_ids=stops,
+        warm = Run(ctarget).engine(props.get(m) or PlainProposer(), batch_size=1, stop_token_ids=stops,
                           compile_target=True)  # fmt: skip
         key = str(list(warm.feature_layers))
         if key not in compile_seconds:

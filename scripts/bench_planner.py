@@ -26,7 +26,7 @@ source) decoded by the bundled engine at each batch size in ``batch_sizes`` (bat
 Runs are interleaved so that a drifting machine hits every variant alike (this host's speed moves by
 10-15% within a minute, so whole runs minutes apart compare badly): by default (``interleave=step``)
 plain decoding and every variant advance in lock-step, one decoding step each in turn, the order
-rotating from step to step (:func:`drafttrain.eval.spec.run_interleaved`); ``interleave=prompt``
+rotating from step to step (:func:`drafttrain.eval.driver.run_interleaved`); ``interleave=prompt``
 decodes each prompt by every run in turn at batch 1 (whole runs at larger batches), ``run`` one run
 after the other (plain, variants..., the reverse order in the next round); each speedup is the variant's tokens/s over the plain run's of the
 same round, and the table reports the median over ``rounds``. Every output is compared token for token
@@ -78,10 +78,10 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     from drafttrain.validation import validate
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.eval.spec import plain_greedy, run_interleaved
+    from drafttrain.eval.driver import plain_greedy, run_interleaved
     from drafttrain.compose import build_run
-    from drafttrain.eval.lockstep import sssd_for_eval
-    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.eval.in_training import sssd_for_eval
+    from drafttrain.compose import Run
     from drafttrain.verify.planner import PlannedProposer, SpeculationPlanner
     from drafttrain.verify.proposers import PlainProposer, proposer_for
     from scripts.common import load_run_config, run_train_data
@@ -113,14 +113,14 @@ def bench(cfg: BenchPlannerConfig) -> dict:
     max_new = cfg.max_new_tokens or se.max_new_tokens
     stop = target.eos_token_id
 
-    def engine(name: str, bs: int) -> SpecEngine:
+    def engine(name: str, bs: int):
         if name == "plain":
             prop = PlainProposer()
         else:
             prop = proposer_for(drafter, widths=se.tree.widths, budget=se.tree.budget, sssd=sssd, sssd_nodes=se.sssd.nodes)
             if name != "tree":
                 prop = PlannedProposer(prop, SpeculationPlanner(**VARIANTS[name]))
-        return SpecEngine(target, prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
+        return Run(target).engine(prop, batch_size=bs, max_new_tokens=max_new, mode="unpadded", stop_token_ids=stop)
 
     results = []
     for bs in cfg.batch_sizes:

@@ -23,7 +23,7 @@ below, so every recipe trains on the same self-distilled sequences in the same o
 number of steps); the run ends with held-out ``eval/tau_sim`` and greedy chain speculative decoding of
 MT-bench questions, checked token for token against plain greedy. ``eval`` decodes GSM8K questions
 with the saved drafter (``Drafter.from_pretrained``), the same check; ``eval_suite=full`` instead decodes
-MT-bench and GSM8K prompts each with the batched verifier (:func:`drafttrain.eval.lockstep.spec_eval`, no
+MT-bench and GSM8K prompts each with the batched verifier (:func:`drafttrain.eval.in_training.spec_eval`, no
 SSSD candidates): the recipe's draft tree (EAGLE-2 dynamic tree for the autoregressive drafters, the
 best-first static tree for the parallel ones, the same node budget) and the chain at batch 16, then
 batch-1 latency (plain vs speculative, the online planner), every output checked against plain greedy. ``report`` writes
@@ -163,16 +163,17 @@ def load_run(out: Path):
 
 
 def cmd_eval(recipe: str, out_root: Path, prompts: str, num: int) -> dict:
-    """Greedy chain speculative decoding of ``num`` prompts of ``prompts`` with the run's saved drafter."""
+    """Greedy chain speculative decoding of ``num`` prompts of ``prompts`` with the run's saved drafter, one sequence at
+    a time in the bundled engine against plain decoding in it (:func:`drafttrain.eval.in_training.drafter_eval`)."""
     from drafttrain.data.sources import load_eval_prompts
     from drafttrain.data.template import prompt_ids
-    from drafttrain.eval.spec import evaluate_prompts
+    from drafttrain.eval.in_training import drafter_eval
 
     out = run_dir(out_root, recipe)
     c, target, drafter = load_run(out)
     rows = load_eval_prompts(prompts, limit=num)
     ids = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
-    r = evaluate_prompts(target, drafter, ids, c.trainer.spec_eval.max_new_tokens, progress=False)
+    r = drafter_eval(target, drafter, ids, c.trainer.spec_eval.max_new_tokens, batch_size=1, progress=False)
     result = {k: r[k] for k in ("tau", "greedy_equal", "mismatches", "accept_hist", "speedup", "spec_tokens_per_s",
                                 "plain_tokens_per_s", "num_prompts", "generated_tokens")}  # fmt: skip
     result["prompts"] = f"{prompts}[0:{len(ids)}]"
@@ -185,14 +186,14 @@ FULL_PROMPTS = {"mt_bench": dict(prompt_stride=5), "gsm8k": dict(prompt_stride=1
 
 
 def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens: int, latency_prompts: int) -> dict:
-    """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.eval.lockstep.spec_eval`) with the run's
+    """MT-bench and GSM8K through the batched verifier (:func:`drafttrain.eval.in_training.spec_eval`) with the run's
     saved drafter: the recipe's draft tree (widths [4, 2, 1, 1, 1], at most 8 nodes: an EAGLE-2 dynamic
     tree for the autoregressive drafters, the best-first static tree for the parallel ones) and the chain,
     16 sequences at a time, then ``latency_prompts`` of them spread over the list one at a time (batch-1 latency, online
     planner), no SSSD candidates. Writes ``<run>/eval_full.json`` ({prompt set: spec_eval's metrics})."""
     import dataclasses
 
-    from drafttrain.eval import lockstep
+    from drafttrain.eval import in_training
 
     out = run_dir(out_root, recipe)
     c, target, drafter = load_run(out)
@@ -211,7 +212,7 @@ def cmd_eval_full(recipe: str, out_root: Path, num_prompts: int, max_new_tokens:
                                  trainer=dataclasses.replace(c.trainer, spec_eval=se, progress=False))  # fmt: skip
         Path(c2.output_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        r = lockstep.spec_eval(c2, target, drafter)
+        r = in_training.spec_eval(c2, target, drafter)
         result[prompts] = {**r, "seconds": round(time.time() - t0, 1)}
         path.write_text(json.dumps(result, indent=1))
         print(json.dumps({prompts: {k: r.get(k) for k in ("eval/tau", "eval/tau_chain", "eval/speedup_b1", "eval/greedy_equal")}}))

@@ -211,14 +211,14 @@ def run(c) -> dict:
 
     # -- ours: the drafter vLLM loaded, read back, through SpecEngine ------------------------------
     if c.ours:
-        from drafttrain.verify.engine import SpecEngine
+        from drafttrain.compose import Run
         from drafttrain.verify.proposers import PlainProposer, proposer_for
 
         drafter = load_exported(export_dir, info["format"], target).eval()
         proposer = proposer_for(drafter, widths=[1] * n_spec)
 
         def engine(prop):
-            return SpecEngine(target, prop, batch_size=1, max_new_tokens=c.max_new_tokens, stop_token_ids=stops)
+            return Run(target).engine(prop, batch_size=1, max_new_tokens=c.max_new_tokens, stop_token_ids=stops)
 
         engine(proposer).run(prompts[:1])  # warm-up (allocations, first calls)
         o_plain = engine(PlainProposer()).run(prompts)

@@ -147,20 +147,24 @@ def test_imports_follow_the_layer_order():
 def test_the_layer_check_finds_an_import_that_runs_up():
     assert layer_violations({"drafttrain.eval.preset": {"drafttrain.train.loop"},
                              "drafttrain.drafters.x": {"drafttrain.verify.cache"},
-                             "drafttrain.train.loop": {"drafttrain.eval.lockstep"}}) == [
+                             "drafttrain.train.loop": {"drafttrain.eval.in_training"}}) == [
         "drafttrain.drafters.x -> drafttrain.verify.cache", "drafttrain.eval.preset -> drafttrain.train.loop"]  # fmt: skip
 
 
 def script_problems(sources: dict[str, str]) -> list[str]:
-    """Scripts that load a target their own way (a ``load_target(`` call, not :func:`drafttrain.compose.build_run`)
-    or import a private name of the package (``from drafttrain... import _x``). ``sources``: name -> source text."""
+    """Scripts that load a target their own way (a ``load_target(`` call, not :func:`drafttrain.compose.build_run`),
+    build an engine by hand (a ``SpecEngine(`` call, not :meth:`drafttrain.compose.Run.engine`) or import a private
+    name of the package (``from drafttrain... import _x``). ``sources``: name -> source text."""
     bad = []
     for name, text in sorted(sources.items()):
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call):
                 f = node.func
-                if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == "load_target":
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if called == "load_target":
                     bad.append(f"{name}:{node.lineno}: load_target( (build the target with drafttrain.compose.build_run)")
+                elif called == "SpecEngine":
+                    bad.append(f"{name}:{node.lineno}: SpecEngine( (build engines with drafttrain.compose.Run.engine)")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("drafttrain"):
                 bad += [f"{name}:{node.lineno}: imports private {node.module}.{a.name}"
                         for a in node.names if a.name.startswith("_")]  # fmt: skip
@@ -168,13 +172,21 @@ def script_problems(sources: dict[str, str]) -> list[str]:
 
 
 def test_scripts_build_through_compose_and_import_no_private_name():
-    """One way to build a run's target (same dtype, device, fast_linear everywhere); scripts use public names only."""
+    """One way to build a run's target (same dtype, device, fast_linear everywhere) and its engines; scripts use
+    public names only. The package's parts from compose's layer up (eval, export, train, the pre-flight check, the
+    sweep) build their engines through compose too."""
     sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "scripts").rglob("*.py"))}
     assert sources and script_problems(sources) == []
+    above = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PKG.rglob("*.py"))
+             if LAYERS.get(_part(".".join(p.relative_to(ROOT).with_suffix("").parts)), 0) >= LAYERS["compose"]
+             and p.name != "compose.py"}  # fmt: skip
+    assert above and [x for x in script_problems(above) if "SpecEngine(" in x] == []
 
 
 def test_the_script_check_finds_a_private_import_and_a_load_target_call():
     assert script_problems({"s.py": "from drafttrain.eval.harness import _git_sha, evaluate\n"
-                                    "from drafttrain import target\nt = target.load_target(cfg)\n"}) == [
+                                    "from drafttrain import target\nt = target.load_target(cfg)\n"
+                                    "e = SpecEngine(t, p, batch_size=2)\n"}) == [
         "s.py:1: imports private drafttrain.eval.harness._git_sha",
-        "s.py:3: load_target( (build the target with drafttrain.compose.build_run)"]  # fmt: skip
+        "s.py:3: load_target( (build the target with drafttrain.compose.build_run)",
+        "s.py:4: SpecEngine( (build engines with drafttrain.compose.Run.engine)"]  # fmt: skip

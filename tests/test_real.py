@@ -15,7 +15,7 @@ from drafttrain.config import TargetConfig
 from drafttrain.data.sources import load_eval_prompts
 from drafttrain.data.template import prompt_ids
 from drafttrain.drafters import build_drafter
-from drafttrain.eval.spec import evaluate_prompts
+from reference_decoding import evaluate_prompts
 from drafttrain.target import load_target
 
 pytestmark = pytest.mark.real

@@ -42,7 +42,7 @@ The training loop only needs:
 - ``save_pretrained(dir)`` / ``Drafter.from_pretrained(dir, target)``: weights as safetensors plus a
   json config, loadable without the training config.
 
-The in-training speculative evaluation (:mod:`drafttrain.eval.spec`) needs one more method,
+The in-training speculative evaluation (:mod:`drafttrain.eval.driver`) needs one more method,
 ``propose(next_ids [1, n], features [1, n, d], cache) -> [1, depth, v]`` (see each drafter).
 
 The target's embedding, final norm and LM head are shared *by reference* and frozen; they are kept

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.compose import build_run, drafter_dir, inference_drafter
+from drafttrain.compose import Run, build_run, drafter_dir, inference_drafter
 from drafttrain.config import ConfigError, EvalConfig
 from drafttrain.host import describe
 from drafttrain.validation import eval_schema, validate_eval
@@ -130,42 +130,6 @@ def run_git_sha() -> str | None:
     return os.environ.get("DRAFTTRAIN_GIT_SHA") or git_sha()
 
 
-# ---------------------------------------------------------------------------------------------
-# the runs
-# ---------------------------------------------------------------------------------------------
-
-
-def _run_record(run, method: str, mode: str, batch_size: int) -> dict[str, Any]:
-    st = run.stats
-    return {
-        "method": method,
-        "mode": mode,
-        "batch_size": batch_size,
-        "tokens_per_s": st.tokens_per_s,
-        "decode_tokens_per_s": st.decode_tokens_per_s,  # the decoding steps alone (prompt forwards left out)
-        "seconds": st.seconds,
-        "prefill_seconds": st.prefill_seconds,
-        "generated_tokens": st.generated,
-        "tau": st.tau,
-        "forwards": st.forwards,
-        "sequence_steps": st.seq_steps,
-        "mean_tree_nodes": st.tree_nodes / max(st.seq_steps, 1),
-        "draft_seconds": st.draft_seconds,
-        "verify_forward_seconds": st.forward_seconds,
-        "padding_ratio": st.padding_ratio,
-        "input_padding_ratio": st.input_padding_ratio,
-        "kv_padding_ratio": st.kv_padding_ratio,
-        "window_padding_ratio": st.window_padding_ratio,
-        "input_padding": st.input_padding,
-        "kv_padding": st.kv_padding,
-        "input_tokens": st.input_tokens,
-        "kv_tokens": st.kv_tokens,
-        "prefill_padding": st.prefill_padding,
-        "accept_hist": {int(k): v for k, v in sorted(st.accept_hist.items())},
-        "depth_acceptance": st.depth_acceptance(),
-    }
-
-
 def evaluate(cfg) -> dict[str, Any]:
     """Run the evaluation described by ``cfg`` (a composed ``conf/evaluate.yaml``, a dict, or a
     validated :class:`~drafttrain.config.EvalConfig`) and write ``results.json``, ``report.md`` and
@@ -191,10 +155,9 @@ def evaluate(cfg) -> dict[str, Any]:
     from drafttrain.data.template import end_of_turn_ids
     from drafttrain.eval.report import write_report
     from drafttrain.sampling import SamplingParams
-    from drafttrain.verify.engine import SpecEngine
+    from drafttrain.eval.driver import PLAIN, EvalPlan, run_plan
     from drafttrain.verify.methods import METHODS, MethodContext
     from drafttrain.verify.methods.mtad import output_perplexity
-    from drafttrain.verify.proposers import PlainProposer
 
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
@@ -225,71 +188,43 @@ def evaluate(cfg) -> dict[str, Any]:
     log.info("evaluating %d prompts of %s, batch sizes %s, modes %s, methods %s", len(prompts), c.prompts,
              c.batch_sizes, c.modes, methods)  # fmt: skip
 
-    def engine(proposer, bs, mode, max_new_tokens=c.max_new_tokens):
-        return SpecEngine(target, proposer, batch_size=bs, max_new_tokens=max_new_tokens, mode=mode,
-                          sampling=sampling, stop_token_ids=stops, seed=c.seed, pack_inputs=c.pack_inputs,
-                          compile_target=c.compile_target and bs == 1)  # fmt: skip
-
-    compile_seconds = 0.0
-    if c.compile_target and 1 in c.batch_sizes:  # compile before any timed run (one graph set per feature-layer set)
-        warm = engine(PlainProposer(), 1, c.plain_mode)
-        for layers in {None, tuple(getattr(drafter, "feature_layers", None) or ()) or None}:
-            compile_seconds += warm.warm_up_compiled(feature_layers=layers)
-        log.info("compiled the target forward for batch 1 in %.0f s", compile_seconds)
-
     ctx = MethodContext(config=c, target=target, drafter=drafter, prompts=prompts)
     variants = [v for spec in specs for v in spec.build(ctx)]  # every speculative run of a batch size
-
-    if c.warmup:  # first calls allocate and initialise: keep them out of the timed runs
-        few = prompts[:2] if len(prompts) > 1 else prompts * 2
-        for mode in sorted(set(c.modes) | {c.plain_mode}):
-            warm = engine(PlainProposer(), 2, mode, max_new_tokens=8).run(few)
-            for v in variants:
-                prop = v.warm() if v.warm is not None else v.make(2, [r.tokens for r in warm.results])
-                engine(prop, 2, mode, max_new_tokens=8).run(few)
-
+    plan = EvalPlan(prompts, variants, batch_sizes=tuple(c.batch_sizes), max_new_tokens=c.max_new_tokens,
+                    modes=tuple(c.modes), plain_mode=c.plain_mode, unit="run", plain_at=0, stop_token_ids=stops,
+                    sampling=sampling, seed=c.seed, pack_inputs=c.pack_inputs, compile_target=c.compile_target,
+                    warm_up="runs" if c.warmup else "none", progress=c.progress)  # fmt: skip
+    t_all = time.perf_counter()
+    records = run_plan(Run(target, drafter), plan)
     runs: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
     run_outputs: list[list[list[int]]] = []  # per run (in `runs` order): its outputs, for perplexity
-    t_all = time.perf_counter()
-    for bs in c.batch_sizes:
-        plain = engine(PlainProposer(), bs, c.plain_mode).run(prompts, progress=c.progress and f"plain b={bs}")
-        plain_rec = _run_record(plain, "plain", c.plain_mode, bs)
-        plain_rec["speedup"] = plain_rec["speedup_decode"] = 1.0
-        plain_rec["lossless"] = True
-        plain_tokens = [r.tokens for r in plain.results]
-        runs.append(plain_rec)
-        run_outputs.append(plain_tokens)
-        outputs[f"plain/b{bs}"] = plain_tokens
-        for v in variants:
-            for mode in c.modes:
-                proposer = v.make(bs, plain_tokens)  # a fresh one per run (proposers keep per-sequence state)
-                lossless = bool(getattr(proposer, "lossless", True))
-                spec = engine(proposer, bs, mode).run(prompts, progress=c.progress and f"{v.label} {mode} b={bs}")
-                rec = _run_record(spec, v.label, mode, bs)
-                rec["lossless"] = lossless
-                if v.finish is not None:
-                    v.finish(proposer, rec, bs)
-                rec["speedup"] = rec["tokens_per_s"] / max(plain_rec["tokens_per_s"], 1e-9)
-                rec["speedup_decode"] = rec["decode_tokens_per_s"] / max(plain_rec["decode_tokens_per_s"], 1e-9)
-                toks = [r.tokens for r in spec.results]
-                outputs[f"{v.label}/{mode}/b{bs}"] = toks
-                if sampling.greedy:
-                    bad = [i for i, (a, b) in enumerate(zip(toks, plain_tokens)) if a != b]
-                    rec["greedy_equal"] = not bad
-                    rec["equal_fraction"] = 1 - len(bad) / len(toks)
-                    rec["mismatches"] = [ids[i] for i in bad]
-                    if lossless:
-                        rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_tokens[i])
-                                                     for i in bad}  # fmt: skip
-                        if bad:
-                            log.error("b=%d %s %s: speculative output differs from plain greedy on prompts %s: %s", bs,
-                                      v.label, mode, rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
-                runs.append(rec)
-                run_outputs.append(toks)
-                log.info("b=%d %s %s: tau %.3f, %.1f tok/s (plain %.1f), speedup %.2f, padding ratio %.3f%s", bs, v.label,
-                         mode, rec["tau"], rec["tokens_per_s"], plain_rec["tokens_per_s"], rec["speedup"],
-                         rec["padding_ratio"], "" if lossless else " (lossy)")  # fmt: skip
+    plain_of: dict[int, list[list[int]]] = {}
+    compile_seconds = 0.0
+    for rec in records:
+        bs, toks = rec["batch_size"], rec.pop("tokens")
+        compile_seconds = max(compile_seconds, rec.pop("compile_seconds"))
+        del rec["sequence_tau"], rec["prompts"]  # results.json: per-run figures (every run decodes every prompt)
+        if rec["method"] == PLAIN:
+            plain_of[bs] = toks
+            outputs[f"plain/b{bs}"] = toks
+        else:
+            outputs[f"{rec['method']}/{rec['mode']}/b{bs}"] = toks
+        if "mismatches" in rec:
+            bad = rec["mismatches"]
+            rec["mismatches"] = [ids[i] for i in bad]
+            if rec["lossless"] and rec["method"] != PLAIN:
+                rec["mismatch_diagnosis"] = {ids[i]: diagnose_mismatch(target, prompts[i], toks[i], plain_of[bs][i])
+                                             for i in bad}  # fmt: skip
+                if bad:
+                    log.error("b=%d %s %s: speculative output differs from plain greedy on prompts %s: %s", bs,
+                              rec["method"], rec["mode"], rec["mismatches"], rec["mismatch_diagnosis"])  # fmt: skip
+        runs.append(rec)
+        run_outputs.append(toks)
+        if rec["method"] != PLAIN:
+            log.info("b=%d %s %s: tau %.3f, %.1f tok/s, speedup %.2f, padding ratio %.3f%s", bs, rec["method"],
+                     rec["mode"], rec["tau"], rec["tokens_per_s"], rec["speedup"], rec["padding_ratio"],
+                     "" if rec["lossless"] else " (lossy)")  # fmt: skip
     total_seconds = time.perf_counter() - t_all
     lossy = list(dict.fromkeys(r["method"] for r in runs if not r["lossless"]))
     if c.perplexity if c.perplexity is not None else bool(lossy):  # untimed, after every run

@@ -64,7 +64,7 @@ class RunLog:
 
 def accept_hist_items(hist: dict | list | None) -> list[tuple[int, int]]:
     """(accepted drafts, verification steps) pairs sorted by count, from the dict that
-    :func:`drafttrain.eval.spec.evaluate_prompts` returns (int keys) or its JSON form (str keys)."""
+    :func:`drafttrain.eval.in_training.summarize` returns (int keys) or its JSON form (str keys)."""
     if not hist:
         return []
     if isinstance(hist, list):

@@ -1,6 +1,6 @@
 """The training run's own evaluation, run again on its saved drafter: ``python -m scripts.evaluate preset=training``.
 
-A training run ends with :func:`drafttrain.eval.lockstep.spec_eval` (``trainer.spec_eval.*`` of its config: the
+A training run ends with :func:`drafttrain.eval.in_training.spec_eval` (``trainer.spec_eval.*`` of its config: the
 prompts, the draft tree with SSSD's candidates from a datastore over its own training answers, the
 lock-step batch-16 and batch-1 timings against plain decoding). :func:`training_eval` runs exactly that
 evaluation, through the same function, on a finished run folder: the run's saved config (validated as it
@@ -37,7 +37,7 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
 
     from drafttrain.config import upgrade_saved
     from drafttrain.compose import build_run
-    from drafttrain.eval.lockstep import spec_eval
+    from drafttrain.eval.in_training import spec_eval
     from drafttrain.validation import validate
 
     run = Path(run)
@@ -63,9 +63,9 @@ def training_eval(run: str | Path, output_dir: str | Path | None = None, num_thr
 
 def run_datastore(c, run: Path):
     """The SSSD datastore the run's final evaluation used, as it saved it (``<run>/eval_datastore``,
-    :func:`drafttrain.eval.lockstep.training_datastore`); None when its evaluation uses none, or the run predates
+    :func:`drafttrain.eval.in_training.training_datastore`); None when its evaluation uses none, or the run predates
     that folder (:func:`run_train_data` then rebuilds its training data)."""
-    from drafttrain.eval.lockstep import EVAL_DATASTORE, uses_datastore
+    from drafttrain.eval.in_training import EVAL_DATASTORE, uses_datastore
     from drafttrain.verify.methods.sssd_datastore import Datastore
 
     if not uses_datastore(c) or not (run / EVAL_DATASTORE).is_dir():
@@ -77,7 +77,7 @@ def run_train_data(c, run: Path, target, drafter):
     """The training rows of a run that saved no ``eval_datastore`` (runs older than it): rebuilt by
     :func:`drafttrain.data.pipeline.prepare_data` (its self-distillation cache when still there, else generated
     again). None when the run saved its datastore or its evaluation uses none."""
-    from drafttrain.eval.lockstep import EVAL_DATASTORE, uses_datastore
+    from drafttrain.eval.in_training import EVAL_DATASTORE, uses_datastore
 
     if not uses_datastore(c) or (run / EVAL_DATASTORE).is_dir():
         return None

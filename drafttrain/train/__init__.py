@@ -8,7 +8,7 @@
   accelerate / DeepSpeed set-up, W&B tables, reading offline W&B runs;
 - :mod:`drafttrain.train.decision_model`: the MCSD decision model's own small training job.
 
-The trainer's evaluation is :mod:`drafttrain.eval.lockstep` (train calls eval, never the reverse).
+The trainer's evaluation is :mod:`drafttrain.eval.in_training` (train calls eval, never the reverse).
 """
 
 from drafttrain.train.checkpoint import (

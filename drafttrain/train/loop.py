@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from drafttrain.config import TrainConfig, to_dict
-from drafttrain.eval import lockstep
+from drafttrain.eval import in_training
 from drafttrain.fingerprint import dataset_fingerprint, git_sha
 from drafttrain.train.checkpoint import (
     CHECKPOINTS,
@@ -247,7 +247,7 @@ def run(cfg) -> dict[str, Any]:
                             if not k.startswith("eval/planner_"))  # the planners' counters: final_metrics.json
         print(f"[drafttrain] done: {summary}", flush=True)
         if "eval/tau" in final:
-            print(f"[drafttrain] {lockstep.speedup_line(final)}", flush=True)
+            print(f"[drafttrain] {in_training.speedup_line(final)}", flush=True)
         if c.trainer.export:
             export_for_serving(c, out_dir)
     accelerator.wait_for_everyone()
@@ -490,7 +490,7 @@ def _train_steps(r: _Run) -> bool:
         if se_every and state.step % se_every == 0 and state.step < c.trainer.max_steps:
             model = full_drafter(accelerator, drafter)  # collective under ZeRO-3
             if main:
-                res = lockstep.spec_eval(c, target, model, train_ds)
+                res = in_training.spec_eval(c, target, model, train_ds)
                 r.log_metrics(res, state.step)
                 if c.logging.wandb:
                     log_eval_table(accelerator, res, state.step)
@@ -505,7 +505,7 @@ def _train_steps(r: _Run) -> bool:
 
 def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
     """The final metrics: counters, held-out metrics, a last checkpoint, the drafter saved to
-    ``output_dir/drafter`` and, on rank 0, the speculative evaluation (:func:`drafttrain.eval.lockstep.spec_eval`) and ``wall_seconds``
+    ``output_dir/drafter`` and, on rank 0, the speculative evaluation (:func:`drafttrain.eval.in_training.spec_eval`) and ``wall_seconds``
     (logged to metrics.jsonl / W&B). Every rank returns its dict; rank 0's has the evaluation."""
     from drafttrain.train.distributed import full_drafter, peak_memory_mb, per_rank
     from drafttrain.metrics import finalize
@@ -539,8 +539,8 @@ def _final_evaluation(r: _Run, stopped_early: bool) -> dict[str, Any]:
         atomic_save_pretrained(model, r.out_dir / "drafter")
         if c.trainer.spec_eval.num_prompts > 0:
             model.pack_for_inference()  # training is over (never mid-run: DeepSpeed updates param.data)
-            store = lockstep.training_datastore(c, train_ds, r.out_dir)  # saved: scripts.evaluate preset=training reads it
-            final.update(lockstep.spec_eval(c, target, model, train_ds, datastore=store))
+            store = in_training.training_datastore(c, train_ds, r.out_dir)  # saved: scripts.evaluate preset=training reads it
+            final.update(in_training.spec_eval(c, target, model, train_ds, datastore=store))
         final["wall_seconds"] = round(time.time() - r.t_start, 1)
         r.log_metrics({k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}, state.step)
         if c.logging.wandb and "eval/tau" in final:

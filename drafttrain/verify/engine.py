@@ -390,7 +390,7 @@ class SpecEngine:
         """One turn of the decoding loop: admit waiting prompts (continuous batching: one prefill per
         wave), then one verification step of the live batch; its wall time is added to
         ``stats.seconds``. :meth:`run` is ``submit`` + ``advance`` until ``done``; two engines advanced in
-        turn (:func:`drafttrain.eval.spec.run_interleaved`, ``unit="step"``) are timed side by side."""
+        turn (:func:`drafttrain.eval.driver.run_interleaved`, ``unit="step"``) are timed side by side."""
         t0 = time.perf_counter()
         self.admit()
         if any(s is not None for s in self.rows):

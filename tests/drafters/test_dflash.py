@@ -182,7 +182,8 @@ def test_engine_greedy_equal(deep, batch_size):
 def test_a_trained_dflash_drafter_gets_drafts_accepted(tiny_target):
     """Trained for a few dozen steps on the tiny target's own greedy output (it repeats one token), DFlash's
     drafts are accepted by the engine: the drafted positions are the ones verification checks."""
-    from drafttrain.eval.spec import plain_greedy, speculative_greedy
+    from drafttrain.eval.driver import plain_greedy
+    from reference_decoding import speculative_greedy
 
     torch.manual_seed(0)
     dr = build_drafter("dflash", {"block_size": 4, "num_layers": 1, "init_from_target_layer": False}, tiny_target)

@@ -19,7 +19,8 @@ from transformers import DynamicCache
 from drafttrain import layout as L
 from drafttrain.validation import drafter_schema
 from drafttrain.drafters import DRAFTERS, Drafter, build_drafter
-from drafttrain.eval.spec import plain_greedy, speculative_greedy
+from drafttrain.eval.driver import plain_greedy
+from reference_decoding import speculative_greedy
 from drafttrain.metrics import group_acceptance_sums
 from helpers import assert_same_logits, make_batch
 

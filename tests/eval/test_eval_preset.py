@@ -19,7 +19,7 @@ def test_evaluate_preset_training_reproduces_the_runs_eval(tmp_path, monkeypatch
 
     import drafttrain.data.pipeline
     from drafttrain import train as T
-    from drafttrain.eval.lockstep import EVAL_DATASTORE
+    from drafttrain.eval.in_training import EVAL_DATASTORE
     from scripts.evaluate import main
 
     run = tmp_path / "run"

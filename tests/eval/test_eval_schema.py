@@ -35,7 +35,7 @@ HARNESS = {"prompts": "mt_bench", "num_prompts": 16, "prompt_offset": 0, "prompt
 
 
 def read_by_training(se) -> dict:
-    """What drafttrain.eval.lockstep.spec_eval reads of a validated trainer.spec_eval."""
+    """What drafttrain.eval.in_training.spec_eval reads of a validated trainer.spec_eval."""
     return {"every": se.every, "prompts": se.prompts, "num_prompts": se.num_prompts, "prompt_offset": se.prompt_offset,
             "prompt_stride": se.prompt_stride, "max_new_tokens": se.max_new_tokens, "batch_size": se.batch_size,
             "tree": {"widths": se.tree.widths, "budget": se.tree.budget}, "chain": se.chain, "plan": se.tree.plan,
@@ -45,7 +45,7 @@ def read_by_training(se) -> dict:
 
 @pytest.mark.parametrize("overrides, want", [([], MAIN_JOB), (["target=tiny"], TINY)])
 def test_the_main_jobs_training_evaluation_is_unchanged(overrides, want):
-    from drafttrain.eval.lockstep import sssd_for_eval
+    from drafttrain.eval.in_training import sssd_for_eval
     from drafttrain.validation import validate
 
     c = validate(compose_dict("train", ["+recipe=parallelspec", *overrides]))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from drafttrain.drafters.base import DrafterSpec
-from drafttrain.eval.spec import evaluate_prompts, plain_greedy, speculative_greedy
+from drafttrain.eval.driver import plain_greedy
+from reference_decoding import evaluate_prompts, speculative_greedy
 
 K = 3
 PROMPT_LENGTHS = (3, 11, 30)
@@ -193,10 +194,10 @@ def test_evaluate_prompts(varied_target, random_drafter, prompts):
 def test_batched_evaluation_matches_single_sequence(varied_target, random_drafter, prompts, batch_size):
     """The in-training evaluation through the batched verifier (trainer.spec_eval.batch_size) takes the
     same chain steps as the one-sequence-at-a-time reference: same outputs, τ and accept histogram."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
     ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
-    out = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=batch_size, progress=False)
+    out = drafter_eval(varied_target, random_drafter, prompts, 24, batch_size=batch_size, progress=False)
     assert out["greedy_equal"] is True and out["batch_size"] == batch_size
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in ref["outputs"]]
     assert out["accept_hist"] == ref["accept_hist"]
@@ -208,9 +209,9 @@ def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_dra
     """A draft tree (top-3 at depth 1) in the final evaluation: output still equals plain greedy, the chain
     numbers come along (also_chain) and equal the single-sequence chain evaluation, and the tree is
     verified at its full size (more nodes per step than the chain's K + 1)."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
-    out = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+    out = drafter_eval(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
                                    tree_widths=[3, 1, 1, 1], tree_budget=6, also_chain=True)  # fmt: skip
     ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
     assert out["greedy_equal"] is True
@@ -222,7 +223,7 @@ def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_dra
 def test_latency_subset_spreads_over_the_prompt_list():
     """The batch-1 latency prompts are spread evenly: with the main job's 16 MT-bench prompts (2 per category,
     in category order) 8 of them are one per category, not the first 4 categories twice."""
-    from drafttrain.eval.lockstep import latency_subset
+    from drafttrain.eval.in_training import latency_subset
 
     items = list(range(16))
     assert latency_subset(items, 8) == [0, 2, 4, 6, 8, 10, 12, 14]
@@ -239,13 +240,13 @@ def test_latency_subset_spreads_over_the_prompt_list():
 def test_drafter_alone_is_the_chain_without_sssd(varied_target, random_drafter, prompts):
     """also_alone: the drafter alone (its chain, no SSSD) decodes the prompts like the one-sequence chain
     reference, whether the main run is a tree (its own run) or already that chain (no extra run)."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
     ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
-    tree = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+    tree = drafter_eval(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
                                     tree_widths=[3, 1, 1, 1], tree_budget=6, also_alone=True)  # fmt: skip
     assert tree["tau_alone"] == pytest.approx(ref["tau"]) and tree["accept_hist_alone"] == ref["accept_hist"]
     assert tree["greedy_equal"] is True
-    chain = evaluate_prompts_batched(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
+    chain = drafter_eval(varied_target, random_drafter, prompts, 24, batch_size=3, progress=False,
                                      also_alone=True)  # fmt: skip
     assert chain["tau_alone"] == chain["tau"] == pytest.approx(ref["tau"])

@@ -21,7 +21,7 @@ def test_budget_overrides_reach_the_run_and_later_overrides_win(tmp_path):
 def test_bench_recipes_budget_run_full_eval_and_report(tmp_path, monkeypatch):
     """phase=train with budget_minutes, phase=eval eval_suite=full (MT-bench and GSM8K: tree, chain and
     batch-1, every output equal to plain greedy), a second eval that resumes without decoding, the report."""
-    import drafttrain.eval.lockstep
+    import drafttrain.eval.in_training
     from scripts.bench_recipes import main
 
     root = tmp_path / "runs"
@@ -48,7 +48,7 @@ def test_bench_recipes_budget_run_full_eval_and_report(tmp_path, monkeypatch):
     def no_decode(*a, **k):
         raise AssertionError("an evaluated prompt set was decoded again")
 
-    monkeypatch.setattr(drafttrain.eval.lockstep, "spec_eval", no_decode)
+    monkeypatch.setattr(drafttrain.eval.in_training, "spec_eval", no_decode)
     main(ev)  # resumed: both sets read back
 
     dest = tmp_path / "eagle3"

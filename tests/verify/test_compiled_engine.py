@@ -77,22 +77,22 @@ def test_compile_target_needs_batch_one(varied):
 
 
 def test_spec_eval_latency_runs_compiled(varied, make_drafter):
-    """evaluate_prompts_batched(compile_target=True) at batch 1 (the main job's eval/speedup_b1 runs with
+    """drafter_eval(compile_target=True) at batch 1 (the main job's eval/speedup_b1 runs with
     trainer.spec_eval.compile_target=true): compiled before timing, the same outputs and τ as eager."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
     drafter = make_drafter(seed=2).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 12)]
     kw = dict(batch_size=1, progress=False, tree_widths=[2, 1, 1], tree_budget=4, plan=True, interleave="step")
-    eager = evaluate_prompts_batched(varied, drafter, prompts, 12, **kw)
-    comp = evaluate_prompts_batched(varied, drafter, prompts, 12, compile_target=True, **kw)
+    eager = drafter_eval(varied, drafter, prompts, 12, **kw)
+    comp = drafter_eval(varied, drafter, prompts, 12, compile_target=True, **kw)
     assert comp["greedy_equal"] and eager["greedy_equal"]
     assert [o["tokens"] for o in comp["outputs"]] == [o["tokens"] for o in eager["outputs"]]
     assert comp["tau"] == eager["tau"]
     assert comp["compile_seconds"] > 0 and eager["compile_seconds"] == 0
     with pytest.raises(ValueError, match="batch_size=1"):
-        evaluate_prompts_batched(varied, drafter, prompts, 4, compile_target=True, batch_size=2, progress=False)
+        drafter_eval(varied, drafter, prompts, 4, compile_target=True, batch_size=2, progress=False)
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.eval.spec import evaluate_prompts_batched
+from drafttrain.eval.in_training import drafter_eval
 from drafttrain.sampling import SamplingParams
 from drafttrain.verify.hybrid import HybridProposer, merge_trees
 from drafttrain.verify.methods.sssd import SSSDConfig, SSSDDrafter
@@ -60,7 +60,7 @@ def test_hybrid_decoding_equals_plain_greedy(varied_target, drafter, plan):
     """Greedy output through the engine with SSSD candidates merged in (and under the planner) equals
     plain greedy decoding on every prompt; SSSD nodes were really verified."""
     sssd = SSSDDrafter(SSSDConfig(max_prefix_len=3, min_prefix_len=1))
-    out = evaluate_prompts_batched(varied_target, drafter, _prompts(), 24, batch_size=2, progress=False,
+    out = drafter_eval(varied_target, drafter, _prompts(), 24, batch_size=2, progress=False,
                                    tree_widths=[2, 1, 1, 1], tree_budget=5, plan=plan, full_tree=not plan,
                                    sssd=sssd, sssd_nodes=4)  # fmt: skip
     assert out["greedy_equal"] is True
@@ -72,9 +72,9 @@ def test_sssd_candidates_raise_tau_where_the_context_repeats(tiny_target, drafte
     not. The hybrid accepts several tokens per step where the drafter alone accepts almost none."""
     prompts = _prompts()
     kw = dict(batch_size=2, progress=False, tree_widths=[2, 1, 1, 1], tree_budget=5)
-    alone = evaluate_prompts_batched(tiny_target, drafter, prompts, 32, **kw)
+    alone = drafter_eval(tiny_target, drafter, prompts, 32, **kw)
     sssd = SSSDDrafter(SSSDConfig(max_prefix_len=3, min_prefix_len=1))
-    hybrid = evaluate_prompts_batched(tiny_target, drafter, prompts, 32, sssd=sssd, sssd_nodes=6, **kw)
+    hybrid = drafter_eval(tiny_target, drafter, prompts, 32, sssd=sssd, sssd_nodes=6, **kw)
     assert hybrid["greedy_equal"] is True and alone["greedy_equal"] is True
     assert [o["tokens"] for o in hybrid["outputs"]] == [o["tokens"] for o in alone["outputs"]]
     assert hybrid["tau"] > alone["tau"] + 1.0, (hybrid["tau"], alone["tau"])

@@ -415,15 +415,15 @@ def test_planned_sampling_runs_and_keeps_draws_prefix(tiny_target, make_drafter)
     assert seen and all(t.draft_probs is not None and t.scores is not None for t in seen)
 
 
-def test_evaluate_prompts_batched_planned_run(tiny_target, make_drafter):
+def test_drafter_eval_planned_run(tiny_target, make_drafter):
     """The in-training evaluation's planned run: its outputs are checked like the others; tau stays the full tree's."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
     drafter = make_drafter(seed=3)
     drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
-    r = evaluate_prompts_batched(tiny_target, drafter, prompts, 12, batch_size=2, progress=False, plan=True)
+    r = drafter_eval(tiny_target, drafter, prompts, 12, batch_size=2, progress=False, plan=True)
     assert r["greedy_equal"] and r["speedup_planned"] > 0 and r["planner"]["steps"] > 0
     assert r["tau"] > 1.0  # the unplanned chain's acceptance, as before
     assert r["speedup_decode"] > 0 and r["speedup_planned_decode"] > 0  # the decoding steps alone
@@ -566,28 +566,28 @@ def test_realized_rates_decide_whether_to_keep_drafting():
     assert _skip_run(p) == 99  # ceil(1 / 0.01 - 1), within max_skip (256)
 
 
-def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, make_drafter, monkeypatch):
+def test_drafter_eval_interleaved_equals_whole_runs(tiny_target, make_drafter, monkeypatch):
     """interleave="prompt" (prompt by prompt through every run in turn) and "step" (the engines in
     lock-step): the same outputs and counters (tau, generated tokens) as whole runs, one result per
     prompt in prompt order."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
 
     drafter = make_drafter(seed=3)
     drafter.layer.load_state_dict(tiny_target.last_layer.state_dict())
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 11, 7)]
     kw = dict(batch_size=1, progress=False, tree_widths=[2, 1, 1], tree_budget=4)
-    whole = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, **kw)
+    whole = drafter_eval(tiny_target, drafter, prompts, 10, **kw)
     for unit in ("prompt", "step"):
-        inter = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=unit, **kw)
+        inter = drafter_eval(tiny_target, drafter, prompts, 10, interleave=unit, **kw)
         assert inter["greedy_equal"] and whole["greedy_equal"]
         assert [o["tokens"] for o in inter["outputs"]] == [o["tokens"] for o in whole["outputs"]]
         assert inter["tau"] == pytest.approx(whole["tau"]) and inter["tau"] > 1.0
         assert inter["generated_tokens"] == whole["generated_tokens"] == 30
-        planned = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave=unit, plan=True, full_tree=False, **kw)
+        planned = drafter_eval(tiny_target, drafter, prompts, 10, interleave=unit, plan=True, full_tree=False, **kw)
         assert planned["greedy_equal"] and planned["planner"]["steps"] > 0 and planned["speedup"] > 0
     kw["batch_size"] = 2  # lock-step at batch 2: continuous batching in both engines
-    import drafttrain.eval.spec as spec_mod
+    import drafttrain.eval.driver as spec_mod
 
     warmed, inner = [], spec_mod.run_interleaved
 
@@ -598,17 +598,17 @@ def test_evaluate_prompts_batched_interleaved_equals_whole_runs(tiny_target, mak
         return inner(engines, prompts, **k)
 
     monkeypatch.setattr(spec_mod, "run_interleaved", spy)
-    two = evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="step", plan=True, **kw)
+    two = drafter_eval(tiny_target, drafter, prompts, 10, interleave="step", plan=True, **kw)
     assert warmed == [0]
     assert two["greedy_equal"] and two["tau"] > 1.0 and two["planner"]["steps"] > 0
     with pytest.raises(ValueError, match="unit"):
-        evaluate_prompts_batched(tiny_target, drafter, prompts, 10, interleave="sometimes", **kw)
+        drafter_eval(tiny_target, drafter, prompts, 10, interleave="sometimes", **kw)
 
 
 def test_run_interleaved_orders():
     """run_interleaved: whole runs in dict order; per prompt, the order reversed every other prompt
     (neighbours stay neighbours) or rotated by one (every engine takes every position)."""
-    from drafttrain.eval.spec import run_interleaved
+    from drafttrain.eval.driver import run_interleaved
 
     calls = []
 
@@ -636,7 +636,7 @@ def test_run_interleaved_orders():
 def test_run_interleaved_lock_step():
     """unit="step": the engines advance one step each in turn (reversed every other turn); an engine
     that is done sits out; each returns its own result."""
-    from drafttrain.eval.spec import run_interleaved
+    from drafttrain.eval.driver import run_interleaved
 
     calls = []
 

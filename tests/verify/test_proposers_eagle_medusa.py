@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.eval.spec import speculative_greedy
+from reference_decoding import speculative_greedy
 from drafttrain.verify import (
     EAGLE_DEFAULT_CHOICES,
     MEDUSA_DEFAULT_CHOICES,
@@ -223,12 +223,12 @@ def test_eagle_sampling_through_engine_is_reproducible(varied_target, prompts):
 
 
 def test_batched_spec_eval_uses_the_drafters_depth(tiny_target, prompts):
-    """evaluate_prompts_batched with a Medusa or EAGLE drafter drafts its full chain (not depth 1)."""
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    """drafter_eval with a Medusa or EAGLE drafter drafts its full chain (not depth 1)."""
+    from drafttrain.eval.in_training import drafter_eval
 
     for name in ("medusa", "eagle"):
         drafter = _drafter(name, tiny_target)
-        r = evaluate_prompts_batched(tiny_target, drafter, prompts[:3], 16, batch_size=3, progress=False)
+        r = drafter_eval(tiny_target, drafter, prompts[:3], 16, batch_size=3, progress=False)
         assert r["greedy_equal"]
         assert max(int(k) for k in r["accept_hist"]) > 1, name  # more than one draft accepted in some step
 

@@ -350,7 +350,7 @@ def test_sssd_settings_have_one_home():
     import yaml
 
     from drafttrain.config import SSSDEvalConfig
-    from drafttrain.eval.spec import evaluate_prompts_batched
+    from drafttrain.eval.in_training import drafter_eval
     from drafttrain.verify.hybrid import DEFAULT_EXTRA_NODES, HybridProposer
     from drafttrain.verify.methods.sssd import SSSDConfig, drafting_config
     from drafttrain.verify.proposers import proposer_for
@@ -366,4 +366,4 @@ def test_sssd_settings_have_one_home():
     assert SSSDEvalConfig.nodes == DEFAULT_EXTRA_NODES
     assert inspect.signature(HybridProposer).parameters["extra_nodes"].default == DEFAULT_EXTRA_NODES
     assert inspect.signature(proposer_for).parameters["sssd_nodes"].default == DEFAULT_EXTRA_NODES
-    assert inspect.signature(evaluate_prompts_batched).parameters["sssd_nodes"].default == DEFAULT_EXTRA_NODES
+    assert inspect.signature(drafter_eval).parameters["sssd_nodes"].default == DEFAULT_EXTRA_NODES

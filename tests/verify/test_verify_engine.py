@@ -171,10 +171,10 @@ def test_greedy_equals_hf_generate(target, prompts, continuations, make_drafter)
 
 def test_parallelspec_chain_matches_single_sequence_reference(target, prompts, make_drafter):
     """ParallelSpecProposer with its default chain tree takes exactly the steps of the in-training reference
-    loop (drafttrain.eval.spec.speculative_greedy): the drafter gets the same items and its cache stays in
+    loop (tests/reference_decoding.speculative_greedy): the drafter gets the same items and its cache stays in
     step. An oracle drafter (tests/eval/test_spec_eval.py) with a cycle of right-prefix lengths makes every
     accept length occur; a random drafter runs two sequences interleaved."""
-    from drafttrain.eval.spec import speculative_greedy
+    from reference_decoding import speculative_greedy
     from eval.test_spec_eval import K, OracleDrafter
 
     prompts = prompts[:3]
