@@ -29,7 +29,6 @@ from pathlib import Path
 from drafttrain.generation.vllm_client import RUNNER, vllm_env, vllm_python  # noqa: F401  (vllm_python: re-exported)
 
 log = logging.getLogger("drafttrain.serve_check")
-METHOD = {"speculators": "eagle3", "vllm_medusa": "medusa", "vllm_eagle": "eagle", "dflash": "dflash"}
 
 
 @dataclass
@@ -79,13 +78,13 @@ def speculative_config(export_dir: Path, info: dict, n_spec: int, extra: dict | 
     Raises:
         ValueError: a format vLLM does not load, or a DFlash K other than its block's mask slots.
     """
-    from drafttrain.export import vllm_speculative_config
+    from drafttrain.export import FORMATS, VLLM_METHOD, vllm_speculative_config
 
     fmt = info["format"]
-    if fmt not in METHOD:
+    if fmt not in VLLM_METHOD:
         raise ValueError(f"vLLM does not load the '{fmt}' format; export with format=speculators (EAGLE-3) instead")
     cfg = json.loads((export_dir / "config.json").read_text())
-    if fmt == "dflash":  # one pass drafts the block's B - 1 mask slots: vLLM's block is 1 + num_speculative_tokens
+    if FORMATS[fmt].k_is_depth and "block_size" in cfg:  # one pass drafts the block's B - 1 mask slots (DFlash)
         block = int(cfg["block_size"])
         if int(n_spec) != block - 1:
             raise ValueError(f"a DFlash drafter with block_size {block} drafts {block - 1} tokens per pass; "

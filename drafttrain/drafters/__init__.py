@@ -116,6 +116,17 @@ __all__ = [
     "SharedTargetModules",
     "build_drafter",
     "drafter_class",
+    "drafter_for_serving",
     "drafter_config",
     "register_drafter",
 ]
+
+
+def drafter_for_serving(fmt: str, model_type: str) -> type[Drafter] | None:
+    """The registered drafter class whose network a folder of serving format ``fmt`` naming ``model_type`` holds
+    (the classes' :attr:`~drafttrain.drafters.base.Drafter.serving_formats`): of several that declare it (SGLang's
+    EAGLE-3 folder is both EAGLE-3's and parallel drafting's on the EAGLE-3 network, which SGLang runs as a chain),
+    the most general one (the class the others derive from). None when no class declares it."""
+    found = [c for c in DRAFTERS.values() if c.serving_formats.get(fmt) == model_type]
+    return min(found, key=lambda c: (len(c.__mro__), c.name)) if found else None
+

@@ -226,6 +226,12 @@ class Drafter(nn.Module):
     objectives: ClassVar[frozenset[str]] = frozenset()
     #: Why the drafter cannot train on its own drafts (printed when ``trainer.strategy`` asks for it).
     objective_refusal: ClassVar[str] = "its training loss has no on-policy path yet"
+    #: The serving formats this drafter's network is (:data:`drafttrain.export.formats.FORMATS`), the first its
+    #: default export, each with the model type that format's ``config.json`` names for it (speculators' registry:
+    #: ``eagle3``, ``peagle``, ``dflash``; vLLM's ``medusa`` / ``eagle``). The exporters write a drafter only in a
+    #: format it declares and read a folder back into the class that declares the folder's type; none is empty
+    #: (no engine runs the network).
+    serving_formats: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: dict[str, Any], shared: SharedTargetModules):
         """Raises:

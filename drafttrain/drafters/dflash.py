@@ -82,6 +82,7 @@ class DFlashDrafter(Drafter):
     """
 
     name = "dflash"
+    serving_formats = {"dflash": "dflash"}
     # feature_layers here is a placeholder: the real ids depend on the config and the target (layers_for)
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=False)
     objectives = frozenset({"cut_at_first_miss", "on_policy"})  # its loss is hard cross-entropy: no divergence

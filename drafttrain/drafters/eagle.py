@@ -53,6 +53,7 @@ class EagleDrafter(FeatureLayerDrafter):
     """
 
     name = "eagle"
+    serving_formats = {"vllm_eagle": "eagle"}  # only the variant vLLM's EAGLE-1 network computes (checked on export)
     objective_refusal = ("EAGLE regresses the target's next feature; on its own drafts it would need the target's "
                          "features along every draft chain, which its loss does not read yet (eagle3, parallelspec and "
                          "dflash train on-policy)")

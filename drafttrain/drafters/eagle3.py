@@ -174,6 +174,7 @@ class Eagle3Drafter(FeatureLayerDrafter):
     """
 
     name = "eagle3"
+    serving_formats = {"speculators": "eagle3", "sglang": "eagle3"}
     # feature_layers here is a placeholder: the real ids depend on the config and the target (layers_for)
     spec = DrafterSpec(drafting="autoregressive", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     objectives = frozenset({"divergence", "cut_at_first_miss", "on_policy"})

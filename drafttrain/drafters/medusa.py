@@ -63,6 +63,7 @@ class MedusaDrafter(Drafter):
     """
 
     name = "medusa"
+    serving_formats = {"vllm_medusa": "medusa"}
     objective_refusal = ("Medusa heads read only the target's last state f_t: no draft ever enters their inputs and "
                          "they have no group layout for the target to label; train Medusa offline")
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="last", batched=False)

@@ -45,6 +45,7 @@ class ParallelSpecDrafter(FeatureLayerDrafter):
     """
 
     name = "parallelspec"
+    serving_formats = {}  # no engine runs mask-token drafting over its fc([e; f]) item layer
     objective_refusal = ("ParallelSpec's Medusa integration (Eq. 3) has no group objective path yet; the main job's "
                          "parallelspec recipe (the EAGLE-3 network) and dflash train on-policy")
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)

@@ -64,6 +64,8 @@ class ParallelSpecEagle3Drafter(Eagle3Drafter):
     """
 
     name = "parallelspec_eagle3"
+    # vLLM drafts it in parallel (speculators' P-EAGLE); SGLang runs the same network as a plain EAGLE-3 chain
+    serving_formats = {"speculators": "peagle", "sglang": "eagle3"}
     spec = DrafterSpec(drafting="parallel", feature_layers=(LAST_LAYER,), step_input="items", batched=True)
     objectives = frozenset({"divergence", "cut_at_first_miss", "on_policy"})
     defaults = {

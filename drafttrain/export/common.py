@@ -77,3 +77,39 @@ def offsets_from_absolute(d2t: torch.Tensor) -> torch.Tensor:
     tensor([5, 0, 7])
     """
     return d2t.long() - torch.arange(d2t.numel(), dtype=torch.long)
+
+
+REEXPORT = "re-export with scripts.export"
+
+
+def config_int(cfg: dict, key: str, where: str = "config.json") -> int:
+    """``cfg[key]`` as an int.
+
+    Raises:
+        ExportError: no integer under ``key`` (the folder is not a complete export).
+    """
+    try:
+        return int(cfg[key])
+    except (KeyError, TypeError, ValueError):
+        raise ExportError(f"{where} has no integer '{key}'; the folder is not a complete export; {REEXPORT}") from None
+
+
+def fc_layout(cfg: dict, layer, aux_ids: list, shapes: dict, head_optional: bool = False,
+              vocab_map: tuple[str, ...] = ("d2t", "t2d")) -> dict[str, Any]:  # fmt: skip
+    """The sizes an EAGLE-3-style folder's ``config.json`` states (``layer``: the draft layer's config, with
+    ``hidden_size`` and optionally ``vocab_size``; ``target_hidden_size``, ``draft_vocab_size``) and the shapes they
+    imply: ``fc`` over ``len(aux_ids)`` target layers, ``norm``, ``lm_head`` (unless ``head_optional`` and absent).
+    Returns the layout dict of :func:`drafttrain.export.verify.verify_export` (each format module's ``layout``).
+
+    Raises:
+        ExportError: ``layer`` is not a dict, or a size is missing.
+    """
+    if not isinstance(layer, dict):
+        raise ExportError(f"config.json has no transformer_layer_config; the folder is not a complete export; {REEXPORT}")
+    d, th, n = config_int(layer, "hidden_size"), config_int(cfg, "target_hidden_size"), config_int(cfg, "draft_vocab_size")
+    v = int(layer["vocab_size"]) if layer.get("vocab_size") is not None else None
+    expect = {"fc.weight": (d, len(aux_ids) * th), "norm.weight": (d,)}
+    if not head_optional or "lm_head.weight" in shapes:
+        expect["lm_head.weight"] = (n, d)
+    return {"target_hidden": th, "target_vocab": v, "draft_vocab": n, "expect": expect, "vocab_map": vocab_map}
+

@@ -72,10 +72,11 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json, fc_layout
 
 WEIGHTS = "model.safetensors"
 ENGINE = "vLLM DFlash loader (qwen3_dflash.py, speculators format)"
+MODEL_TYPE = "dflash"  # speculators' model type of the folder (the drafter declares it: serving_formats)
 SPECULATORS_VERSION = "0.9.0"  # the release whose DFlash classes the tests load the folder with
 LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
@@ -109,8 +110,9 @@ def check_drafter(drafter, num_speculative_tokens: int | None = None) -> None:
     Raises:
         ExportError: naming the difference.
     """
-    if drafter.name != "dflash":
-        raise ExportError(f"the dflash format writes dflash drafters, not '{drafter.name}'")
+    from drafttrain.export.formats import check_declares
+
+    check_declares(drafter, "dflash")
     bsz = drafter.block_size
     if num_speculative_tokens is not None and int(num_speculative_tokens) != bsz - 1:
         raise ExportError(f"num_speculative_tokens={num_speculative_tokens}: a DFlash drafter trained with block_size "
@@ -185,7 +187,7 @@ def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_c
     tcfg = target_config or drafter.shared.model_config
     return {
         "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "speculators_model_type": MODEL_TYPE,
         "speculators_version": _speculators_version(),
         "transformer_layer_config": layer_config(drafter, tcfg),
         "draft_vocab_size": int(drafter.d2t.numel()),
@@ -196,7 +198,7 @@ def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_c
         "sample_from_anchor": False,
         "sliding_window_non_causal": True,  # vLLM: dflash_config.causal = false for every layer (module docstring)
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": MODEL_TYPE,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],  # fmt: skip
@@ -251,12 +253,14 @@ def load(directory: Path, target):
             causal or sliding block), sizes that do not fit ``target``, or tensors that do not fill the drafter.
     """
     from drafttrain.data.shards import read_json
-    from drafttrain.drafters import DRAFTERS, SharedTargetModules
+    from drafttrain.drafters import SharedTargetModules
+    from drafttrain.export.formats import reader_class
 
     directory = Path(directory)
     cfg = read_json(directory / "config.json", "export the drafter again")
-    if cfg.get("speculators_model_type") != "dflash":
-        raise ExportError(f"{directory}: speculators_model_type {cfg.get('speculators_model_type')!r}, expected dflash")
+    if cfg.get("speculators_model_type") != MODEL_TYPE:
+        raise ExportError(f"{directory}: speculators_model_type {cfg.get('speculators_model_type')!r}, expected {MODEL_TYPE}")
+    cls = reader_class("dflash", MODEL_TYPE, directory)
     if cfg.get("sample_from_anchor"):
         raise ExportError(f"{directory}: sample_from_anchor true (the anchor slot drafts too); drafttrain's DFlash "
                           "drafts from the mask slots only")  # fmt: skip
@@ -273,7 +277,7 @@ def load(directory: Path, target):
             "mask_token_id": int(cfg["mask_token_id"]), "draft_vocab_size": 0 if n_vocab == v else n_vocab,
             "init_from_target_layer": False}  # fmt: skip
     try:
-        drafter = DRAFTERS["dflash"](dcfg, SharedTargetModules.from_target(target), init_weights=False)
+        drafter = cls(dcfg, SharedTargetModules.from_target(target), init_weights=False)
     except ValueError as err:
         raise ExportError(f"{directory}: does not fit this target: {err}") from None
     q = drafter.qwen3_config
@@ -299,3 +303,10 @@ def load(directory: Path, target):
             raise ExportError(f"{directory}: lm_head is not the target's rows of the draft vocabulary; drafttrain's "
                               "DFlash shares the target's head")  # fmt: skip
     return drafter.to(target.device)
+
+
+def layout(cfg: dict, shapes: dict) -> dict:
+    """The sizes ``config.json`` states and the tensor shapes they imply (``lm_head`` only with a restricted draft
+    vocabulary: the target's rows)."""
+    return fc_layout(cfg, cfg.get("transformer_layer_config"), cfg.get("aux_hidden_state_layer_ids") or [], shapes,
+                     head_optional=True, vocab_map=("lm_head.weight", "d2t", "t2d"))  # fmt: skip

@@ -36,16 +36,18 @@ _DROP = ("architectures", "_name_or_path", "transformers_version", "auto_map", "
          "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions")  # fmt: skip
 
 
-def check_drafter(drafter) -> None:
-    """Refuse a drafter whose network the engines would not reproduce.
+def check_drafter(drafter, fmt: str) -> str:
+    """Refuse a drafter whose network the engines would not reproduce; returns the model type it declares for ``fmt``.
 
     Raises:
-        ExportError: not an EAGLE-3 drafter; biases the engines do not build; layer ids that break
+        ExportError: the drafter does not declare ``fmt`` (:func:`drafttrain.export.formats.check_declares`); biases
+            the engines do not build; layer ids that break
             :func:`drafttrain.drafters.eagle3.aux_layer_ids_problem` (three strictly increasing ids in
             [0, L - 1]; the message suggests the default ids for the target's depth).
     """
-    if drafter.name not in ("eagle3", "parallelspec_eagle3"):
-        raise ExportError(f"the EAGLE-3 formats write eagle3 / parallelspec_eagle3 drafters, not '{drafter.name}'")
+    from drafttrain.export.formats import check_declares
+
+    kind = check_declares(drafter, fmt)
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if not isinstance(drafter.layer, LlamaDecoderLayer):
@@ -69,6 +71,7 @@ def check_drafter(drafter) -> None:
     if problem:
         hint = f" (train with {suggested_aux_layer_ids(n_layers)})" if n_layers >= NUM_AUX else ""
         raise ExportError(f"aux_layer_ids {ids}: {problem}{hint}")
+    return kind
 
 
 def sglang_layer_ids(vllm_ids) -> list[int]:
@@ -129,28 +132,26 @@ def drafter_tensors(drafter, layer_prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_drafter(directory, target, *, aux_ids, draft_vocab_size: int, depth: int, layer_prefix: str, weights: dict,
-                  recipe: str = "eagle3", extra: dict | None = None):  # fmt: skip
-    """drafttrain's EAGLE-3 drafter holding an exported folder's weights (for the round-trip tests).
+def build_drafter(directory, target, *, cls, aux_ids, draft_vocab_size: int, depth: int, layer_prefix: str,
+                  weights: dict, extra: dict | None = None):  # fmt: skip
+    """A drafter of class ``cls`` (the one declaring the folder's format and model type:
+    :func:`drafttrain.export.formats.reader_class`) holding an exported folder's weights (for the round trips).
 
     Raises:
         ExportError: the folder's tensors do not fill the drafter exactly.
     """
-    from drafttrain.drafters import DRAFTERS, SharedTargetModules
+    from drafttrain.drafters import SharedTargetModules
 
-    if recipe not in DRAFTERS:
-        raise ExportError(f"this drafttrain has no '{recipe}' drafter to read {directory} into")
     v = target.lm_head.weight.shape[0]
     cfg = {"aux_layer_ids": list(aux_ids), "draft_vocab_size": 0 if draft_vocab_size == v else draft_vocab_size,
            "draft_depth": int(depth), **(extra or {})}  # fmt: skip
-    cls = DRAFTERS[recipe]
     drafter = cls({k: val for k, val in cfg.items() if k in cls.defaults}, SharedTargetModules.from_target(target),
                   init_weights=False)  # fmt: skip
     state = {k: val for k, val in drafter.state_dict().items()}
     for name, t in weights.items():
         key = name.replace(f"{layer_prefix}.", "layers.0.", 1) if name.startswith(layer_prefix + ".") else name
         if key not in state:
-            raise ExportError(f"{directory}: tensor {name} has no place in drafttrain's {recipe} drafter")
+            raise ExportError(f"{directory}: tensor {name} has no place in drafttrain's {cls.name} drafter")
         state[key] = t.reshape(state[key].shape)
     missing = sorted(k for k in drafter.state_dict() if k not in {
         n.replace(f"{layer_prefix}.", "layers.0.", 1) for n in weights} and k not in ("d2t", "t2d"))  # fmt: skip

@@ -35,11 +35,12 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.export.common import ExportError, draft_token_ids, check_consumed, load_tensors, save_tensors, write_json
+from drafttrain.export.common import ExportError, draft_token_ids, check_consumed, load_tensors, save_tensors, write_json, config_int, REEXPORT
 
 log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 ENGINE = "vLLM Medusa loader"
+MODEL_TYPE = "medusa"  # vLLM's model type of the folder (the drafter declares it: serving_formats)
 
 
 def vllm_consumed_names(num_heads: int, num_layers: int = 1, fc_bias: bool = True, truncated: bool = True) -> set[str]:
@@ -66,8 +67,9 @@ def export(drafter, out_dir: Path, **_) -> dict:
     Raises:
         ExportError: ``drafter`` is not a Medusa drafter.
     """
-    if drafter.name != "medusa":
-        raise ExportError(f"vllm_medusa exports medusa drafters, not '{drafter.name}'")
+    from drafttrain.export.formats import check_declares
+
+    check_declares(drafter, "vllm_medusa")
     v = drafter.vocab_size
     n = drafter.d2t.numel()
     k = drafter.num_heads
@@ -82,7 +84,7 @@ def export(drafter, out_dir: Path, **_) -> dict:
         tensors["token_map"] = draft_token_ids(drafter)
     check_consumed(set(tensors), vllm_consumed_names(k, 1, True, truncated), ENGINE)
     config = {
-        "model_type": "medusa",
+        "model_type": MODEL_TYPE,
         "architectures": ["MedusaModel"],
         "hidden_size": d,
         "vocab_size": v,
@@ -108,16 +110,17 @@ def load(directory: Path, target):
         ExportError: the folder is not a one-layer Medusa with a bias, or does not fit ``target``.
     """
     from drafttrain.data.shards import read_json
-    from drafttrain.drafters import MedusaDrafter, SharedTargetModules
+    from drafttrain.drafters import SharedTargetModules
+    from drafttrain.export.formats import reader_class
 
     cfg = read_json(directory / "config.json", "export the drafter again")
-    if cfg.get("model_type") != "medusa" or int(cfg.get("num_hidden_layers", 1)) != 1:
+    if cfg.get("model_type") != MODEL_TYPE or int(cfg.get("num_hidden_layers", 1)) != 1:
         raise ExportError(f"{directory} is not a one-ResBlock Medusa folder (model_type={cfg.get('model_type')})")
     if int(cfg["vocab_size"]) != target.lm_head.weight.shape[0]:
         raise ExportError(f"{directory} is for a vocabulary of {cfg['vocab_size']}, the target has {target.lm_head.weight.shape[0]}")
     w = load_tensors(directory / WEIGHTS)
     n, v = int(cfg["truncated_vocab_size"]), int(cfg["vocab_size"])
-    drafter = MedusaDrafter({"num_heads": int(cfg["num_heads"]), "draft_vocab_size": 0 if n == v else n},
+    drafter = reader_class("vllm_medusa", MODEL_TYPE, directory)({"num_heads": int(cfg["num_heads"]), "draft_vocab_size": 0 if n == v else n},
                             SharedTargetModules.from_target(target), init_weights=False)  # fmt: skip
     with torch.no_grad():
         if n < v:
@@ -127,3 +130,21 @@ def load(directory: Path, target):
             head.res.bias.copy_(w.get(f"blocks.{j}.layers.0.bias", torch.zeros_like(head.res.bias)))
             head.out.weight.copy_(w[f"lm_heads.{j}.weight"])
     return drafter
+
+
+def layout(cfg: dict, shapes: dict) -> dict:
+    """The sizes ``config.json`` states and the tensor shapes they imply.
+
+    Raises:
+        ExportError: ``num_heads`` disagrees with the heads the weight file holds.
+    """
+    d, v, n, k = (config_int(cfg, x) for x in ("hidden_size", "vocab_size", "truncated_vocab_size", "num_heads"))
+    heads = sum(1 for name in shapes if name.startswith("lm_heads.") and name.endswith(".weight"))
+    if heads != k:
+        raise ExportError(f"config.json is inconsistent with model.safetensors: num_heads {k}, the file holds {heads} "
+                          f"heads (lm_heads.*); config.json was edited after export or belongs to another folder; {REEXPORT}")  # fmt: skip
+    expect = {f"blocks.{j}.layers.0.weight": (d, d) for j in range(k)}
+    expect.update({f"lm_heads.{j}.weight": (n, d) for j in range(k)})
+    if "token_map" in shapes:
+        expect["token_map"] = (n,)
+    return {"target_hidden": d, "target_vocab": v, "draft_vocab": n, "expect": expect, "vocab_map": ("token_map",)}

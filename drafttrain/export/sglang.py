@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json, fc_layout
 from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check_drafter, drafter_tensors,
                                              layer_config, sglang_layer_ids)  # fmt: skip
 
 WEIGHTS = "model.safetensors"
 ENGINE = "SGLang EAGLE-3 loader (LlamaForCausalLMEagle3)"
+MODEL_TYPE = "eagle3"  # the one model type an SGLang EAGLE-3 folder holds
 #: The drafter variant flags (``serving_flags``) SGLang's layer computes when True: none (its layer has no
 #: norm before fc and feeds back the pre-norm state), so a drafter with any flag set is refused by name.
 SGLANG_FLAGS: tuple[str, ...] = ()
@@ -49,7 +50,7 @@ def export(drafter, out_dir: Path, *, num_speculative_tokens: int | None = None,
     Raises:
         ExportError: see :func:`drafttrain.export.eagle3_common.check_drafter`.
     """
-    check_drafter(drafter)
+    check_drafter(drafter, "sglang")
     missing = [k for k, on in drafter.serving_flags().items() if on and k not in SGLANG_FLAGS]
     if missing:
         raise ExportError(f"SGLang's EAGLE-3 layer (LlamaForCausalLMEagle3) computes no {' / '.join(missing)} "
@@ -76,13 +77,30 @@ def export(drafter, out_dir: Path, *, num_speculative_tokens: int | None = None,
 
 
 def load(directory: Path, target):
-    """Read an SGLang EAGLE-3 folder back into drafttrain's eagle3 drafter (SGLang's ids + 1 = ours)."""
+    """Read an SGLang EAGLE-3 folder back into the drafter class that declares it (the most general: SGLang runs
+    the network as an EAGLE-3 chain; :func:`drafttrain.export.formats.reader_class`). SGLang's ids + 1 = ours."""
     from drafttrain.data.shards import read_json
+    from drafttrain.export.formats import reader_class
 
     cfg = read_json(directory / "config.json", "export the drafter again")
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"] or cfg.get("tie_word_embeddings", True):
         raise ExportError(f"{directory} is not an untied SGLang EAGLE-3 folder")
     w = load_tensors(directory / WEIGHTS)
     ids = [int(i) + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-    return build_drafter(directory, target, aux_ids=ids, draft_vocab_size=int(cfg["draft_vocab_size"]),
+    return build_drafter(directory, target, cls=reader_class("sglang", MODEL_TYPE, directory), aux_ids=ids, draft_vocab_size=int(cfg["draft_vocab_size"]),
                          depth=int(cfg.get("num_speculative_tokens", 5)), layer_prefix="midlayer", weights=w)  # fmt: skip
+
+
+def layout(cfg: dict, shapes: dict) -> dict:
+    """The sizes ``config.json`` states (the draft layer's keys at its top level) and the tensor shapes they imply."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or [0, 1, 2]  # fmt: skip
+    return fc_layout(cfg, cfg, ids, shapes)
+
+
+def serve_commands(out: Path, verifier: str, n_spec: int) -> list[str]:
+    """SGLang's ``launch_server`` line for an exported folder (``--speculative-algorithm EAGLE3``, a chain of
+    ``n_spec`` drafts: SGLang drafts step by step, top-1)."""
+    return [f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {Path(out).resolve()} --speculative-num-steps {n_spec} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {n_spec + 1}"]  # fmt: skip

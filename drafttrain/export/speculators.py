@@ -25,7 +25,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json, fc_layout
 from drafttrain.export.eagle3_common import (LAYER_WEIGHTS, build_drafter, check_drafter, drafter_tensors,
                                              layer_config)  # fmt: skip
 
@@ -56,13 +56,23 @@ def vllm_consumed_names(restricted: bool, parallel: bool, fc_norm: int = 0) -> s
     return names
 
 
+#: the model types this format writes (a drafter's :attr:`~drafttrain.drafters.base.Drafter.serving_formats`), with
+#: speculators' architecture name for each; ``peagle`` drafts in parallel (mask slots)
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
+
+
 def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_config) -> dict:
-    """The speculators ``config.json`` of ``drafter`` (see the module docstring)."""
-    parallel = drafter.name == "parallelspec_eagle3"
+    """The speculators ``config.json`` of ``drafter`` (see the module docstring): its declared model type, its
+    own variant flags, its mask token where it drafts in parallel."""
+    kind = drafter.serving_formats["speculators"]
+    if kind not in ARCHITECTURES:
+        raise ExportError(f"'{drafter.name}' declares speculators model type {kind!r}; this exporter writes "
+                          f"{sorted(ARCHITECTURES)}")  # fmt: skip
+    parallel = drafter.spec.drafting == "parallel"
     tcfg = target_config or drafter.shared.model_config
     cfg = {
-        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
-        "speculators_model_type": "peagle" if parallel else "eagle3",
+        "architectures": [ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
         "speculators_version": _speculators_version(),
         "transformer_layer_config": layer_config(tcfg),
         "draft_vocab_size": int(drafter.d2t.numel()),
@@ -70,7 +80,7 @@ def config_dict(drafter, *, verifier: str, num_speculative_tokens: int, target_c
         **drafter.serving_flags(),  # the network's own variant flags (norm_before_residual always written)
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in drafter.aux_layer_ids],
         "speculators_config": {
-            "algorithm": "peagle" if parallel else "eagle3",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],  # fmt: skip
@@ -98,8 +108,8 @@ def export(drafter, out_dir: Path, *, verifier: str | None = None, num_speculati
     Raises:
         ExportError: see :func:`drafttrain.export.eagle3_common.check_drafter`.
     """
-    check_drafter(drafter)
-    parallel = drafter.name == "parallelspec_eagle3"
+    check_drafter(drafter, "speculators")
+    parallel = drafter.spec.drafting == "parallel"
     tensors = drafter_tensors(drafter, "layers.0")
     fc_norm = len(drafter.aux_layer_ids) if drafter.serving_flags()["fc_norm"] else 0
     check_consumed(set(tensors), vllm_consumed_names(drafter.restricted_vocab, parallel, fc_norm), ENGINE)
@@ -111,13 +121,16 @@ def export(drafter, out_dir: Path, *, verifier: str | None = None, num_speculati
 
 
 def load(directory: Path, target):
-    """Read a speculators folder back into drafttrain's drafter (eagle3, or parallelspec_eagle3 for peagle)."""
+    """Read a speculators folder back into the drafter class that declares its model type
+    (:func:`drafttrain.export.formats.reader_class`: EAGLE-3's for ``eagle3``, parallel drafting's for ``peagle``)."""
     from drafttrain.data.shards import read_json
+    from drafttrain.export.formats import reader_class
 
     cfg = read_json(directory / "config.json", "export the drafter again")
     kind = cfg.get("speculators_model_type")
-    if kind not in ("eagle3", "peagle"):
-        raise ExportError(f"{directory}: speculators_model_type {kind!r}, expected eagle3 or peagle")
+    if kind not in ARCHITECTURES:
+        raise ExportError(f"{directory}: speculators_model_type {kind!r}, expected one of {sorted(ARCHITECTURES)}")
+    cls = reader_class("speculators", kind, directory)
     if cfg.get("norm_before_residual", True) or any(cfg.get(k) for k in UNCOMPUTED_FLAGS):
         raise ExportError(f"{directory}: a norm variant drafttrain's EAGLE-3 network does not compute "
                           f"(norm_before_residual {cfg.get('norm_before_residual', True)}, "
@@ -126,9 +139,15 @@ def load(directory: Path, target):
     depth = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     # peagle: one pass drafts the last item's guess + K mask slots, so K = speculative tokens - 1 (K is a
     # decoding choice there: every mask slot shares one mask_hidden)
-    extra = {"mask_token_id": int(cfg["mask_token_id"]), "num_mask_tokens": depth - 1} if kind == "peagle" else {}
+    parallel = cls.spec.drafting == "parallel"
+    extra = {"mask_token_id": int(cfg["mask_token_id"]), "num_mask_tokens": depth - 1} if parallel else {}
     extra.update({k: bool(cfg.get(k, False)) for k in VLLM_FLAGS})  # the variant the folder's network computes
-    return build_drafter(directory, target, aux_ids=cfg["eagle_aux_hidden_state_layer_ids"],
-                         draft_vocab_size=int(cfg["draft_vocab_size"]), depth=depth,
-                         layer_prefix="layers.0", weights=w,
-                         recipe="parallelspec_eagle3" if kind == "peagle" else "eagle3", extra=extra)  # fmt: skip
+    return build_drafter(directory, target, cls=cls, aux_ids=cfg["eagle_aux_hidden_state_layer_ids"],
+                         draft_vocab_size=int(cfg["draft_vocab_size"]), depth=depth, layer_prefix="layers.0",
+                         weights=w, extra=extra)  # fmt: skip
+
+
+def layout(cfg: dict, shapes: dict) -> dict:
+    """The sizes ``config.json`` states and the tensor shapes they imply (:func:`drafttrain.export.verify.verify_export`)."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or [0, 1, 2]
+    return fc_layout(cfg, cfg.get("transformer_layer_config"), ids, shapes)

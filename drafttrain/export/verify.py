@@ -30,15 +30,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from drafttrain.export.common import ExportError
+from drafttrain.export.common import REEXPORT, ExportError
+from drafttrain.export.formats import FORMATS, module
 
 log = logging.getLogger(__name__)
 
 INFO = "export_info.json"
 WEIGHTS = "model.safetensors"  # the one weight file every format writes (each format module's ``WEIGHTS``)
-#: the formats :func:`verify_export` knows the layout of (every key of :data:`drafttrain.export.FORMATS`)
-CHECKED_FORMATS = ("speculators", "sglang", "vllm_medusa", "vllm_eagle", "dflash")
-REEXPORT = "re-export with scripts.export"
+#: the formats :func:`verify_export` knows the layout of: every format (each module's ``layout(cfg, shapes)``)
+CHECKED_FORMATS = tuple(FORMATS)
 _WARNED_OLD: set[str] = set()  # folders already warned about (an export without digests): once each
 
 
@@ -139,55 +139,6 @@ def _check_file(folder: Path, name: str, want: dict | None) -> None:
                           f"export; {REEXPORT}")  # fmt: skip
 
 
-def _num(cfg: dict, key: str, where: str = "config.json") -> int:
-    try:
-        return int(cfg[key])
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"{where} has no integer '{key}'; the folder is not a complete export; {REEXPORT}") from None
-
-
-def _layout(fmt: str, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """What ``config.json`` says, per format: the sizes and the tensor shapes they imply.
-
-    Returns:
-        ``{"target_hidden", "target_vocab", "draft_vocab", "expect": {name: shape}, "vocab_map": names}``
-        (``target_vocab`` None where the config does not say; ``vocab_map``: the tensors a restricted draft
-        vocabulary needs).
-    """
-    if fmt in ("speculators", "sglang", "dflash"):
-        layer = cfg.get("transformer_layer_config") if fmt != "sglang" else cfg
-        if not isinstance(layer, dict):
-            raise ExportError(f"config.json has no transformer_layer_config; the folder is not a complete export; {REEXPORT}")
-        d, th, n = _num(layer, "hidden_size"), _num(cfg, "target_hidden_size"), _num(cfg, "draft_vocab_size")
-        v = int(layer["vocab_size"]) if layer.get("vocab_size") is not None else None
-        if fmt == "dflash":
-            ids = cfg.get("aux_hidden_state_layer_ids") or []
-        else:
-            ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-                "eagle_aux_hidden_state_layer_ids") or [0, 1, 2]  # fmt: skip
-        expect = {"fc.weight": (d, len(ids) * th), "norm.weight": (d,)}
-        if fmt != "dflash" or "lm_head.weight" in shapes:
-            expect["lm_head.weight"] = (n, d)
-        return {"target_hidden": th, "target_vocab": v, "draft_vocab": n, "expect": expect,
-                "vocab_map": ("d2t", "t2d") if fmt != "dflash" else ("lm_head.weight", "d2t", "t2d")}  # fmt: skip
-    if fmt == "vllm_medusa":
-        d, v, n, k = _num(cfg, "hidden_size"), _num(cfg, "vocab_size"), _num(cfg, "truncated_vocab_size"), _num(cfg, "num_heads")
-        heads = sum(1 for name in shapes if name.startswith("lm_heads.") and name.endswith(".weight"))
-        if heads != k:
-            raise ExportError(f"config.json is inconsistent with model.safetensors: num_heads {k}, the file holds {heads} "
-                              f"heads (lm_heads.*); config.json was edited after export or belongs to another folder; {REEXPORT}")  # fmt: skip
-        expect = {f"blocks.{j}.layers.0.weight": (d, d) for j in range(k)}
-        expect.update({f"lm_heads.{j}.weight": (n, d) for j in range(k)})
-        if "token_map" in shapes:
-            expect["token_map"] = (n,)
-        return {"target_hidden": d, "target_vocab": v, "draft_vocab": n, "expect": expect, "vocab_map": ("token_map",)}
-    if fmt == "vllm_eagle":
-        d = _num(cfg, "hidden_size")
-        return {"target_hidden": d, "target_vocab": int(cfg["vocab_size"]) if cfg.get("vocab_size") else None,
-                "draft_vocab": None, "expect": {"fc.weight": (d, 2 * d)}, "vocab_map": ()}  # fmt: skip
-    raise ExportError(f"{INFO} names format '{fmt}', which this drafttrain cannot check; {REEXPORT}")
-
-
 def _target_facts(target) -> dict[str, Any]:
     """hidden size, vocabulary, folder and a display name of ``target``: a :class:`~drafttrain.target.Target`,
     a transformers config, a config dict, or a model folder (its ``config.json`` is read, nothing loads)."""
@@ -255,7 +206,7 @@ def verify_export(folder: str | Path, target=None, fmt: str | None = None) -> di
     shapes = _header(folder / weights)
 
     # 2. config.json against the weights' shapes, and against the recorded facts
-    lay = _layout(rec_fmt, cfg, shapes)
+    lay = module(rec_fmt).layout(cfg, shapes)  # the sizes config.json states, per the format's own module
     for name, shape in lay["expect"].items():
         if name not in shapes:
             raise ExportError(f"{weights} has no {name}, which the {rec_fmt} format needs; {REEXPORT}")

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json
+from drafttrain.export.common import ExportError, check_consumed, load_tensors, save_tensors, write_json, config_int, REEXPORT
 
 WEIGHTS = "model.safetensors"
 ENGINE = "vLLM EAGLE-1 loader (llama_eagle.py)"
+MODEL_TYPE = "eagle"  # the drafter's declared type for this format (serving_formats)
 _LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight")  # fmt: skip
 
@@ -69,8 +70,9 @@ def export(drafter, out_dir: Path, *, target_config=None, **_) -> dict:
     Raises:
         ExportError: not an EAGLE drafter, or the networks differ (the message lists every difference).
     """
-    if drafter.name != "eagle":
-        raise ExportError(f"vllm_eagle exports eagle drafters, not '{drafter.name}'")
+    from drafttrain.export.formats import check_declares
+
+    check_declares(drafter, "vllm_eagle")
     diffs = differences(drafter)
     if diffs:
         raise ExportError("vLLM's EAGLE-1 would run a different network than this drafter, so the export "
@@ -93,7 +95,10 @@ def load(directory: Path, target):
         ExportError: the drafter class has no config keys for vLLM's network (input_norm / output_norm).
     """
     from drafttrain.data.shards import read_json
-    from drafttrain.drafters import EagleDrafter, SharedTargetModules
+    from drafttrain.drafters import SharedTargetModules
+    from drafttrain.export.formats import reader_class
+
+    EagleDrafter = reader_class("vllm_eagle", MODEL_TYPE, directory)  # the class that declares vLLM's EAGLE-1 folder
 
     if "input_norm" not in EagleDrafter.defaults or "output_norm" not in EagleDrafter.defaults:
         raise ExportError("this EagleDrafter cannot compute vLLM's EAGLE-1 network (no input_norm/output_norm keys)")
@@ -105,3 +110,10 @@ def load(directory: Path, target):
         drafter.fc.weight.copy_(w["fc.weight"])
         drafter.layer.load_state_dict({n: w[f"layers.0.{n}"] for n in _LAYER}, strict=False)
     return drafter
+
+
+def layout(cfg: dict, shapes: dict) -> dict:
+    """The sizes ``config.json`` states and the tensor shapes they imply."""
+    d = config_int(cfg, "hidden_size")
+    return {"target_hidden": d, "target_vocab": int(cfg["vocab_size"]) if cfg.get("vocab_size") else None,
+            "draft_vocab": None, "expect": {"fc.weight": (d, 2 * d)}, "vocab_map": ()}  # fmt: skip

@@ -68,11 +68,12 @@ def _set_info(folder: Path, info: dict) -> None:
 
 
 def test_every_format_is_checked():
+    """Every format's module states its layout (the sizes verify_export checks) and writes the checked weight file."""
     from drafttrain.export import FORMATS, module
     from drafttrain.export.verify import CHECKED_FORMATS, WEIGHTS as CHECKED_WEIGHTS
 
     assert set(CHECKED_FORMATS) == set(FORMATS)
-    assert all(module(f).WEIGHTS == CHECKED_WEIGHTS for f in FORMATS)
+    assert all(module(f).WEIGHTS == CHECKED_WEIGHTS and callable(module(f).layout) for f in FORMATS)
 
 
 def test_clean_export_records_digests_and_passes(exported):
