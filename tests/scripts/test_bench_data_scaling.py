@@ -53,11 +53,11 @@ def test_a_rows_value_replaces_commons_in_place(tmp_path):
     cmd = bds.train_command("every-long", tmp_path, ["trainer.max_steps=10"])
     keys = [a.split("=", 1)[0] for a in cmd if "=" in a and not a.startswith("--")]
     assert len(keys) == len(set(keys))
-    assert "trainer.max_steps=10" in cmd and "trainer.max_minutes=125" in cmd
+    assert "trainer.max_steps=10" in cmd and "trainer.max_minutes=240" in cmd
     assert f"data.source={tmp_path}/sharegpt_every.jsonl" in cmd and "+recipe=parallelspec" in cmd
     assert "+recipe=eagle3" in bds.train_command("e3-raw690", tmp_path, [])
     long, short = bds.train_command("raw4500-long", tmp_path, []), bds.train_command("raw4500", tmp_path, [])
-    assert {a for a in long} - {a for a in short} == {"trainer.max_steps=3000", "trainer.max_minutes=125",
+    assert {a for a in long} - {a for a in short} == {"trainer.max_steps=3000", "trainer.max_minutes=240",
                                                       "trainer.save_every=250", f"output_dir={tmp_path}/raw4500-long",
                                                       "run_name=scaling-raw4500-long"}  # fmt: skip
 
