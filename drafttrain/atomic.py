@@ -25,6 +25,7 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,17 +149,25 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | Path, text: str, what: str | None = None, free_hint: str = "other files on that disk") -> None:
+def atomic_write_text(path: str | Path, text: str, what: str | None = None, free_hint: str = "other files on that disk",
+                      unique: bool = False) -> None:  # fmt: skip
     """Write ``text`` (UTF-8) to ``path`` via ``.<name>.tmp`` in the same folder, fsync, ``os.replace``.
 
-    The old ``path`` stays whole until the rename; the temporary is removed if the write fails.
+    The old ``path`` stays whole until the rename; the temporary is removed if the write fails. ``unique``: the
+    temporary gets a name of its own (``tempfile.mkstemp``), for a file several processes may write at once
+    (the last rename wins, each whole).
 
     Raises:
         DiskFullError: the disk is full (the message names the folder and ``free_hint``).
         OSError: any other write error (the temporary removed).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    if unique:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+    else:
+        tmp = path.with_name(f".{path.name}.tmp")
     data = text.encode("utf-8")
     with disk_full_guard(path.parent, what or path.name, free_hint, partial=tmp):
         with open(tmp, "wb") as f:
@@ -167,6 +176,15 @@ def atomic_write_text(path: str | Path, text: str, what: str | None = None, free
             os.fsync(f.fileno())
         os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def commit_file(tmp: str | Path, final: str | Path) -> None:
+    """A finished file ``tmp`` (written beside ``final``) made durable and moved over ``final``: fsync, ``os.replace``,
+    fsync of the folder. A kill leaves the old ``final`` or the new one, never a part."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 #: Architecture fields of a random tiny target (``target.random_init``): with the seed they fix its weights.
@@ -58,13 +56,12 @@ def file_sha256(path: str | Path) -> str:
     digest = h.hexdigest()
     known = {k: v for k, v in known.items() if not k.startswith(f"{path}|")}  # drop stale entries of this file
     known[key] = digest
+    from drafttrain.atomic import DiskFullError, atomic_write_text
+
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".file_hashes.")  # unique: ranks may write at once
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f)
-        os.replace(tmp, store)
-    except OSError:  # a read-only cache is fine: we just hash again next time
+        atomic_write_text(store, json.dumps(known), "the file-hash cache", unique=True)  # unique: ranks may write at once
+    except (OSError, DiskFullError):  # a read-only or full cache is fine: we just hash again next time
         pass
     return digest
 

@@ -190,3 +190,20 @@ def test_the_script_check_finds_a_private_import_and_a_load_target_call():
         "s.py:1: imports private drafttrain.eval.harness._git_sha",
         "s.py:3: load_target( (build the target with drafttrain.compose.build_run)",
         "s.py:4: SpecEngine( (build engines with drafttrain.compose.Run.engine)"]  # fmt: skip
+
+
+def test_every_rename_goes_through_atomic():
+    """Durable writes go through drafttrain/atomic.py (fsync, rename, the disk-full guard): no other module renames
+    a file into place by hand (``os.replace(``, ``Path.rename(``, ``os.rename(``) or makes its own temporary."""
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        if p.name == "atomic.py" and p.parent == PKG:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if called in ("replace", "rename", "mkstemp") and (
+                        called != "replace" or (isinstance(f, ast.Attribute) and getattr(f.value, "id", None) == "os")):
+                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno}: {called}(")
+    assert bad == []
