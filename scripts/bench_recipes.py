@@ -84,6 +84,8 @@ VARIANTS = {
     # drafts sampled at temperature 0.7: the setting (with sampled verification at the same temperature) where the
     # drafter's own drafts differ from the target's greedy rows
     "on_policy_t07": ["trainer.strategy=on_policy", "trainer.on_policy.temperature=0.7", ON_POLICY_EVAL],
+    # EAGLE-3.1 (drafter flags of the EAGLE-3 network: an RMSNorm per target layer before fc, norm(h) fed back)
+    "eagle31": ["drafter.fc_norm=true", "drafter.norm_output=true"],
     "mixed_cut": ["trainer.strategy=mixed", "trainer.on_policy.share=0.5", "trainer.on_policy.share_end=0.0",
                   "loss.cut_at_first_miss=true", ON_POLICY_EVAL],
 }
