@@ -36,6 +36,7 @@ is what the export uses.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -146,17 +147,23 @@ class CostModel:
         return cls(((1.0, 1.0), (2.0, 1.0 + ratio)), f"stated: gpu_cost_ratio={ratio:g} (T(N) = 1 + ratio * (N - 1))")
 
     def target(self, inputs: float) -> float:
-        """T(inputs): piecewise linear through :attr:`points` (time non-decreasing in inputs), the last
-        segment's slope beyond the last point, the first point's time below it."""
-        pts = sorted(self.points)
-        ns, ts = [p[0] for p in pts], []
-        for _, t in pts:  # noise must not make more inputs cheaper
-            ts.append(max(t, ts[-1]) if ts else t)
-        if len(pts) == 1 or inputs <= ns[0]:
-            return ts[0]
-        i = next((j for j in range(1, len(ns)) if inputs <= ns[j]), len(ns) - 1)
-        n0, n1, t0, t1 = ns[i - 1], ns[i], ts[i - 1], ts[i]
-        return t0 + (t1 - t0) * (inputs - n0) / (n1 - n0)
+        """T(inputs) by the one forward-cost model's rules (:class:`~drafttrain.verify.cost.ForwardCostModel`, the
+        planner's, fed :attr:`points` once each, no drift): non-decreasing in inputs (a noisy decrease is pooled),
+        linear between points, the first point's time below it; beyond the last point the steepest of the last
+        segment's slope and the chord."""
+        return self._model().predict(1, float(inputs))
+
+    def _model(self):
+        """The fitted :class:`~drafttrain.verify.cost.ForwardCostModel` of :attr:`points` (built once)."""
+        from drafttrain.verify.cost import ForwardCostModel
+
+        cached = self.__dict__.get("_fcm")
+        if cached is None:
+            cached = ForwardCostModel(window=1, drift=False, min_input_cost=1e-9)
+            for n, t in sorted(self.points):
+                cached.observe(1, n, float(t))
+            object.__setattr__(self, "_fcm", cached)  # frozen dataclass: the fitted table, kept beside it
+        return cached
 
 
 def measure_forward_cost(forward: Callable[[int, int], None], k_max: int, big_batch: int = 16, repeats: int = 9,
