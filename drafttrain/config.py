@@ -205,7 +205,7 @@ class SSSDEvalConfig:
 #: Keys of the evaluation sections that only one of the two evaluations reads (validation refuses a value
 #: other than the default where it is not read): section -> (read by scripts.evaluate only, by the trainer only).
 EVAL_ONLY_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "tree": (("choices", "batched_drafting"), ()),
+    "tree": ((), ()),  # one driver: both evaluations read every tree key
     "sssd": (("datastore", "node_budgets", "tau_table", "planner_context"), ("source", "nodes")),
 }
 

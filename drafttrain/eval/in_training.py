@@ -129,11 +129,14 @@ def sssd_for_eval(c: TrainConfig, train_ds=None, datastore=None):
 
 def drafter_variants(drafter, tree_widths: list[int] | None = None, tree_budget: int | None = None, sssd=None,
                      sssd_nodes: int = DEFAULT_EXTRA_NODES, also_chain: bool = False, also_alone: bool = False,
-                     plan: bool = False, full_tree: bool = True) -> tuple[list[Variant], int, str | None]:  # fmt: skip
+                     plan: bool = False, full_tree: bool = True, tree_choices=None,
+                     batched: bool = True) -> tuple[list[Variant], int, str | None]:  # fmt: skip
     """The decoding runs of a drafter's evaluation, in timing order, as driver variants.
 
-    ``tree`` (the draft tree of ``tree_widths`` / ``tree_budget``, :func:`~drafttrain.verify.tree.parallelspec_tree`;
-    ``chain`` when both are None) unless ``full_tree`` is False; ``chain`` (the drafter's own chain) with a tree and
+    ``tree`` (the draft tree of ``tree_widths`` / ``tree_budget``, :func:`~drafttrain.verify.tree.parallelspec_tree`,
+    or the static shape ``tree_choices``: a name of :data:`~drafttrain.verify.tree.NAMED_CHOICES` or rank lists;
+    ``chain`` when all are None; ``batched``: the proposer drafts every sequence in one call) unless ``full_tree``
+    is False; ``chain`` (the drafter's own chain) with a tree and
     ``also_chain``; ``alone`` (the drafter's chain without SSSD's candidates) with ``also_alone`` where no run
     already is that; ``planned`` (the online planner, :mod:`drafttrain.verify.planner`: per step only the nodes that
     pay; its record gets ``planner``, the planner's counters) with ``plan``. ``sssd`` (an
@@ -149,14 +152,17 @@ def drafter_variants(drafter, tree_widths: list[int] | None = None, tree_budget:
     """
     from drafttrain.verify.proposers import proposer_for
 
-    tree = tree_widths is not None or tree_budget is not None
+    from drafttrain.verify.tree import NAMED_CHOICES
+
+    choices = NAMED_CHOICES[tree_choices] if isinstance(tree_choices, str) else tree_choices
+    tree = tree_widths is not None or tree_budget is not None or choices is not None
     if not full_tree and not plan:
         raise ValueError("full_tree=False needs plan=True (there would be no speculative run)")
-    kw = dict(sssd=sssd, sssd_nodes=sssd_nodes)
+    kw = dict(sssd=sssd, sssd_nodes=sssd_nodes, batched=batched)
+    shape = dict(widths=tree_widths, budget=tree_budget, choices=choices)
     variants = []
     if full_tree:
-        variants.append(Variant("tree" if tree else "chain",
-                                lambda bs, refs: proposer_for(drafter, widths=tree_widths, budget=tree_budget, **kw)))
+        variants.append(Variant("tree" if tree else "chain", lambda bs, refs: proposer_for(drafter, **shape, **kw)))
     if tree and also_chain:
         variants.append(Variant("chain", lambda bs, refs: proposer_for(drafter, **kw)))
     alone = None
@@ -164,15 +170,15 @@ def drafter_variants(drafter, tree_widths: list[int] | None = None, tree_budget:
         if sssd is None and ((not tree and full_tree) or (tree and also_chain)):
             alone = "chain"  # a run already is
         else:
-            variants.append(Variant("alone", lambda bs, refs: proposer_for(drafter)))
+            variants.append(Variant("alone", lambda bs, refs: proposer_for(drafter, batched=batched)))
             alone = "alone"
     plain_at = len(variants)  # plain next to the speedup's run (the planned one, else the tree)
     if plan:
         def planner_counters(prop, rec, bs):
             rec["planner"] = prop.planner.summary()
 
-        variants.append(Variant("planned", lambda bs, refs: proposer_for(drafter, widths=tree_widths, budget=tree_budget,
-                                                                         plan=True, **kw), finish=planner_counters))  # fmt: skip
+        variants.append(Variant("planned", lambda bs, refs: proposer_for(drafter, **shape, plan=True, **kw),
+                                finish=planner_counters))  # fmt: skip
     return variants, plain_at, alone
 
 
@@ -228,7 +234,7 @@ def drafter_eval(target, drafter, prompts: list[list[int]], max_new_tokens: int,
                  mode: str = "unpadded", progress: bool = True, tree_widths: list[int] | None = None,
                  tree_budget: int | None = None, also_chain: bool = False, also_alone: bool = False, plan: bool = False,
                  full_tree: bool = True, sssd=None, sssd_nodes: int = DEFAULT_EXTRA_NODES, interleave: str = "run",
-                 compile_target: bool = False) -> dict[str, Any]:  # fmt: skip
+                 compile_target: bool = False, tree_choices=None, batched: bool = True) -> dict[str, Any]:  # fmt: skip
     """A drafter's evaluation at one batch size (:func:`drafter_variants` in the driver, :func:`summarize`'s figures).
 
     Every run decodes ``prompts`` with ``batch_size`` sequences at a time in the bundled engine (continuous
@@ -245,7 +251,7 @@ def drafter_eval(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     if compile_target and batch_size != 1:
         raise ValueError(f"compile_target needs batch_size=1, got {batch_size}")
     variants, plain_at, alone = drafter_variants(drafter, tree_widths, tree_budget, sssd, sssd_nodes, also_chain,
-                                                 also_alone, plan, full_tree)  # fmt: skip
+                                                 also_alone, plan, full_tree, tree_choices, batched)  # fmt: skip
     p = EvalPlan(prompts, variants, batch_sizes=(batch_size,), max_new_tokens=max_new_tokens, modes=(mode,),
                  plain_mode=mode, unit=interleave, plain_at=plain_at, compile_target=compile_target,
                  progress=progress)  # fmt: skip
@@ -278,21 +284,23 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
     rows = load_eval_prompts(se.prompts, limit=se.num_prompts, offset=se.prompt_offset, stride=se.prompt_stride)
     prompts = [prompt_ids(target.tokenizer, r["messages"]) for r in rows]
     bs = se.batch_size
-    tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget)
+    tree = dict(tree_widths=se.tree.widths, tree_budget=se.tree.budget, tree_choices=se.tree.choices)
+    shaped = any(v is not None for v in tree.values())
     chains_only = getattr(target, "recurrent", False)  # a recurrent state follows one sequence: no tree branches
-    if chains_only and (se.tree.widths is not None or se.tree.budget is not None or se.sssd.source != "none"):
+    if chains_only and (shaped or se.sssd.source != "none"):
         from drafttrain.target import families
 
         log.warning("%s: the evaluation verifies the drafter's chain (trainer.spec_eval.tree and sssd make trees, "
                     "which the engine verifies on attention-only targets)", families.recurrent_layers_text(target))
-        tree = dict(tree_widths=None, tree_budget=None)
+        tree = dict(tree_widths=None, tree_budget=None, tree_choices=None)
     if bs == 1:  # one sequence at a time: the drafter's chain against plain decoding
-        tree = dict(tree_widths=None, tree_budget=None)
+        tree = dict(tree_widths=None, tree_budget=None, tree_choices=None)
     elif not chains_only:
         tree.update(sssd=sssd_for_eval(c, train_ds, datastore), sssd_nodes=se.sssd.nodes)
     plan_b = se.tree.plan and bs > 1
     variants, plain_at, alone = drafter_variants(drafter, **tree, also_chain=se.chain and bs > 1,
-                                                 also_alone=se.drafter_alone and bs > 1, plan=plan_b)  # fmt: skip
+                                                 also_alone=se.drafter_alone and bs > 1, plan=plan_b,
+                                                 batched=se.tree.batched_drafting)  # fmt: skip
     b1 = latency_subset(list(range(len(prompts))), se.latency_prompts)  # the batch-1 prompts' indices
     latency = bs > 1 and se.latency_prompts > 0
     speedup_run = "planned" if plan_b else variants[0].label
@@ -339,8 +347,9 @@ def spec_eval(c: TrainConfig, target, drafter, train_ds=None, datastore=None) ->
         **{f"eval/{k}": r[k] for k in ("tau_chain", "speedup_chain", "spec_tokens_per_s_chain", "accept_hist_chain",
                                        "tau_alone", "accept_hist_alone", "tree_nodes_per_step") if k in r},  # fmt: skip
         **({"eval/sssd": f"{se.sssd.source}, {se.sssd.nodes} nodes"} if tree.get("sssd") is not None else {}),
-        **({"eval/tree": f"widths {se.tree.widths} budget {se.tree.budget}"}
-           if bs > 1 and not chains_only and (se.tree.widths is not None or se.tree.budget is not None) else {}),
+        **({"eval/tree": (f"widths {se.tree.widths} budget {se.tree.budget}" if se.tree.choices is None
+                          else f"choices {se.tree.choices}")}
+           if bs > 1 and not chains_only and shaped else {}),
         **({"eval/tree": "chain (the target has recurrent layers)"} if chains_only else {}),
         "eval/prompts": f"{se.prompts} ids {','.join(r['id'] for r in rows)}",
     }

@@ -124,8 +124,6 @@ def test_trainer_spec_eval_plan_moved_to_its_tree():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.spec_eval.tree.choices=eagle_default", "trainer.spec_eval.tree.choices is read by scripts.evaluate only"),
-    ("trainer.spec_eval.tree.batched_drafting=false", "trainer.spec_eval.tree.batched_drafting is read by scripts.evaluate"),
     ("trainer.spec_eval.sssd.tau_table=x.json", "trainer.spec_eval.sssd.tau_table is read by scripts.evaluate only"),
     ("trainer.spec_eval.sssd.node_budgets=[4]", "trainer.spec_eval.sssd.node_budgets is read by scripts.evaluate"),
     ("trainer.spec_eval.num_prompts=null", "trainer.spec_eval.num_prompts must be an int"),
@@ -137,6 +135,16 @@ def test_a_key_the_training_evaluation_does_not_read_fails(override, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(compose_dict("train", ["+recipe=parallelspec", override]))
+
+
+@pytest.mark.parametrize("override", ["trainer.spec_eval.tree.choices=eagle_default",
+                                      "trainer.spec_eval.tree.batched_drafting=false"])
+def test_every_tree_key_is_read_by_the_training_evaluation_too(override):
+    """One driver: the training run's evaluation builds its tree from every tree key scripts.evaluate reads."""
+    from drafttrain.validation import validate
+
+    se = validate(compose_dict("train", ["+recipe=parallelspec", override])).trainer.spec_eval
+    assert (se.tree.choices, se.tree.batched_drafting) != (None, True)
 
 
 @pytest.mark.parametrize("override", ["sssd.nodes=4", "sssd.source=input"])

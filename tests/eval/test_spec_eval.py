@@ -220,6 +220,23 @@ def test_batched_evaluation_with_a_tree_stays_lossless(varied_target, random_dra
     assert [o["tokens"] for o in out["outputs"]] == [o["tokens"] for o in ref["outputs"]]
 
 
+def test_a_static_tree_shape_and_unbatched_drafting_in_the_training_evaluation(varied_target, random_drafter, prompts):
+    """tree.choices (a static shape) and tree.batched_drafting=false, the keys once read by scripts.evaluate only,
+    shape the training evaluation's tree too: lossless, the shape's nodes verified, and drafting one sequence at a
+    time gives the batched drafting's outputs and τ."""
+    from drafttrain.eval.in_training import drafter_eval
+
+    choices = [[0], [1], [0, 0], [0, 0, 0]]  # 4 nodes: two candidates at depth 1, a chain below the first
+    kw = dict(batch_size=3, progress=False, tree_choices=choices)
+    batched = drafter_eval(varied_target, random_drafter, prompts, 24, **kw)
+    one = drafter_eval(varied_target, random_drafter, prompts, 24, batched=False, **kw)
+    ref = evaluate_prompts(varied_target, random_drafter, prompts, 24, progress=False)
+    assert batched["greedy_equal"] and one["greedy_equal"]
+    assert [o["tokens"] for o in batched["outputs"]] == [o["tokens"] for o in ref["outputs"]]
+    assert one["tau"] == pytest.approx(batched["tau"]) and one["accept_hist"] == batched["accept_hist"]
+    assert 1.0 < batched["tree_nodes_per_step"] <= len(choices) + 1e-9
+
+
 def test_latency_subset_spreads_over_the_prompt_list():
     """The batch-1 latency prompts are spread evenly: with the main job's 16 MT-bench prompts (2 per category,
     in category order) 8 of them are one per category, not the first 4 categories twice."""
