@@ -4,7 +4,7 @@
         python -m scripts.bench_data_scaling phase=train row=$row
         python -m scripts.bench_data_scaling phase=eval row=$row
     done
-    python -m scripts.bench_data_scaling phase=lengths row=raw4500   # τ by prompt length, the largest row
+    python -m scripts.bench_data_scaling phase=lengths row=every     # τ by prompt length, the largest row
     python -m scripts.bench_data_scaling phase=report
 
 Every row trains ``+recipe=parallelspec`` (the main job's drafter, draft vocabulary and optimizer) for the main
