@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.target.families import UnsupportedTarget
+from drafttrain.target.families import BrokenModel, UnsupportedTarget, own_forward_error
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,18 @@ def check_target(target, *, engine: bool = True, drafter: tuple[str, dict] | Non
     report = PreflightReport(cls)
     try:
         target.structure
+    except BrokenModel:
+        raise  # the model's own forward fails: its message says so, and HF generation cannot run it either
     except UnsupportedTarget as e:
         raise UnsupportedTarget(f"{e}; drafttrain drives a target through these parts, so no recipe can use it "
                                 "(HF generation of the model itself is unaffected)") from None  # fmt: skip
     part = "drafttrain's forward (decoder, final norm, LM head) against the model's own logits"
     try:
         ids = torch.tensor([_prompts(target)[0]], device=target.device)
+        own = own_forward_error(target.model, ids)
+        if own is not None:
+            raise BrokenModel(f"{cls}: the model's own forward fails on {ids.shape[1]} tokens ({own}): its config or "
+                              "weights are broken, so neither drafttrain nor HF generation can run it")  # fmt: skip
         with torch.no_grad():
             want = target.model(ids).logits.float()
             got = target.forward(ids).logits
@@ -258,6 +264,8 @@ def check_target(target, *, engine: bool = True, drafter: tuple[str, dict] | Non
         diff = float((got - want).abs().max())
         if diff > 1e-3 * scale + 1e-5:
             raise ValueError(f"its logits differ by {diff:.3g} (largest |logit| {scale:.3g})")
+    except BrokenModel:
+        raise
     except Exception as e:  # noqa: BLE001 - one line naming the part
         raise _refuse(cls, part, f"{type(e).__name__}: {e}", "HF generation of the model itself is unaffected") from e
     report.checks.append("forward: drafttrain's features and logits are the model's own")

@@ -10,8 +10,9 @@ an encoder-decoder's decoder, a BERT-style encoder given a causal head, a model 
 - ``refused``: the pre-flight check refuses it in one line naming the class, the part that failed and what still
   works; or
 - ``cannot build``: the class's tiny config does not build a model (the reason: a size the shrinking rules do not
-  know, or a default the class itself rejects). This is a limit of the sweep's tiny configs, not a verdict on the
-  class.
+  know, or a default the class itself rejects), or builds one whose own forward fails
+  (:class:`~drafttrain.target.families.BrokenModel`: e.g. a layer index past the shrunk layer count). This is a
+  limit of the sweep's tiny configs, not a verdict on the class.
 
 A crash (any other exception) is a bug: the sweep's test fails on it.
 
@@ -158,7 +159,7 @@ def sweep_one(name: str, tokenizer, new_tokens: int = 8) -> SweepRow:
     one-line cause (the sweep's test fails on it)."""
     from drafttrain.preflight import check_target
     from drafttrain.target import Target
-    from drafttrain.target.families import UnsupportedTarget
+    from drafttrain.target.families import BrokenModel, UnsupportedTarget
     from drafttrain.target import tiny
 
     t0 = time.perf_counter()
@@ -174,6 +175,8 @@ def sweep_one(name: str, tokenizer, new_tokens: int = 8) -> SweepRow:
     try:
         target = Target(model, tokenizer)
         check_target(target, drafter=("parallelspec_eagle3", SWEEP_DRAFTERS["parallelspec_eagle3"]))
+    except BrokenModel as e:  # the tiny config builds a model whose own forward fails: a limit of the shrinking
+        return SweepRow(name, "cannot build", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     except UnsupportedTarget as e:
         return SweepRow(name, "refused", str(e), seconds=time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - a crash: reported, fails the test

@@ -508,6 +508,23 @@ class UnsupportedTarget(FatalError, ValueError):
     points print it without a traceback and exit with status 1)."""
 
 
+class BrokenModel(UnsupportedTarget):
+    """A target whose **own** forward fails on a few tokens (``model(input_ids)``, no drafttrain part involved): its
+    config or weights are broken, so neither drafttrain nor HF generation can run it. The message says so instead
+    of naming a part drafttrain could not read."""
+
+
+def own_forward_error(model: nn.Module, ids: torch.Tensor) -> str | None:
+    """``"ErrorType: first line"`` when the model's own forward (``model(input_ids=ids)``, no cache) raises on
+    ``ids`` ([1, T] int64), else None."""
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except Exception as e:  # noqa: BLE001 - returned as the reason
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+    return None
+
+
 @dataclass(frozen=True)
 class LayerCache:
     """What one decoder layer keeps between forwards, read off transformers' own cache after one forward
@@ -654,8 +671,13 @@ def probe_structure(model: nn.Module) -> dict[str, Any]:
     try:
         out = backbone(input_ids=ids, output_hidden_states=True, use_cache=False)
     except Exception as e:  # noqa: BLE001 - reported as the part that failed
+        hook.remove()
+        own = own_forward_error(model, ids)
+        if own is not None:
+            raise BrokenModel(f"{cls}: the model's own forward fails on 4 tokens ({own}): its config or weights are "
+                              "broken, so neither drafttrain nor HF generation can run it") from e  # fmt: skip
         raise UnsupportedTarget(f"{cls}: its decoder's forward fails on 4 tokens ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:160]})") from e  # fmt: skip
+                                f"{(str(e).splitlines() or [''])[0][:160]})") from e  # fmt: skip
     finally:
         hook.remove()
     last = getattr(out, "last_hidden_state", None)

@@ -130,3 +130,38 @@ def test_a_systematic_self_distillation_failure_stops_at_once(tiny_target, monke
     with pytest.raises(SystematicFailure, match="the first 3 conversations failed with the same error.*Cannot get conv"):
         selfdistill.generate_shard(tiny_target, plans, gen)
     assert calls == [4, 1, 1, 1]  # the first batch, then its rows one by one until 3 failed alike: not all 20
+
+
+def test_a_model_whose_own_forward_fails_is_named_broken_not_a_drafttrain_limit(tiny_target, monkeypatch):
+    """A model whose own forward raises (a broken config or folder) is refused as such: the one line says the model's
+    own forward fails and does not claim that HF generation still works; a model whose own forward works but whose
+    decoder refuses what drafttrain asks of it (hidden states) keeps the old refusal with 'HF generation ... is
+    unaffected'. The mutation: dropping the own-forward probe turns the first case into the second's message."""
+    from drafttrain.target.families import BrokenModel, backbone_of
+
+    target = _target("LlamaForCausalLM", tiny_target.tokenizer)
+    backbone = backbone_of(target.model)
+    real = backbone.forward
+
+    def broken(*a, **k):
+        raise KeyError("4")
+
+    monkeypatch.setattr(backbone, "forward", broken)
+    with pytest.raises(BrokenModel) as e:
+        check_target(target, engine=False)
+    msg = str(e.value)
+    assert msg.startswith("LlamaForCausalLM: the model's own forward fails on 4 tokens (KeyError: '4')") and "\n" not in msg
+    assert "unaffected" not in msg and "neither drafttrain nor HF generation" in msg
+
+    def no_hidden_states(*a, output_hidden_states=None, **k):
+        if output_hidden_states:
+            raise RuntimeError("no hidden states here")
+        return real(*a, **k)
+
+    target = _target("LlamaForCausalLM", tiny_target.tokenizer)
+    monkeypatch.setattr(backbone_of(target.model), "forward", no_hidden_states)
+    with pytest.raises(UnsupportedTarget) as e:
+        check_target(target, engine=False)
+    assert not isinstance(e.value, BrokenModel)
+    assert "its decoder's forward fails on 4 tokens (RuntimeError: no hidden states here)" in str(e.value)
+    assert str(e.value).endswith("(HF generation of the model itself is unaffected)")
