@@ -514,14 +514,25 @@ class BrokenModel(UnsupportedTarget):
     of naming a part drafttrain could not read."""
 
 
+def error_line(e: BaseException) -> str:
+    """``"ErrorType: first line of its message"`` (at most 160 characters of it): an exception in a one-line refusal."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+def broken_model(cls: str, n_tokens: int, why: str) -> BrokenModel:
+    """The one-line :class:`BrokenModel` of class ``cls`` whose own forward on ``n_tokens`` tokens failed with ``why``."""
+    return BrokenModel(f"{cls}: the model's own forward fails on {n_tokens} tokens ({why}): its config or weights are "
+                       "broken, so neither drafttrain nor HF generation can run it")  # fmt: skip
+
+
 def own_forward_error(model: nn.Module, ids: torch.Tensor) -> str | None:
-    """``"ErrorType: first line"`` when the model's own forward (``model(input_ids=ids)``, no cache) raises on
+    """:func:`error_line` of the exception the model's own forward (``model(input_ids=ids)``, no cache) raises on
     ``ids`` ([1, T] int64), else None."""
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     except Exception as e:  # noqa: BLE001 - returned as the reason
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        return error_line(e)
     return None
 
 
@@ -671,13 +682,11 @@ def probe_structure(model: nn.Module) -> dict[str, Any]:
     try:
         out = backbone(input_ids=ids, output_hidden_states=True, use_cache=False)
     except Exception as e:  # noqa: BLE001 - reported as the part that failed
-        hook.remove()
+        hook.remove()  # before the model's own forward below, which would fire it
         own = own_forward_error(model, ids)
         if own is not None:
-            raise BrokenModel(f"{cls}: the model's own forward fails on 4 tokens ({own}): its config or weights are "
-                              "broken, so neither drafttrain nor HF generation can run it") from e  # fmt: skip
-        raise UnsupportedTarget(f"{cls}: its decoder's forward fails on 4 tokens ({type(e).__name__}: "
-                                f"{(str(e).splitlines() or [''])[0][:160]})") from e  # fmt: skip
+            raise broken_model(cls, ids.shape[1], own) from e
+        raise UnsupportedTarget(f"{cls}: its decoder's forward fails on 4 tokens ({error_line(e)})") from e
     finally:
         hook.remove()
     last = getattr(out, "last_hidden_state", None)
