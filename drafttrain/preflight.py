@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from drafttrain.target.families import BrokenModel, UnsupportedTarget, broken_model, error_line
+from drafttrain.target.families import BrokenModel, UnsupportedTarget, broken_model, own_forward_error
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,11 @@ def check_target(target, *, engine: bool = True, drafter: tuple[str, dict] | Non
         with torch.no_grad():
             try:
                 want = target.model(ids).logits.float()
-            except Exception as e:  # noqa: BLE001 - the model itself fails: not a part of drafttrain's
-                raise broken_model(cls, ids.shape[1], error_line(e)) from e
+            except Exception as e:  # noqa: BLE001 - broken when its forward without a cache fails too, else a part
+                own = own_forward_error(target.model, ids)
+                if own is not None:
+                    raise broken_model(cls, ids.shape[1], own) from e
+                raise
             got = target.forward(ids).logits
         scale = float(want.abs().max()) or 1.0
         diff = float((got - want).abs().max())
