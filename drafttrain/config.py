@@ -248,22 +248,8 @@ def training_spec_eval() -> SpecEvalConfig:
     return SpecEvalConfig(prompt_stride=5, tree=TreeConfig(widths=[4, 2, 1, 1, 1], budget=8))
 
 
-#: Training strategies by name (``trainer.strategy``): how a batch becomes a loss (:mod:`drafttrain.train.strategies`
-#: registers each; a strategy registered elsewhere joins this set, so validation accepts its name).
-TRAINING_STRATEGIES: set[str] = {"offline", "on_policy", "mixed"}
 #: ``loss.divergence``: the distance between the target's distribution p and the drafter's q at a labelled slot.
 DIVERGENCES = ("forward_kl", "reverse_kl", "js")
-
-
-@dataclass
-class OnPolicyConfig:
-    """``trainer.on_policy``: the drafter's own drafts, labelled by the frozen target in one forward
-    (:mod:`drafttrain.train.strategies.on_policy`). Read by ``trainer.strategy=on_policy|mixed``."""
-
-    temperature: float = 0.0  # 0 = greedy drafts (argmax); > 0 = drafts sampled at this temperature
-    groups_per_row: int = 8  # parallel groups per training row whose drafts the target labels each step (0 = all)
-    share: float = 1.0  # mixed: the share of micro-batches trained on-policy at the first step (on_policy: 1)
-    share_end: float | None = None  # mixed: the share at trainer.max_steps, linear in between (null = share throughout)
 
 
 @dataclass
@@ -293,8 +279,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     num_threads: int | None = None  # torch intra-op threads per process (None = torch default)
     spec_eval: SpecEvalConfig = field(default_factory=training_spec_eval)  # the training run's preset
-    strategy: str = "offline"  # offline | on_policy | mixed: how a batch becomes a loss (drafttrain/train/strategies)
-    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    # how a batch becomes a loss: a registered strategy's name (drafttrain/strategies); a strategy with keys of its
+    # own adds the section trainer.<its config_section> to the schema (drafttrain.validation.train_schema)
+    strategy: str = "offline"
     export: bool = True  # at the end, write the drafter's serving-engine folder (output_dir/export) and print its `vllm serve` line
     progress: bool = True
 
@@ -523,7 +510,6 @@ NUMERIC_RANGES: dict[str, dict[str, Range]] = {
                            num_threads=GE1),
     "TreeConfig": dict(widths=GE1, budget=GE1),
     "TrainConfig": dict(seed=GE0),
-    "OnPolicyConfig": dict(temperature=GE0, groups_per_row=GE0, share=UNIT, share_end=UNIT),
     "LossConfig": dict(cut_weight=UNIT),
     "DecisionModelConfig": dict(seed=GE0, hidden=GE1, num_layers=GE1, lr=GT0, epochs=GE1, batch_size=GE1, heldout_fraction=UNIT_OPEN_HIGH,
                            beta=UNIT),

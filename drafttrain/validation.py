@@ -39,11 +39,12 @@ from drafttrain.config import (
 from drafttrain.drafters import DRAFTERS
 from drafttrain.generation.vllm_client import vllm_python
 from drafttrain.host import native_bf16
+from drafttrain.strategies import STRATEGIES, strategy_problems, strategy_sections
 from drafttrain.verify.engine import MODES
 from drafttrain.verify.methods import METHODS, config_sections
 
 __all__ = ["ConfigError", "drafter_schema", "eval_schema", "resolve_mixed_precision", "target_model_config",
-           "validate", "validate_eval"]  # fmt: skip
+           "train_schema", "validate", "validate_eval"]  # fmt: skip
 
 
 _SCHEMAS: dict[type, type] = {}
@@ -87,8 +88,27 @@ def _validate_drafter(section: dict[str, Any]) -> DrafterConfig:
     return out
 
 
+def train_schema() -> type:
+    """:class:`TrainConfig` whose ``trainer`` holds one more field per registered strategy's config section
+    (``trainer.<config_section>``, its dataclass: :func:`drafttrain.strategies.strategy_sections`; built once per
+    set of sections), as :func:`eval_schema` does for the decoding methods' sections."""
+    return _train_schema(tuple(strategy_sections().items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_schema(sections: tuple[tuple[str, type], ...]) -> type:
+    from drafttrain.config import TrainerConfig
+
+    ns = {"__module__": __name__}
+    cols = [(key, cls, field(default_factory=cls)) for key, cls in sections]
+    trainer = make_dataclass("TrainerConfig", cols, bases=(TrainerConfig,), namespace=ns)
+    return make_dataclass("TrainConfig", [("trainer", trainer, field(default_factory=trainer))], bases=(TrainConfig,),
+                          namespace=ns)  # fmt: skip
+
+
 def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
-    """Merge a composed config into ``schema`` (default :class:`TrainConfig`).
+    """Merge a composed config into ``schema`` (default :class:`TrainConfig`, with the registered strategies'
+    sections: :func:`train_schema`).
 
     Hydra's own ``hydra`` node is ignored. Raises:
         ConfigError: a key is unknown (the message names it with its full path), a value has the
@@ -103,7 +123,8 @@ def validate(cfg: DictConfig | dict[str, Any], schema: type = TrainConfig):
                 raise ConfigError(f"config key '{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}") from None
         cfg = dict(cfg)
         drafter = cfg.pop("drafter", None) or {}
-    out = validate_into(schema, cfg, MOVED_KEYS if schema is TrainConfig else None)
+    training = schema is TrainConfig
+    out = validate_into(train_schema() if training else schema, cfg, MOVED_KEYS if training else None)
     if drafter is not None:
         out.drafter = _validate_drafter(drafter)
     problems = numeric_problems(out)
@@ -221,22 +242,24 @@ def _check_drafter_layers(c: TrainConfig) -> list[str]:
 
 
 def _check_strategy(c: TrainConfig) -> list[str]:
-    """Problems with ``trainer.strategy``, ``trainer.on_policy`` and ``loss``: a known strategy and divergence,
-    values in range, and a drafter whose training loss honours what is asked (``Drafter.objectives``; the
-    refusal names the drafter and its reason)."""
-    from drafttrain.config import DIVERGENCES, TRAINING_STRATEGIES
+    """Problems with ``trainer.strategy`` and ``loss``: a registered strategy and a known divergence, a drafter
+    that has what the strategy declares it needs (:func:`drafttrain.strategies.strategy_problems`) and whose
+    training loss honours what ``loss.*`` asks (``Drafter.objectives``; the refusal names the drafter and its
+    reason). The strategy's own section's values: its dataclass's ``numeric_ranges``."""
+    from drafttrain.config import DIVERGENCES
 
     out = []
     st, lc = c.trainer.strategy, c.loss  # value ranges: config.NUMERIC_RANGES
-    if st not in TRAINING_STRATEGIES:
-        out.append(f"trainer.strategy must be one of {'|'.join(sorted(TRAINING_STRATEGIES))}, got {st!r}")
+    if st not in STRATEGIES:
+        out.append(f"trainer.strategy must be one of {'|'.join(sorted(STRATEGIES))}, got {st!r}")
+    else:
+        out += strategy_problems(c)
     if lc.divergence not in DIVERGENCES:
         out.append(f"loss.divergence must be one of {'|'.join(DIVERGENCES)}, got {lc.divergence!r}")
     cls = DRAFTERS.get(c.drafter.name)
     if cls is None:
         return out
-    # what the strategy needs of the drafter is the strategy's declaration (drafttrain.train.strategies.strategy_problems,
-    # checked with the config in drafttrain.train.loop.validate_run); here only the loss.* keys
+    # what the strategy needs of the drafter: above, from its declaration; here the loss.* keys
     wants = {"cut_at_first_miss": lc.cut_at_first_miss, "divergence": lc.divergence != "forward_kl"}
     for what, asked in wants.items():
         if asked and what not in cls.objectives:

@@ -100,6 +100,7 @@ def test_data_does_not_reach_into_the_verifier_or_the_exporters():
 
 #: The layer of every top-level part, highest first: a module may import its own layer and the layers below it,
 #: never one above (scripts -> train -> eval -> export / data -> generation -> verify / drafters -> target -> config).
+#: The training strategies sit under validation, which reads their declarations (their config sections, their needs).
 #: validation is the composition root under the jobs, compose (build_run) what they load their models through;
 #: the pure helpers sit beside or under the target.
 LAYERS = {
@@ -107,6 +108,7 @@ LAYERS = {
     "eval": 7,
     "export": 6, "data": 6,
     "validation": 5, "compose": 5, "preflight": 5, "sweep": 5.5,
+    "strategies": 4.5,
     "generation": 4,
     "verify": 3, "drafters": 3,
     "fingerprint": 2.5,

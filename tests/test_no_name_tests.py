@@ -47,10 +47,10 @@ def name_tests(sources: dict[str, str], names: set[str], own: dict[str, set[str]
 
 def test_no_code_switches_on_a_recipe_or_strategy_name():
     from drafttrain.drafters import DRAFTERS
-    from drafttrain.train.strategies import STRATEGIES
+    from drafttrain.strategies import STRATEGIES
 
     names = set(DRAFTERS) | set(STRATEGIES)
-    own = {"drafttrain/drafters/__init__.py": names, "drafttrain/train/strategies/__init__.py": names}
+    own = {"drafttrain/drafters/__init__.py": names, "drafttrain/strategies/__init__.py": names}
     for n, cls in DRAFTERS.items():
         own.setdefault(f"drafttrain/{cls.__module__.removeprefix('drafttrain.').replace('.', '/')}.py", set()).add(n)
     for n, cls in STRATEGIES.items():

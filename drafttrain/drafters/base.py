@@ -182,7 +182,7 @@ class DraftGroups:
 @dataclass
 class Objective:
     """What a training step asks of a drafter's loss beyond its recipe (``loss.*`` and the training strategy,
-    :mod:`drafttrain.train.strategies`). The default is the offline objective of every recipe.
+    :mod:`drafttrain.strategies`). The default is the offline objective of every recipe.
 
     Attributes:
         divergence: ``forward_kl`` | ``reverse_kl`` | ``js`` (:func:`drafttrain.losses.divergence`), where the

@@ -693,9 +693,12 @@ def probe_structure(model: nn.Module) -> dict[str, Any]:
     states = getattr(out, "hidden_states", None)
     if not isinstance(last, torch.Tensor) or states is None:
         raise UnsupportedTarget(f"{cls}: its decoder returns no last_hidden_state / hidden_states")
-    if len(states) != n + 1 or not torch.allclose(states[-1].float(), last.float(), atol=1e-5, rtol=1e-4):
-        raise UnsupportedTarget(f"{cls}: its output_hidden_states has {len(states)} states, not {n + 1} ending with "
-                                "last_hidden_state (the feature layer ids would mean other states)")  # fmt: skip
+    if len(states) != n + 1:
+        raise UnsupportedTarget(f"{cls}: its output_hidden_states has {len(states)} states, not {n + 1} (the embeddings "
+                                f"and one per decoder layer): the feature layer ids would mean other states")  # fmt: skip
+    if states[-1].shape != last.shape or not torch.allclose(states[-1].float(), last.float(), atol=1e-5, rtol=1e-4):
+        raise UnsupportedTarget(f"{cls}: the last of its output_hidden_states is not its last_hidden_state: the "
+                                "feature layer ids would mean other states")  # fmt: skip
     pre = seen.get("last")
     if not isinstance(pre, torch.Tensor) or pre.shape != last.shape:
         raise UnsupportedTarget(f"{cls}: its last decoder layer's output is not a hidden-state tensor")

@@ -1,7 +1,7 @@
 """Training a drafter: the loop, its schedule, checkpoints, tracking, distribution, and training strategies.
 
 - :mod:`drafttrain.train.loop`: :func:`run` (what ``train.py`` calls), the run's stages and the step loop;
-- :mod:`drafttrain.train.strategies`: how a batch becomes a loss (``trainer.strategy``: offline rows, the
+- :mod:`drafttrain.strategies`: how a batch becomes a loss (``trainer.strategy``: offline rows, the
   drafter's own drafts labelled by the target, or a mix); the loop calls a strategy and nothing else;
 - :mod:`drafttrain.train.schedule`, :mod:`drafttrain.train.checkpoint`: lr schedule; saves, resume checks;
 - :mod:`drafttrain.train.distributed`, :mod:`drafttrain.train.tracking`, :mod:`drafttrain.eval.wandb_offline`:

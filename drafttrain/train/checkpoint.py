@@ -172,12 +172,14 @@ def resume_mismatch(saved: dict, now: dict, defaults: dict | None = None) -> lis
     :data:`RESUME_MAY_CHANGE`; each as ``"key: checkpoint X, now Y"``.
 
     A key absent from the checkpoint's config whose value now is its schema default (``defaults``,
-    :class:`~drafttrain.config.TrainConfig`'s when None) is not a difference: the checkpoint was written
+    :func:`~drafttrain.validation.train_schema`'s when None: the strategies' sections included) is not a difference: the checkpoint was written
     before the key existed, when the code behaved as that default does (e.g. ``trainer.export``,
     ``trainer.attention``, ``data.self_distill_minutes``). Absent with another value still differs.
     """
     a, b = _flat(saved), _flat(now)
-    d = _flat(to_dict(TrainConfig()) if defaults is None else defaults)
+    from drafttrain.validation import train_schema
+
+    d = _flat(to_dict(train_schema()()) if defaults is None else defaults)
 
     def differs(k: str) -> bool:
         if k.startswith(RESUME_MAY_CHANGE):

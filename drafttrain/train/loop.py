@@ -63,16 +63,9 @@ def compose_config(overrides: list[str]) -> TrainConfig:
 
 
 def validate_run(cfg) -> TrainConfig:
-    """:func:`drafttrain.validation.validate` plus what the chosen strategy declares it needs of the chosen drafter
-    (:func:`drafttrain.train.strategies.strategy_problems`): every problem in one ConfigError, before any model loads."""
-    from drafttrain.cliconfig import ConfigError
-    from drafttrain.train.strategies import strategy_problems
-
-    c = cfg if isinstance(cfg, TrainConfig) else validate(cfg)
-    problems = strategy_problems(c)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return c
+    """:func:`drafttrain.validation.validate` of a composed config (a validated one is returned as it is): every
+    problem in one ConfigError, before any model loads."""
+    return cfg if isinstance(cfg, TrainConfig) else validate(cfg)
 
 
 
@@ -194,7 +187,7 @@ class _Run:
     n_params: int = 0
     launch: dict[str, Any] | None = None
     mlog: MetricsLog | None = None
-    strategy: Any = None  # the training strategy (drafttrain.train.strategies): rows -> batch -> loss
+    strategy: Any = None  # the training strategy (drafttrain.strategies): rows -> batch -> loss
     data_reports: dict[str, Any] = field(default_factory=dict)  # prepare_data's (the self-distillation report)
     preflight: Any = None  # the pre-flight check's report (drafttrain.preflight)
 
@@ -345,9 +338,10 @@ def _build_drafter(r: _Run) -> None:
     r.drafter, r.opt, r.sched = prepare(r.accelerator, c, drafter, opt, sched, hidden_size=target.config.hidden_size)
     r.state = TrainState()
     r.accelerator.register_for_checkpointing(r.state)
-    from drafttrain.train.strategies import build_strategy
+    from drafttrain.data.batches import get_batch
+    from drafttrain.strategies import build_strategy
 
-    r.strategy = build_strategy(c, target, r.layers)  # trainer.strategy: how a batch becomes a loss
+    r.strategy = build_strategy(c, target, r.layers, get_batch)  # trainer.strategy: how a batch becomes a loss
     r.base_lrs = r.sched.scheduler.base_lrs if hasattr(r.sched, "scheduler") else r.sched.base_lrs  # (accelerate wraps it)
 
 

@@ -12,7 +12,7 @@ import torch
 
 import drafttrain.layout as layout_mod
 from drafttrain.drafters.base import DraftGroups
-from drafttrain.train.strategies.on_policy import label_drafts, labelling_layout
+from drafttrain.strategies.on_policy import label_drafts, labelling_layout
 from test_families import DECODED, family_target
 
 K = 3

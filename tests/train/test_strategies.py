@@ -1,4 +1,4 @@
-"""Training strategies (drafttrain.train.strategies): the seam, on-policy and mixed runs, Spec-AUF's cut, the
+"""Training strategies (drafttrain.strategies): the seam, on-policy and mixed runs, Spec-AUF's cut, the
 divergences, and the refusals.
 
 - A strategy that makes its own rows trains a tiny drafter through the unchanged loop.
@@ -25,7 +25,7 @@ from drafttrain.config import ConfigError
 from drafttrain.drafters import Objective, build_drafter
 from drafttrain.drafters.groups import cut_weights, label_own_drafts, parallel_group_slots
 from drafttrain.losses import after_first_miss, divergence, forward_kl, js_divergence, reverse_kl
-from drafttrain.train.strategies import STRATEGIES, TrainingStrategy, label_drafts, register_strategy
+from drafttrain.strategies import STRATEGIES, TrainingStrategy, label_drafts, register_strategy
 from helpers import make_batch
 
 TINY = [
@@ -252,7 +252,7 @@ def test_what_a_strategy_needs_is_its_declaration():
     elsewhere that needs an objective no drafter of the run has is refused the same way, before any model loads."""
     from drafttrain.cliconfig import ConfigError
     from drafttrain.train import compose_config
-    from drafttrain.train.strategies import STRATEGIES, OfflineStrategy, register_strategy
+    from drafttrain.strategies import STRATEGIES, OfflineStrategy, register_strategy
 
     class NeedsCut(OfflineStrategy):
         name = "test_needs_on_policy"
@@ -266,9 +266,61 @@ def test_what_a_strategy_needs_is_its_declaration():
         assert c.trainer.strategy == "test_needs_on_policy"
     finally:
         STRATEGIES.pop("test_needs_on_policy", None)
-        from drafttrain.config import TRAINING_STRATEGIES
 
-        TRAINING_STRATEGIES.discard("test_needs_on_policy")
+
+def test_a_strategy_defined_elsewhere_brings_its_own_config_section(tmp_path):
+    """A strategy's keys are its own dataclass (``config``, ``config_section``): once registered, validation
+    reads ``trainer.<section>.*`` against it (defaults, unknown keys, value ranges), the strategy reads them as
+    ``options`` and the run's saved config holds them; nothing in drafttrain.config names the strategy."""
+    from dataclasses import asdict, dataclass
+
+    from drafttrain.cliconfig import ConfigError
+    from drafttrain.config import GE1, TrainerConfig
+    from drafttrain.strategies import OfflineStrategy, build_strategy, strategy_sections
+    from drafttrain.train import compose_config
+    from drafttrain.validation import train_schema
+
+    @dataclass
+    class RepeatConfig:
+        times: int = 2  # each micro-batch's loss counted this many times
+        numeric_ranges = dict(times=GE1)
+
+    class Repeat(OfflineStrategy):
+        name = "test_repeat"
+        config, config_section = RepeatConfig, "test_repeat"
+
+    assert "test_repeat" not in {f for f in TrainerConfig.__dataclass_fields__}
+    register_strategy(Repeat)
+    try:
+        assert strategy_sections()["test_repeat"] is RepeatConfig and "test_repeat" in train_schema()().trainer.__dict__
+        c = compose_config(["+recipe=parallelspec", "target=tiny", "trainer.strategy=test_repeat"])
+        assert c.trainer.test_repeat == RepeatConfig() and asdict(c)["trainer"]["test_repeat"] == {"times": 2}
+        c = compose_config(["+recipe=parallelspec", "target=tiny", "trainer.strategy=test_repeat",
+                            "+trainer.test_repeat.times=5"])  # fmt: skip
+        assert build_strategy(c, None, [], None).options.times == 5
+        with pytest.raises(ConfigError, match=r"trainer.test_repeat.times must be >= 1, got 0"):
+            compose_config(["+recipe=parallelspec", "target=tiny", "+trainer.test_repeat.times=0"])
+        with pytest.raises(ConfigError, match=r"trainer.test_repeat.tims"):
+            compose_config(["+recipe=parallelspec", "target=tiny", "+trainer.test_repeat.tims=3"])
+
+        class Clash(OfflineStrategy):  # the same section with another class: refused at registration
+            name = "test_clash"
+            config, config_section = TrainerConfig, "test_repeat"
+
+        with pytest.raises(ValueError, match=r"trainer.test_repeat is declared by another strategy"):
+            register_strategy(Clash)
+
+        class Half(OfflineStrategy):
+            name = "test_half"
+            config_section = "x"
+
+        with pytest.raises(ValueError, match=r"both or neither"):
+            register_strategy(Half)
+    finally:
+        for n in ("test_repeat", "test_clash", "test_half"):
+            STRATEGIES.pop(n, None)
+    with pytest.raises(ConfigError, match=r"test_repeat"):  # unregistered: its section is an unknown key again
+        compose_config(["+recipe=parallelspec", "target=tiny", "+trainer.test_repeat.times=5"])
 
 
 class CountingRows(TrainingStrategy):

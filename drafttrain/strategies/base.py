@@ -1,4 +1,4 @@
-"""The training-strategy protocol (:mod:`drafttrain.train.strategies`): rows -> batch -> loss."""
+"""The training-strategy protocol (:mod:`drafttrain.strategies`): rows -> batch -> loss."""
 
 from __future__ import annotations
 
@@ -22,15 +22,30 @@ class TrainingStrategy:
     """
 
     name: ClassVar[str] = "base"
-    #: What the strategy needs of the drafter, read by :func:`drafttrain.train.strategies.strategy_problems`
+    #: What the strategy needs of the drafter, read by :func:`drafttrain.strategies.strategy_problems`
     #: before any model loads: drafter objective (``Drafter.objectives``) -> what a drafter without it cannot do
     #: (the refusal's words, followed by the drafter's ``objective_refusal``).
     requires: ClassVar[dict[str, str]] = {}
-    #: The config section the strategy reads besides ``loss.*`` (for messages and docs), or None.
+    #: The strategy's own keys: a dataclass (each field with its default; ``numeric_ranges`` beside the fields, as
+    #: a decoding method's section declares them), validated as ``trainer.<config_section>`` before any model
+    #: loads (:func:`drafttrain.validation.train_schema` adds one field per registered section); None = no keys.
+    config: ClassVar[type | None] = None
+    #: The key of that section under ``trainer`` (strategies that share their keys name the same section and class).
     config_section: ClassVar[str | None] = None
 
     def __init__(self, c, target, feature_layers):
         self.c, self.target, self.feature_layers = c, target, feature_layers
+        #: rows -> batch, ``get_batch(ds, target, indices, device, feature_layers)``: the data pipeline's collator,
+        #: handed in by :func:`drafttrain.strategies.build_strategy` (strategies sit below the data package)
+        self.get_batch = None
+
+    @property
+    def options(self):
+        """The run's ``trainer.<config_section>`` (an instance of :attr:`config`; its defaults where the config
+        object was built by hand without the section). Raises ``AttributeError`` for a strategy without keys."""
+        if self.config is None or self.config_section is None:
+            raise AttributeError(f"strategy '{self.name}' declares no config section")
+        return getattr(self.c.trainer, self.config_section, None) or self.config()
 
     def objective(self, **extra: Any) -> Objective | None:
         """The run's ``loss.*`` as an :class:`~drafttrain.drafters.base.Objective` with ``extra`` fields; None
@@ -42,10 +57,15 @@ class TrainingStrategy:
                          **extra)  # fmt: skip
 
     def make_batch(self, ds, indices: list[int], device) -> dict[str, torch.Tensor]:
-        """Rows ``indices`` of ``ds`` as a training batch (:func:`drafttrain.data.batches.get_batch`)."""
-        from drafttrain.data.batches import get_batch
+        """Rows ``indices`` of ``ds`` as a training batch (:func:`drafttrain.data.batches.get_batch`, handed in as
+        :attr:`get_batch`).
 
-        return get_batch(ds, self.target, indices, device, self.feature_layers)
+        Raises:
+            RuntimeError: the strategy was not built by :func:`~drafttrain.strategies.build_strategy` (no collator).
+        """
+        if self.get_batch is None:
+            raise RuntimeError(f"strategy '{self.name}' has no collator: build it with drafttrain.strategies.build_strategy")
+        return self.get_batch(ds, self.target, indices, device, self.feature_layers)
 
     def loss(self, drafter, batch: dict[str, torch.Tensor], generator: torch.Generator, step: int,
              micro: int) -> LossOutput:  # fmt: skip

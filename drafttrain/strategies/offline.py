@@ -4,7 +4,7 @@ before strategies existed, step for step."""
 from __future__ import annotations
 
 from drafttrain.drafters.base import LossOutput
-from drafttrain.train.strategies.base import TrainingStrategy
+from drafttrain.strategies.base import TrainingStrategy
 
 
 class OfflineStrategy(TrainingStrategy):

@@ -32,9 +32,24 @@ import time
 
 import torch
 
+from dataclasses import dataclass
+
 from drafttrain import layout as L
+from drafttrain.config import GE0, UNIT
 from drafttrain.drafters.base import DraftGroups, LossOutput
-from drafttrain.train.strategies.base import TrainingStrategy
+from drafttrain.strategies.base import TrainingStrategy
+
+
+@dataclass
+class OnPolicyConfig:
+    """``trainer.on_policy``: the keys of ``trainer.strategy=on_policy|mixed`` (both strategies read this section)."""
+
+    temperature: float = 0.0  # 0 = greedy drafts (argmax); > 0 = drafts sampled at this temperature
+    groups_per_row: int = 8  # parallel groups per training row whose drafts the target labels each step (0 = all)
+    share: float = 1.0  # mixed: the share of micro-batches trained on-policy at the first step (on_policy: 1)
+    share_end: float | None = None  # mixed: the share at trainer.max_steps, linear in between (null = share throughout)
+
+    numeric_ranges = dict(temperature=GE0, groups_per_row=GE0, share=UNIT, share_end=UNIT)
 
 
 @torch.no_grad()
@@ -128,7 +143,8 @@ class OnPolicyStrategy(TrainingStrategy):
 
     name = "on_policy"
     requires = {"on_policy": "cannot train on its own drafts"}
-    config_section = "trainer.on_policy"
+    config = OnPolicyConfig
+    config_section = "on_policy"
 
     def __init__(self, c, target, feature_layers):
         super().__init__(c, target, feature_layers)
@@ -165,7 +181,7 @@ class OnPolicyStrategy(TrainingStrategy):
             self._label_seconds += time.perf_counter() - t0
             return out
 
-        op = self.c.trainer.on_policy
+        op = self.options
         self._labelled += 1
         return drafter(batch, generator, self.objective(labeller=labeller, temperature=op.temperature,
                                                         groups_per_row=op.groups_per_row))  # fmt: skip
@@ -183,7 +199,7 @@ class MixedStrategy(OnPolicyStrategy):
     name = "mixed"
 
     def on_policy_share(self, step: int) -> float:
-        op = self.c.trainer.on_policy
+        op = self.options
         if op.share_end is None:
             return float(op.share)
         frac = min(1.0, step / max(1, self.c.trainer.max_steps))
