@@ -701,7 +701,10 @@ def probe_structure(model: nn.Module) -> dict[str, Any]:
                                 "feature layer ids would mean other states")  # fmt: skip
     pre = seen.get("last")
     if not isinstance(pre, torch.Tensor) or pre.shape != last.shape:
-        raise UnsupportedTarget(f"{cls}: its last decoder layer's output is not a hidden-state tensor")
+        got = tuple(pre.shape) if isinstance(pre, torch.Tensor) else type(pre).__name__
+        raise UnsupportedTarget(f"{cls}: its last decoder layer's output is {got}, not a hidden state of the decoder's "
+                                f"shape {tuple(last.shape)} (several residual streams, e.g. hyper-connections, "
+                                "where the engine reads one)")  # fmt: skip
     in_layers = {id(m) for m in layers.modules()}
     final_norm: nn.Module | None = None
     if torch.allclose(pre.float(), last.float(), atol=1e-6, rtol=1e-5):
