@@ -72,9 +72,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "every": ("parallelspec", EVERY),
     "every-long": ("parallelspec", [*EVERY, *LONG]),
     "raw4500-long": ("parallelspec", [*RAW, "data.max_conversations=4500", *LONG]),
-    # part (b) within one session's hours: the ~2.7k row at 1.5x the main job's steps (its labelling is a third of
-    # raw4500's; rows seen ~4 times; 3.5 s a step in fp32 on an AVX-512 host without bf16): does the held-out curve
-    # keep rising once rows repeat?
+    # part (b) at the size one session could label: the ~2.7k row at 1.5x the main job's steps (rows seen ~4 times);
+    # measured 3.5-4.6 s a step in fp32 on an AVX-512 host without bf16 (data_scaling.md), so ~80 minutes there
     "raw2700-1200": ("parallelspec", [*RAW, "data.max_conversations=2700", "trainer.max_steps=1200",
                                       "trainer.max_minutes=180"]),
     "sd840": ("parallelspec", ["data=selfdistill", "data.max_conversations=840", "data.self_distill_minutes=null"]),
