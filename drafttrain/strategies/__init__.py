@@ -78,7 +78,7 @@ for _cls in (OfflineStrategy, OnPolicyStrategy, MixedStrategy):
 def strategy_problems(c) -> list[str]:
     """What the chosen strategy needs that the chosen drafter lacks, read from the declarations
     (``TrainingStrategy.requires`` against ``Drafter.objectives``), one message per need naming both and the
-    drafter's reason; checked with the config, before any model loads (:func:`drafttrain.train.loop.validate_run`)."""
+    drafter's reason; checked with the config, before any model loads (by :func:`drafttrain.validation.validate`)."""
     from drafttrain.drafters import DRAFTERS
 
     cls, drafter = STRATEGIES.get(c.trainer.strategy), DRAFTERS.get(c.drafter.name)
